@@ -1,0 +1,30 @@
+"""Installs rlscale: `pip install -e .[test]`."""
+
+import setuptools
+
+setuptools.setup(
+    name="rlscale",
+    version="0.1.0",
+    description="JAX-first research codebase for scaling RL of LLMs.",
+    packages=setuptools.find_packages(include=["rlscale", "rlscale.*"]),
+    python_requires=">=3.10",
+    # Pinned to the versions the test suite runs against.
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "tensorflow-datasets==4.9.10",
+        "array_record==0.8.6",
+        "sentencepiece==0.2.3",
+        "ml-collections==1.1.0",
+        "absl-py==2.5.1",
+        "numpy==2.4.6",
+    ],
+    extras_require={
+        "test": ["pytest==9.2.0", "ruff==0.17.5"],
+        "gpu": ["jax[cuda12]==0.10.2"],
+        "tpu": ["jax[tpu]==0.10.2"],
+    },
+)
