@@ -1,0 +1,32 @@
+"""The decoder model: config, NNX modules, pure forward functions and the KV cache."""
+
+from rlscale.model.config import ModelConfig, as_dict, from_dict, get
+from rlscale.model.decoder import (
+    Decoder,
+    KVCache,
+    abstract_model,
+    cache_logical_axes,
+    forward,
+    hidden,
+    init_cache,
+    init_params,
+    logits,
+    positions_from_mask,
+)
+
+__all__ = [
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "abstract_model",
+    "as_dict",
+    "cache_logical_axes",
+    "forward",
+    "from_dict",
+    "get",
+    "hidden",
+    "init_cache",
+    "init_params",
+    "logits",
+    "positions_from_mask",
+]

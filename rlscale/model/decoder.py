@@ -1,0 +1,320 @@
+"""The decoder: a Llama/Qwen/Gemma-style transformer as Flax NNX modules, and its pure functions.
+
+The module tree is split once (`nnx.split`) into a static `GraphDef` and a params pytree; every
+jitted function takes the params pytree explicitly (`forward(graphdef, params, ...)`).
+
+Dimension letters: B batch, T tokens of this call, S KV-cache slots, D d_model, H query heads,
+K kv heads, E head dim, F mlp hidden, V vocab.
+
+Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
+(their RoPE positions). With a KV cache, the T new tokens are written at cache slots
+`cache.index ... cache.index + T - 1` for every row (rows are aligned, prompts left-padded),
+and a token attends to the earlier slots of its row that hold real tokens.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlscale.model.config import ModelConfig
+
+# Logical axis names of each parameter are stored on the variable as `axes` metadata;
+# `rlscale.sharding` maps them to mesh axes.
+Array = jax.Array
+
+
+def _param(rngs, init, shape, axes, dtype):
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+def _kernel_init(in_axis, out_axis):
+    return nnx.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+    )
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        del rngs
+        init = jnp.zeros if cfg.norm_plus_one else jnp.ones
+        self.scale = nnx.Param(init((dim,), cfg.weight_dtype), axes=("norm",))
+        self.eps = cfg.norm_eps
+        self.plus_one = cfg.norm_plus_one
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Returns RoPE inverse frequencies [E/2] and the attention factor, for `cfg.rope_scaling`.
+
+    "linear": position interpolation (Chen et al. 2023). "llama3": Llama 3.1 keeps high
+    frequencies, divides low ones by `rope_factor` and interpolates between the bands. "yarn":
+    YaRN (Peng et al. 2023), as used by Qwen2.5 for long context, with its attention factor
+    0.1 ln(factor) + 1 applied to cos and sin.
+    """
+    E, theta, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=np.float64) / E)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor, 1.0
+    if cfg.rope_scaling == "llama3":
+        old = cfg.rope_original_max_len
+        low_wavelen = old / cfg.rope_low_freq_factor
+        high_wavelen = old / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return np.where(is_mid, mid, out), 1.0
+    if cfg.rope_scaling == "yarn":
+        old = cfg.rope_original_max_len
+
+        def correction_dim(rotations):
+            return E * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), E - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(E // 2) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        return inv, 0.1 * math.log(factor) + 1.0
+    return inv_freq, 1.0
+
+
+def apply_rope(x_BTNE, positions_BT, inv_freq, attention_factor):
+    """Rotates the two halves of each head (the Hugging Face `rotate_half` layout)."""
+    angles = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
+    x = x_BTNE.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNE.dtype)
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys and values of every layer, updated in place.
+
+    Attributes:
+      k, v: per layer [B, S, K, E].
+      valid_BS: which slots hold real (non-padding) tokens.
+      index: next slot to write, shared by all rows.
+    """
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    valid_BS: Array
+    index: Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
+    if size > cfg.max_seq_len:
+        raise ValueError(f"KV cache of {size} slots exceeds max_seq_len={cfg.max_seq_len}")
+    shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers))
+    return KVCache(
+        k=zeros,
+        v=tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers)),
+        valid_BS=jnp.zeros((batch, size), bool),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def cache_logical_axes(cfg: ModelConfig) -> KVCache:
+    kv = ("batch", "cache_seq", "kv_heads", "head_dim")
+    return KVCache(
+        k=(kv,) * cfg.num_layers,
+        v=(kv,) * cfg.num_layers,
+        valid_BS=("batch", "cache_seq"),
+        index=(),
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE, optional q/k/v bias and QK-norm."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, H, K, E, pd = (
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.weight_dtype,
+        )
+        self.q = _param(
+            rngs, _kernel_init(0, (1, 2)), (D, H, E), ("embed", "heads", "head_dim"), pd
+        )
+        kv_axes = ("embed", "kv_heads", "head_dim")
+        self.k = _param(rngs, _kernel_init(0, (1, 2)), (D, K, E), kv_axes, pd)
+        self.v = _param(rngs, _kernel_init(0, (1, 2)), (D, K, E), kv_axes, pd)
+        self.o = _param(
+            rngs, _kernel_init((0, 1), 2), (H, E, D), ("heads", "head_dim", "embed"), pd
+        )
+        if cfg.attn_bias:
+            self.q_bias = nnx.Param(jnp.zeros((H, E), pd), axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((K, E), pd), axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((K, E), pd), axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(E, cfg, rngs=rngs)
+            self.k_norm = RMSNorm(E, cfg, rngs=rngs)
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, index=None):
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        q = jnp.einsum("btd,dhe->bthe", x_BTD, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dke->btke", x_BTD, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dke->btke", x_BTD, self.v[...].astype(dt))
+        if cfg.attn_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq, attention_factor = rope_inv_freq(cfg)  # NumPy constants, folded at trace time.
+        q = apply_rope(q, positions_BT, inv_freq, attention_factor)
+        k = apply_rope(k, positions_BT, inv_freq, attention_factor)
+        if kv is not None:
+            # In-place slot write: inside the sampler's while_loop XLA aliases the buffer.
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
+            kv = (k, v)
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=mask_BTS[:, None], scale=1.0 / math.sqrt(cfg.head_dim)
+        )
+        return jnp.einsum("bthe,hed->btd", out, self.o[...].astype(dt)), kv
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate x) * up x); SwiGLU or GeGLU (Shazeer 2020)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F, pd = cfg.d_model, cfg.mlp_dim, cfg.weight_dtype
+        self.gate = _param(rngs, _kernel_init(0, 1), (D, F), ("embed", "mlp"), pd)
+        self.up = _param(rngs, _kernel_init(0, 1), (D, F), ("embed", "mlp"), pd)
+        self.down = _param(rngs, _kernel_init(0, 1), (F, D), ("mlp", "embed"), pd)
+        self.cfg = cfg
+
+    def __call__(self, x_BTD):
+        dt = self.cfg.compute_dtype
+        g = x_BTD @ self.gate[...].astype(dt)
+        u = x_BTD @ self.up[...].astype(dt)
+        if self.cfg.activation == "silu":
+            h = jax.nn.silu(g)
+        else:
+            h = jax.nn.gelu(g, approximate=True)
+        return (h * u) @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, index=None):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, kv, index)
+        x_BTD = x_BTD + h
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
+
+
+class Decoder(nnx.Module):
+    """Token embedding, `num_layers` pre-norm blocks, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        V, D, pd = cfg.vocab_size, cfg.d_model, cfg.weight_dtype
+        embed_init = nnx.initializers.normal(1.0 / math.sqrt(D))
+        self.embedding = _param(rngs, embed_init, (V, D), ("vocab", "embed"), pd)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(D, cfg, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, _kernel_init(0, 1), (D, V), ("embed", "vocab"), pd)
+        self.cfg = cfg
+
+    def hidden(self, tokens_BT, positions_BT, mask_BT, cache: KVCache | None = None):
+        """Final-norm hidden states [B, T, D], and the updated cache when one is given."""
+        cfg = self.cfg
+        x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
+        if cfg.embed_scale:
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.compute_dtype)
+        T = tokens_BT.shape[1]
+        if cache is None:
+            causal_TT = jnp.tril(jnp.ones((T, T), bool))
+            mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+            index = None
+        else:
+            index = cache.index
+            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, index))
+            S = valid_BS.shape[1]
+            slot_T = index + jnp.arange(T)
+            mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & valid_BS[:, None, :]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = layer(x, positions_BT, mask_BTS, kv, index)
+            if cache is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        h = self.final_norm(x)
+        if cache is not None:
+            cache = KVCache(tuple(new_k), tuple(new_v), valid_BS, index + T)
+        return h, cache
+
+    def logits(self, h_BTD):
+        """LM head; in float32 when `fp32_lm_head` (ScaleRL), else in the compute dtype."""
+        cfg = self.cfg
+        dt = jnp.float32 if cfg.fp32_lm_head else cfg.compute_dtype
+        if cfg.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", h_BTD.astype(dt), self.embedding[...].astype(dt))
+        return jnp.einsum("btd,dv->btv", h_BTD.astype(dt), self.lm_head[...].astype(dt))
+
+    def __call__(self, tokens_BT, positions_BT, mask_BT, cache: KVCache | None = None):
+        h, cache = self.hidden(tokens_BT, positions_BT, mask_BT, cache)
+        return self.logits(h), cache
+
+
+# ------------------------------------------------------------------------------------------
+# Pure functions over (graphdef, params): what jitted code calls.
+# ------------------------------------------------------------------------------------------
+
+
+def abstract_model(cfg: ModelConfig):
+    """(graphdef, abstract params) without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+
+
+def init_params(cfg: ModelConfig, rng: Array):
+    """Initializes params on the default device (see `rlscale.sharding.init_sharded`)."""
+    return nnx.split(Decoder(cfg, rngs=nnx.Rngs(params=rng)))[1]
+
+
+def forward(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):
+    """Logits [B, T, V] (float32 with `fp32_lm_head`) and the updated cache."""
+    return nnx.merge(graphdef, params)(tokens_BT, positions_BT, mask_BT, cache)
+
+
+def hidden(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):
+    return nnx.merge(graphdef, params).hidden(tokens_BT, positions_BT, mask_BT, cache)
+
+
+def logits(graphdef, params, h_BTD):
+    return nnx.merge(graphdef, params).logits(h_BTD)
+
+
+def positions_from_mask(mask_BT):
+    """RoPE positions for left- or right-padded rows: 0, 1, ... over the real tokens."""
+    return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)

@@ -1,0 +1,305 @@
+"""Jitted sampling: one prefill, then one `lax.while_loop` of single-token decode steps.
+
+The KV cache is preallocated for `bucket + max_new_tokens` slots and written in place; the loop
+carries it, so XLA aliases the buffers and no step copies the cache. Prompts are left-padded
+to the smallest length bucket that holds them, so a new prompt length inside a bucket reuses
+the compiled program. Each sampled token comes with its logprob under the distribution it was
+actually drawn from (after temperature, top-k and top-p): what importance-sampling corrections
+against the sampler need.
+
+Dimension letters: B prompts, N = B * num_samples rows, P padded prompt length, M max new
+tokens, S cache slots, V vocab.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rlscale import sharding
+from rlscale.model import decoder
+from rlscale.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling settings (a change recompiles; values inside them do not vary per call).
+
+    Attributes:
+      max_new_tokens: completion budget M.
+      temperature: softmax temperature; 0 means greedy (argmax, logprob 0).
+      top_k: keep the k most likely tokens; 0 keeps all.
+      top_p: nucleus sampling, keep the smallest set with probability >= top_p; 1.0 keeps all.
+      num_samples: completions per prompt; the prompt is prefilled once and its cache tiled.
+      stop_tokens: ids that end a completion (EOS and any other stop token); the stop token is
+        part of the completion.
+      pad_id: id written after a completion ends and used to left-pad prompts.
+      buckets: allowed padded prompt lengths, ascending.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_samples: int = 1
+    stop_tokens: tuple[int, ...] = ()
+    pad_id: int = 0
+    buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+    def __post_init__(self):
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.num_samples < 1:
+            problems.append(f"num_samples={self.num_samples} must be >= 1")
+        if (
+            not self.buckets
+            or list(self.buckets) != sorted(set(self.buckets))
+            or self.buckets[0] < 1
+        ):
+            problems.append(f"buckets={self.buckets} must be positive and strictly ascending")
+        if problems:
+            raise ValueError("Invalid sampling config: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SampleOutput(NamedTuple):
+    """What the sampler returns; rows are prompt-major (row = prompt * num_samples + sample).
+
+    Attributes:
+      tokens: [N, M] completion tokens, `pad_id` after the end.
+      mask: [N, M] True on completion tokens (the stop token included).
+      logprobs: [N, M] float32 logprob of each token under the transformed distribution it was
+        sampled from; 0 where `mask` is False, and 0 for greedy decoding.
+      lengths: [N] completion lengths.
+      truncated: [N] True when the completion hit `max_new_tokens` without a stop token.
+      prompt_index: [N] which prompt each row continues.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+    prompt_index: np.ndarray
+
+
+def transform_logits(logits_BV, cfg: SamplingConfig):
+    """Temperature, then top-k, then top-p (the usual order); removed tokens get -inf.
+
+    `jax.nn.log_softmax` of the result is the distribution `sample_tokens` draws from, so the
+    trainer can recompute sampler logprobs exactly.
+    """
+    logits = logits_BV.astype(jnp.float32)
+    if cfg.greedy:
+        return logits
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    neg_inf = jnp.finfo(jnp.float32).min
+    if 0 < cfg.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, neg_inf, logits)
+    if cfg.top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Smallest kept logit: the last one whose preceding mass is still below top_p.
+        keep = mass_before < cfg.top_p
+        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, neg_inf, logits)
+    return logits
+
+
+def sample_tokens(logits_BV, rng, cfg: SamplingConfig):
+    """Draws one token per row; returns (tokens [B], logprobs [B])."""
+    if cfg.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), jnp.zeros(
+            logits_BV.shape[:1], jnp.float32
+        )
+    logits = transform_logits(logits_BV, cfg)
+    tokens = jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+class _Layout(NamedTuple):
+    mesh: Mesh
+    rules: sharding.Rules
+
+
+def _constrain(tree, logical, layout):
+    if layout is None:
+        return tree
+    return jax.lax.with_sharding_constraint(
+        tree, sharding.tree_shardings(tree, logical, layout.mesh, layout.rules)
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"))
+def generate(
+    graphdef,
+    params,
+    tokens_BP,
+    mask_BP,
+    rng,
+    *,
+    model_cfg: ModelConfig,
+    cfg: SamplingConfig,
+    layout: _Layout | None = None,
+):
+    """The jitted sampler on left-padded prompts; see `Sampler` for the checked entry point."""
+    B, P = tokens_BP.shape
+    M, n = cfg.max_new_tokens, cfg.num_samples
+    cache_axes = decoder.cache_logical_axes(model_cfg)
+
+    # Prefill once per prompt; only the last position's logits are needed.
+    cache = _constrain(decoder.init_cache(model_cfg, B, P + M), cache_axes, layout)
+    positions_BP = decoder.positions_from_mask(mask_BP)
+    h, cache = decoder.hidden(graphdef, params, tokens_BP, positions_BP, mask_BP, cache)
+    logits_BV = decoder.logits(graphdef, params, h[:, -1:])[:, 0]
+    pos_B = positions_BP[:, -1] + 1
+
+    # n samples per prompt share the prefill: tile the cache along the batch.
+    if n > 1:
+        tile = functools.partial(jnp.repeat, repeats=n, axis=0)
+        cache = cache._replace(
+            k=tuple(map(tile, cache.k)), v=tuple(map(tile, cache.v)), valid_BS=tile(cache.valid_BS)
+        )
+        logits_BV, pos_B = tile(logits_BV), tile(pos_B)
+    cache = _constrain(cache, cache_axes, layout)
+    N = B * n
+    stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, done_N, *_ = carry
+        return (i < M) & ~jnp.all(done_N)
+
+    def body(carry):
+        i, logits_NV, cache, pos_N, done_N, length_N, tokens_NM, logprobs_NM = carry
+        token_N, logp_N = sample_tokens(logits_NV, jax.random.fold_in(rng, i), cfg)
+        live_N = ~done_N
+        token_N = jnp.where(live_N, token_N, cfg.pad_id)
+        logp_N = jnp.where(live_N, logp_N, 0.0)
+        tokens_NM = jax.lax.dynamic_update_slice(tokens_NM, token_N[:, None], (0, i))
+        logprobs_NM = jax.lax.dynamic_update_slice(logprobs_NM, logp_N[:, None], (0, i))
+        length_N = length_N + live_N
+        done_N = done_N | jnp.isin(token_N, stop)
+        logits_N1V, cache = decoder.forward(
+            graphdef, params, token_N[:, None], pos_N[:, None], live_N[:, None], cache
+        )
+        return (i + 1, logits_N1V[:, 0], cache, pos_N + 1, done_N, length_N, tokens_NM, logprobs_NM)
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        logits_BV,
+        cache,
+        pos_B,
+        jnp.zeros((N,), bool),
+        jnp.zeros((N,), jnp.int32),
+        jnp.full((N, M), cfg.pad_id, jnp.int32),
+        jnp.zeros((N, M), jnp.float32),
+    )
+    _, _, _, _, done_N, length_N, tokens_NM, logprobs_NM = jax.lax.while_loop(cond, body, init)
+    mask_NM = jnp.arange(M)[None, :] < length_N[:, None]
+    return tokens_NM, mask_NM, logprobs_NM, length_N, ~done_N
+
+
+class Sampler:
+    """Checks and pads prompts on the host, then calls the jitted `generate`.
+
+    Every bad input fails here, before anything is compiled.
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        model_cfg: ModelConfig,
+        mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.SAMPLE_RULES,
+    ):
+        self.graphdef = graphdef
+        self.model_cfg = model_cfg
+        self.layout = None if mesh is None else _Layout(mesh, rules)
+
+    def bucket(self, length: int, cfg: SamplingConfig) -> int:
+        for b in cfg.buckets:
+            if b >= length:
+                return b
+        raise ValueError(
+            f"a prompt of {length} tokens is longer than the largest bucket "
+            f"{cfg.buckets[-1]} (SamplingConfig.buckets={cfg.buckets})"
+        )
+
+    def prepare(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig):
+        """Validates prompts and left-pads them to their bucket: (tokens_BP, mask_BP) NumPy."""
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        V = self.model_cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            bad = [t for t in p if not 0 <= int(t) < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token id(s) {bad[:5]} outside [0, {V})")
+        longest = max(len(p) for p in prompts)
+        if longest > cfg.buckets[-1]:
+            i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+            raise ValueError(
+                f"prompt {i} has {longest} tokens, longer than the largest bucket "
+                f"{cfg.buckets[-1]} (SamplingConfig.buckets={cfg.buckets})"
+            )
+        P = self.bucket(longest, cfg)
+        if P + cfg.max_new_tokens > self.model_cfg.max_seq_len:
+            raise ValueError(
+                f"max_new_tokens={cfg.max_new_tokens} does not fit the KV cache: prompt bucket "
+                f"{P} + {cfg.max_new_tokens} = {P + cfg.max_new_tokens} slots > the model's "
+                f"max_seq_len={self.model_cfg.max_seq_len}"
+            )
+        if self.layout is not None:
+            div = sharding.batch_divisor(self.layout.mesh, self.layout.rules)
+            if len(prompts) % div:
+                raise ValueError(
+                    f"batch of {len(prompts)} prompts does not divide the mesh's batch axes "
+                    f"({dict(self.layout.mesh.shape)}: batch split {div} ways); use a multiple "
+                    f"of {div}"
+                )
+        tokens = np.full((len(prompts), P), cfg.pad_id, np.int32)
+        mask = np.zeros((len(prompts), P), bool)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p) :] = p
+            mask[i, P - len(p) :] = True
+        return tokens, mask
+
+    def __call__(
+        self, params, prompts: Sequence[Sequence[int]], rng, cfg: SamplingConfig
+    ) -> SampleOutput:
+        tokens, mask = self.prepare(prompts, cfg)
+        if self.layout is not None:
+            batch = sharding.batch_sharding(self.layout.mesh, 2, self.layout.rules)
+            tokens, mask = jax.device_put((tokens, mask), batch)
+        out = generate(
+            self.graphdef,
+            params,
+            tokens,
+            mask,
+            rng,
+            model_cfg=self.model_cfg,
+            cfg=cfg,
+            layout=self.layout,
+        )
+        prompt_index = np.repeat(np.arange(len(prompts)), cfg.num_samples)
+        return SampleOutput(*out, prompt_index=prompt_index)

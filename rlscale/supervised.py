@@ -1,0 +1,55 @@
+"""Supervised next-token training: the loss, the train state and a jitted train step.
+
+Used by the benchmarks and by supervised warm starts. Dimension letters: B batch, T tokens,
+V vocab.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlscale.model import decoder
+
+
+class TrainState(NamedTuple):
+    params: object
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def next_token_loss(graphdef, params, tokens_BT, mask_BT):
+    """Mean cross-entropy of token t+1 given tokens <= t, over positions where both are real.
+
+    Returns (sum of token losses, number of predicted tokens), so callers that accumulate over
+    micro-batches normalize once.
+    """
+    positions = decoder.positions_from_mask(mask_BT)
+    logits, _ = decoder.forward(graphdef, params, tokens_BT, positions, mask_BT)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    target = tokens_BT[:, 1:]
+    nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    weight = (mask_BT[:, 1:] & mask_BT[:, :-1]).astype(jnp.float32)
+    return jnp.sum(nll * weight), jnp.sum(weight)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: bool = True):
+    """A jitted `train_step(state, tokens_BT, mask_BT) -> (state, metrics)`."""
+
+    def train_step(state: TrainState, tokens_BT, mask_BT):
+        def loss_fn(params):
+            total, count = next_token_loss(graphdef, params, tokens_BT, mask_BT)
+            return total / jnp.maximum(count, 1.0), count
+
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(train_step, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,372 @@
+"""Tokenizers: the `Tokenizer` interface and its SentencePiece backend.
+
+The rest of rlscale only sees `Tokenizer`: text to ids and back, the special ids
+and a lookup for marker pieces such as `</think>`. `SentencePieceTokenizer` wraps
+a SentencePiece model, and `train_sentencepiece` builds one in memory from a
+corpus, with fixed special ids (pad 0, unk 1, bos 2, eos 3) so that downstream
+code can rely on padding with 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import io
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import sentencepiece as spm
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+_SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")
+
+# With byte_fallback every model carries one piece per byte value, so that any
+# UTF-8 text encodes without <unk>.
+_NUM_BYTE_PIECES = 256
+# "word" is left out: it byte-encodes the "▁" of unseen words, which then
+# decodes as "▁" instead of a space, breaking exact round trips.
+_MODEL_TYPES = ("bpe", "unigram", "char")
+
+
+class Tokenizer(abc.ABC):
+    """Maps text to token ids and back.
+
+    Special ids are -1 when the model has no such token.
+    """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids; valid ids are `0 <= id < vocab_size`."""
+
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> int:
+        """Beginning-of-sequence id, or -1."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int:
+        """End-of-sequence id, or -1."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int:
+        """Padding id, or -1."""
+
+    @abc.abstractmethod
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Encodes one string.
+
+        Args:
+          text: The string to encode.
+          add_bos: Whether to prepend `bos_id`.
+          add_eos: Whether to append `eos_id`.
+
+        Returns:
+          The token ids.
+
+        Raises:
+          ValueError: If `add_bos` or `add_eos` is set but the model has no such token.
+        """
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decodes ids to a string.
+
+        Pad ids are skipped, so a padded row decodes like the unpadded one.
+
+        Args:
+          ids: Token ids; any integer-like values (Python or NumPy ints).
+
+        Returns:
+          The decoded string.
+
+        Raises:
+          ValueError: If an id is outside `[0, vocab_size)`.
+        """
+
+    @abc.abstractmethod
+    def token_id(self, piece: str) -> int:
+        """Returns the id of a vocabulary piece, e.g. an end-of-thinking marker.
+
+        Raises:
+          ValueError: If `piece` is not in the vocabulary.
+        """
+
+    def encode_batch(self, texts: Iterable[str], **kwargs) -> list[list[int]]:
+        """Encodes several strings; `kwargs` are passed to `encode`."""
+        return [self.encode(text, **kwargs) for text in texts]
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A `Tokenizer` backed by a SentencePiece model.
+
+    Build it from a `.model` file with `SentencePieceTokenizer(path)` or from the
+    serialized model with `SentencePieceTokenizer.from_bytes(b)`. `serialized`
+    gives those bytes back, so the tokenizer can be stored in a checkpoint.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        """Loads a model file.
+
+        Args:
+          path: Path of a SentencePiece `.model` file.
+
+        Raises:
+          FileNotFoundError: If `path` does not exist.
+          ValueError: If the file is not a SentencePiece model.
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"SentencePiece model file not found: {path!r}")
+        with open(path, "rb") as f:
+            proto = f.read()
+        self._init_from_proto(proto, source=repr(path))
+
+    @classmethod
+    def from_bytes(cls, serialized: bytes) -> SentencePieceTokenizer:
+        """Builds a tokenizer from a serialized model (the `serialized` property).
+
+        Raises:
+          ValueError: If `serialized` is not a SentencePiece model.
+        """
+        self = cls.__new__(cls)
+        self._init_from_proto(bytes(serialized), source="the given bytes")
+        return self
+
+    def _init_from_proto(self, proto: bytes, *, source: str) -> None:
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.load_from_serialized_proto(proto)
+        except RuntimeError as e:
+            raise ValueError(f"{source} is not a valid SentencePiece model: {e}") from e
+        self._sp = sp
+        self._vocab_size = sp.get_piece_size()
+
+    def __reduce__(self):
+        # The SWIG processor does not pickle by itself; rebuilding from the proto
+        # lets the tokenizer cross process boundaries (data loader workers).
+        return (SentencePieceTokenizer.from_bytes, (self.serialized,))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer(vocab_size={self.vocab_size})"
+
+    @property
+    def serialized(self) -> bytes:
+        """The serialized `ModelProto`; `from_bytes(t.serialized)` rebuilds `t`."""
+        return self._sp.serialized_model_proto()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        return self._wrap(self._sp.encode(text), add_bos=add_bos, add_eos=add_eos)
+
+    def encode_batch(
+        self, texts: Iterable[str], *, add_bos: bool = False, add_eos: bool = False
+    ) -> list[list[int]]:
+        # One native call encodes the whole list without a Python loop per string.
+        return [
+            self._wrap(ids, add_bos=add_bos, add_eos=add_eos)
+            for ids in self._sp.encode(list(texts))
+        ]
+
+    def _wrap(self, ids: list[int], *, add_bos: bool, add_eos: bool) -> list[int]:
+        if add_bos:
+            if self.bos_id < 0:
+                raise ValueError("add_bos=True but this model has no bos token")
+            ids = [self.bos_id, *ids]
+        if add_eos:
+            if self.eos_id < 0:
+                raise ValueError("add_eos=True but this model has no eos token")
+            ids = [*ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"token id {i} is out of range [0, {self._vocab_size})")
+        # SentencePiece decodes control pieces (pad, bos, eos) to "", which is
+        # what skips pad ids; out-of-range ids would raise a bare IndexError.
+        return self._sp.decode(ids)
+
+    def token_id(self, piece: str) -> int:
+        i = self._sp.piece_to_id(piece)
+        # SentencePiece answers unk_id for unknown pieces instead of failing.
+        if self._sp.id_to_piece(i) != piece:
+            raise ValueError(f"piece {piece!r} is not in the vocabulary")
+        return i
+
+
+def train_sentencepiece(
+    corpus: Iterable[str],
+    vocab_size: int,
+    *,
+    model_type: str = "bpe",
+    user_defined_symbols: Sequence[str] = (),
+    character_coverage: float = 1.0,
+    hard_vocab_limit: bool = True,
+    path: str | os.PathLike[str] | None = None,
+) -> SentencePieceTokenizer:
+    """Trains a SentencePiece model in memory.
+
+    The model has pad 0, unk 1, bos 2 and eos 3, then `user_defined_symbols`
+    (always single tokens, never split), then one piece per byte, then the
+    learned pieces. Text round-trips exactly through `encode`/`decode`: no
+    normalization, whitespace kept as is, no dummy prefix (no space is invented
+    at the start, so `decode(encode(a) + encode(b)) == a + b`), digits split one
+    per token, and characters outside the learned pieces fall back to UTF-8
+    bytes instead of <unk>.
+
+    Training is deterministic: the same corpus, in the same order, with the same
+    arguments gives a byte-identical model. Nothing is sampled (every sentence is
+    used) and training runs on one thread, so there is no seed to set.
+
+    Sentences longer than 4192 bytes are skipped by SentencePiece; split long
+    documents into lines first.
+
+    Args:
+      corpus: Training sentences, read once (a generator is fine).
+      vocab_size: Total number of pieces, specials and byte pieces included.
+      model_type: One of "bpe", "unigram", "char".
+      user_defined_symbols: Pieces that are always single tokens, e.g. "<think>".
+      character_coverage: Fraction of characters covered by character pieces;
+        the rest are encoded as bytes.
+      hard_vocab_limit: If False, a corpus too small for `vocab_size` gives a
+        smaller vocabulary instead of an error.
+      path: If given, the `.model` file is also written there.
+
+    Returns:
+      The trained tokenizer.
+
+    Raises:
+      ValueError: On invalid arguments, an empty corpus, or a `vocab_size` the
+        corpus cannot support (the message gives the admissible bound).
+    """
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
+    user_defined_symbols = list(user_defined_symbols)
+    if len(set(user_defined_symbols)) != len(user_defined_symbols):
+        raise ValueError(f"user_defined_symbols has duplicates: {user_defined_symbols}")
+    for symbol in user_defined_symbols:
+        # SentencePiece would silently alias a special piece, so text containing
+        # "<s>" would encode to the bos id.
+        if not symbol or symbol in _SPECIAL_PIECES:
+            raise ValueError(
+                f"user-defined symbol {symbol!r} is empty or a special piece {_SPECIAL_PIECES}"
+            )
+    min_vocab = 4 + len(user_defined_symbols) + _NUM_BYTE_PIECES + 1
+    if vocab_size < min_vocab:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: 4 special tokens, "
+            f"{len(user_defined_symbols)} user-defined symbols and {_NUM_BYTE_PIECES} byte "
+            f"pieces need vocab_size >= {min_vocab}"
+        )
+    if not 0.0 < character_coverage <= 1.0:
+        raise ValueError(f"character_coverage must be in (0, 1], got {character_coverage}")
+
+    counter = _CountingIterator(corpus)
+    writer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=counter,
+            model_writer=writer,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            user_defined_symbols=user_defined_symbols,
+            character_coverage=character_coverage,
+            hard_vocab_limit=hard_vocab_limit,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            split_digits=True,
+            byte_fallback=True,
+            # Exact round trips: no NFKC, no whitespace collapsing, no leading "▁".
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            # Determinism: use every sentence (no sampling) on a single thread.
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        # SWIG turns an exception raised by the corpus iterator into a RuntimeError;
+        # give the caller the original one.
+        if counter.error is not None:
+            raise counter.error from None
+        raise _training_error(e, vocab_size, counter.num_nonempty) from e
+
+    tokenizer = SentencePieceTokenizer.from_bytes(writer.getvalue())
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(tokenizer.serialized)
+    return tokenizer
+
+
+class _CountingIterator(Iterator[str]):
+    """Passes a corpus through, counting non-empty sentences to explain failures.
+
+    It also keeps any exception the corpus raises, which SentencePiece would
+    otherwise replace with a RuntimeError.
+    """
+
+    def __init__(self, corpus: Iterable[str]):
+        self._it = iter(corpus)
+        self.num_nonempty = 0
+        self.error: Exception | None = None
+
+    def __next__(self) -> str:
+        try:
+            sentence = next(self._it)
+            if not isinstance(sentence, str):
+                raise TypeError(f"corpus items must be str, got {type(sentence).__name__}")
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.error = e
+            raise
+        if sentence:
+            self.num_nonempty += 1
+        return sentence
+
+
+def _training_error(e: RuntimeError, vocab_size: int, num_nonempty: int) -> ValueError:
+    """Turns a SentencePiece trainer failure into an actionable ValueError."""
+    if num_nonempty == 0:
+        return ValueError("corpus is empty: it has no non-empty sentences")
+    msg = str(e)
+    if m := re.search(r"Please set it to a value <= (\d+)", msg):
+        return ValueError(
+            f"vocab_size={vocab_size} is too large for this corpus: it supports at most "
+            f"{m.group(1)} pieces. Lower vocab_size to <= {m.group(1)}, use a larger "
+            f"corpus, or pass hard_vocab_limit=False to accept a smaller vocabulary."
+        )
+    if m := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg):
+        return ValueError(
+            f"vocab_size={vocab_size} is too small for this corpus: its distinct characters "
+            f"plus the special and byte pieces need {m.group(2)}. Raise vocab_size to "
+            f">= {m.group(2)} or lower character_coverage."
+        )
+    return ValueError(f"SentencePiece training failed: {msg}")
