@@ -49,7 +49,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: b
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())

@@ -27,3 +27,29 @@ def tiny_model(tiny_cfg):
     params = model.init_params(tiny_cfg, jax.random.key(0))
     graphdef, _ = model.abstract_model(tiny_cfg)
     return graphdef, params
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (a jit cache hit compiles nothing)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration_secs, **kwargs):
+        del duration_secs, kwargs
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+@pytest.fixture
+def count_compiles():
+    return CompileCounter

@@ -109,8 +109,13 @@ def apply_rope(x_BTNE, positions_BT, inv_freq, attention_factor):
 class KVCache(NamedTuple):
     """Preallocated keys and values of every layer, updated in place.
 
+    Keys are stored transposed, [B, K, E, S], and values as [B, K, S, E]: with these layouts
+    both attention contractions at decode time run as long contiguous reductions, which on CPU
+    is 1.6x faster than the [B, S, K, E] layout (tools/bench.py).
+
     Attributes:
-      k, v: per layer [B, S, K, E].
+      k: per layer [B, K, E, S].
+      v: per layer [B, K, S, E].
       valid_BS: which slots hold real (non-padding) tokens.
       index: next slot to write, shared by all rows.
     """
@@ -124,24 +129,40 @@ class KVCache(NamedTuple):
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
     if size > cfg.max_seq_len:
         raise ValueError(f"KV cache of {size} slots exceeds max_seq_len={cfg.max_seq_len}")
-    shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers))
+    K, E, L, dt = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.compute_dtype
     return KVCache(
-        k=zeros,
-        v=tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers)),
+        k=tuple(jnp.zeros((batch, K, E, size), dt) for _ in range(L)),
+        v=tuple(jnp.zeros((batch, K, size, E), dt) for _ in range(L)),
         valid_BS=jnp.zeros((batch, size), bool),
         index=jnp.zeros((), jnp.int32),
     )
 
 
 def cache_logical_axes(cfg: ModelConfig) -> KVCache:
-    kv = ("batch", "cache_seq", "kv_heads", "head_dim")
     return KVCache(
-        k=(kv,) * cfg.num_layers,
-        v=(kv,) * cfg.num_layers,
+        k=(("batch", "kv_heads", "head_dim", "cache_seq"),) * cfg.num_layers,
+        v=(("batch", "kv_heads", "cache_seq", "head_dim"),) * cfg.num_layers,
         valid_BS=("batch", "cache_seq"),
         index=(),
     )
+
+
+def attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale: float):
+    """Softmax attention with grouped query heads; scores and softmax in float32.
+
+    Both contractions are written as 4-D batched matmuls over (B, K) with the T x G queries of
+    a kv head folded into one dimension: XLA:CPU runs the equivalent 5-D einsums 5x slower.
+    """
+    B, T, H, E = q_BTHE.shape
+    K = k_BKES.shape[1]
+    G = H // K
+    q_BKME = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
+    s = jnp.einsum("bkme,bkes->bkms", q_BKME, k_BKES, preferred_element_type=jnp.float32)
+    s = s.reshape(B, K, T, G, -1)
+    s = jnp.where(mask_BTS[:, None, :, None], s * scale, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BKSE.dtype).reshape(B, K, T * G, -1)
+    o_BKME = jnp.einsum("bkms,bkse->bkme", p, v_BKSE)
+    return o_BKME.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
 
 
 class Attention(nnx.Module):
@@ -187,14 +208,18 @@ class Attention(nnx.Module):
         inv_freq, attention_factor = rope_inv_freq(cfg)  # NumPy constants, folded at trace time.
         q = apply_rope(q, positions_BT, inv_freq, attention_factor)
         k = apply_rope(k, positions_BT, inv_freq, attention_factor)
+        k_BKET = jnp.transpose(k, (0, 2, 3, 1))
+        v_BKTE = jnp.transpose(v, (0, 2, 1, 3))
         if kv is not None:
-            # In-place slot write: inside the sampler's while_loop XLA aliases the buffer.
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
-            kv = (k, v)
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask_BTS[:, None], scale=1.0 / math.sqrt(cfg.head_dim)
-        )
+            # In-place slot write: inside the sampler's while_loop XLA aliases the buffers.
+            k_BKET = jax.lax.dynamic_update_slice(
+                kv[0], k_BKET.astype(kv[0].dtype), (0, 0, 0, index)
+            )
+            v_BKTE = jax.lax.dynamic_update_slice(
+                kv[1], v_BKTE.astype(kv[1].dtype), (0, 0, index, 0)
+            )
+            kv = (k_BKET, v_BKTE)
+        out = attention(q, k_BKET, v_BKTE, mask_BTS, 1.0 / math.sqrt(cfg.head_dim))
         return jnp.einsum("bthe,hed->btd", out, self.o[...].astype(dt)), kv
 
 

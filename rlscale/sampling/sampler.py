@@ -124,16 +124,49 @@ def transform_logits(logits_BV, cfg: SamplingConfig):
     return logits
 
 
+def _last_positive(x_BN):
+    n = x_BN.shape[-1]
+    return n - 1 - jnp.argmax((x_BN > 0)[:, ::-1], axis=-1)
+
+
+def categorical(rng, probs_BV, chunk: int = 128):
+    """Draws one index per row from unnormalized probabilities, by inverse CDF in two levels.
+
+    One uniform per row picks a chunk of `chunk` ids from the chunks' cumulative mass, then an
+    id inside it. Compared with `jax.random.categorical` (Gumbel noise for all B x V logits)
+    this draws B random numbers instead of B x V and avoids a full-vocab cumsum, which XLA:CPU
+    runs slowly. Ids with zero probability are never drawn: an id is chosen only where the
+    cumulative sum strictly increases, and clamping to the last positive id guards the top
+    edge against rounding.
+    """
+    B, V = probs_BV.shape
+    C = -(-V // chunk)
+    p_BCk = jnp.pad(probs_BV, ((0, 0), (0, C * chunk - V))).reshape(B, C, chunk)
+    mass_BC = jnp.sum(p_BCk, axis=-1)
+    cum_BC = jnp.cumsum(mass_BC, axis=-1)
+    u_B = jax.random.uniform(rng, (B,), jnp.float32) * cum_BC[:, -1]
+    c_B = jnp.minimum(jnp.sum(cum_BC <= u_B[:, None], axis=-1), _last_positive(mass_BC))
+    before_B = jnp.where(c_B > 0, jnp.take_along_axis(cum_BC, c_B[:, None] - 1, -1)[:, 0], 0.0)
+    p_Bk = jnp.take_along_axis(p_BCk, c_B[:, None, None], axis=1)[:, 0]
+    cum_Bk = jnp.cumsum(p_Bk, axis=-1)
+    j_B = jnp.sum(cum_Bk <= (u_B - before_B)[:, None], axis=-1)
+    j_B = jnp.minimum(j_B, _last_positive(p_Bk))
+    return (c_B * chunk + j_B).astype(jnp.int32)
+
+
 def sample_tokens(logits_BV, rng, cfg: SamplingConfig):
     """Draws one token per row; returns (tokens [B], logprobs [B])."""
     if cfg.greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), jnp.zeros(
-            logits_BV.shape[:1], jnp.float32
-        )
+        greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return greedy_B, jnp.zeros(logits_BV.shape[:1], jnp.float32)
     logits = transform_logits(logits_BV, cfg)
-    tokens = jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # One exp pass serves both the draw and the logprob.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(shifted)
+    tokens = categorical(rng, probs)
+    log_z = jnp.log(jnp.sum(probs, axis=-1))
+    logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_z
+    return tokens, logp
 
 
 class _Layout(NamedTuple):
