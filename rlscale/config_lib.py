@@ -22,7 +22,9 @@ def _convert(key: str, text: str, default):
     try:
         return type(default)(text) if default is not None else text
     except ValueError:
-        raise ValueError(f"config variant {key}={text!r}: expected {type(default).__name__}")
+        raise ValueError(
+            f"config variant {key}={text!r}: expected {type(default).__name__}"
+        ) from None
 
 
 def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:

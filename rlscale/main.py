@@ -4,7 +4,6 @@ The config is an ml_collections file, locked so a mistyped key is an error namin
 any field with `--config.a.b=value`. Today it runs the sampling demo (`rlscale.demo`).
 """
 
-import json
 import os
 
 import jax
