@@ -5,6 +5,8 @@ any field with `--config.a.b=value`. Today it runs the sampling demo (`rlscale.d
 """
 
 import os
+import re
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -15,6 +17,27 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def parse_flags(argv):
+    """absl flag parsing, with bad config keys and values reported in one line, not a traceback.
+
+    ml_collections applies `--config.a.b=v` overrides while parsing, and a key the locked
+    config does not have raises deep inside it; the message it carries names the key.
+    """
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"error: {e}\nPass --helpshort to see the flags.")
+    except (AttributeError, KeyError) as e:
+        # A key the locked config lacks; ml_collections' message quotes it (repr, nested).
+        bad = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        key = re.search(r"'([^'\\]+)", str(e))
+        hint = re.search(r'Did you mean "[^"]+"', str(e))
+        sys.exit(
+            f"error: {bad}: no such config key {key.group(1) if key else str(e)!r}"
+            + (f"; {hint.group(0).lower()}?" if hint else "")
+        )
 
 
 def maybe_initialize_distributed():
@@ -39,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

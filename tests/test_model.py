@@ -209,3 +209,16 @@ def test_bad_model_config_names_the_field():
         model.get("tinny")
     with pytest.raises(ValueError, match="hidden_size"):
         model.get("tiny", hidden_size=3)
+
+
+def test_causal_block_skipping_equals_full_attention():
+    rng = np.random.default_rng(0)
+    B, T, H, K, E = 2, 300, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, K, E, T)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, T, E)), jnp.float32)
+    valid = np.arange(T)[None] >= np.array([[0], [37]])
+    mask = jnp.asarray(np.tril(np.ones((T, T), bool))[None] & valid[:, None, :])
+    full = decoder.attention(q, k, v, mask, 0.35)
+    chunked = decoder.causal_attention(q, k, v, mask, 0.35, chunk=64)
+    np.testing.assert_allclose(chunked, full, atol=1e-5)
