@@ -30,12 +30,16 @@ def next_token_loss(graphdef, params, tokens_BT, mask_BT):
     micro-batches normalize once.
     """
     positions = decoder.positions_from_mask(mask_BT)
-    logits, _ = decoder.forward(graphdef, params, tokens_BT, positions, mask_BT)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    target = tokens_BT[:, 1:]
-    nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-    weight = (mask_BT[:, 1:] & mask_BT[:, :-1]).astype(jnp.float32)
-    return jnp.sum(nll * weight), jnp.sum(weight)
+    logits_BTV, _ = decoder.forward(graphdef, params, tokens_BT, positions, mask_BT)
+    # Targets shifted left; the last position predicts nothing (weight 0). Shifting the small
+    # targets rather than slicing the [B, T, V] logits avoids copying the logits.
+    target_BT = jnp.roll(tokens_BT, -1, axis=1)
+    weight_BT = mask_BT & jnp.roll(mask_BT, -1, axis=1)
+    weight_BT = weight_BT.at[:, -1].set(False).astype(jnp.float32)
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits_BTV, target_BT[..., None], axis=-1)[..., 0]
+    nll_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit
+    return jnp.sum(nll_BT * weight_BT), jnp.sum(weight_BT)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: bool = True):

@@ -221,4 +221,5 @@ def test_causal_block_skipping_equals_full_attention():
     mask = jnp.asarray(np.tril(np.ones((T, T), bool))[None] & valid[:, None, :])
     full = decoder.attention(q, k, v, mask, 0.35)
     chunked = decoder.causal_attention(q, k, v, mask, 0.35, chunk=64)
-    np.testing.assert_allclose(chunked, full, atol=1e-5)
+    # Padding queries attend to nothing; their (unused) outputs may differ.
+    np.testing.assert_allclose(np.asarray(chunked)[valid], np.asarray(full)[valid], atol=1e-5)

@@ -192,3 +192,26 @@ def test_sampler_on_mesh_matches_single_device(setup):
         graphdef, params, p_tok[out.prompt_index], p_mask[out.prompt_index], out, scfg
     )
     np.testing.assert_allclose(out.logprobs, ref, atol=1e-5)
+
+
+def test_decode_updates_cache_in_place(setup):
+    """The compiled sampler never copies a whole KV-cache buffer: each step writes one slot."""
+    cfg, graphdef, params, _ = setup
+    scfg = SamplingConfig(max_new_tokens=40, buckets=(24,))
+    tokens, mask = np.ones((4, 24), np.int32), np.ones((4, 24), bool)
+    hlo = (
+        sampler.generate.lower(
+            graphdef, params, tokens, mask, jax.random.key(0), model_cfg=cfg, cfg=scfg
+        )
+        .compile()
+        .as_text()
+    )
+    S = 24 + 40
+    k_shape = f"f32[4,{cfg.num_kv_heads},{cfg.head_dim},{S}]"
+    v_shape = f"f32[4,{cfg.num_kv_heads},{S},{cfg.head_dim}]"
+    lines = hlo.splitlines()
+    for shape in (k_shape, v_shape):
+        updates = [ln for ln in lines if f"= {shape}" in ln and "dynamic-update-slice(" in ln]
+        copies = [ln for ln in lines if f"= {shape}" in ln and " copy(" in ln]
+        assert updates, shape
+        assert not copies, copies[:2]
