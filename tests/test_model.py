@@ -223,3 +223,21 @@ def test_causal_block_skipping_equals_full_attention():
     chunked = decoder.causal_attention(q, k, v, mask, 0.35, chunk=64)
     # Padding queries attend to nothing; their (unused) outputs may differ.
     np.testing.assert_allclose(np.asarray(chunked)[valid], np.asarray(full)[valid], atol=1e-5)
+
+
+def test_dense_custom_vjp_equals_plain_matmul_gradient():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 5, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 3, 4)), jnp.float32)
+    c = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+    ours = jax.grad(lambda x, w: jnp.sum(decoder.project(x, w) * c), argnums=(0, 1))(x, w)
+    plain = jax.grad(lambda x, w: jnp.sum(jnp.einsum("btd,dhe->bthe", x, w) * c), argnums=(0, 1))(
+        x, w
+    )
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    o = jnp.asarray(rng.normal(size=(3, 4, 6)), jnp.float32)  # Two contracted dims ("hed").
+    y = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+    g1 = jax.grad(lambda o: jnp.sum(decoder.project(y, o, n_in=2) ** 2))(o)
+    g2 = jax.grad(lambda o: jnp.sum(jnp.einsum("bthe,hed->btd", y, o) ** 2))(o)
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-4)

@@ -215,3 +215,16 @@ def test_decode_updates_cache_in_place(setup):
         copies = [ln for ln in lines if f"= {shape}" in ln and " copy(" in ln]
         assert updates, shape
         assert not copies, copies[:2]
+
+
+def test_decode_phases_give_the_same_samples(setup):
+    cfg, graphdef, params, smp = setup
+    one = SamplingConfig(max_new_tokens=13, num_samples=2, top_k=50, stop_tokens=(3,))
+    three = SamplingConfig(
+        max_new_tokens=13, num_samples=2, top_k=50, stop_tokens=(3,), decode_phases=3
+    )
+    a = smp(params, PROMPTS, jax.random.key(4), one)
+    b = smp(params, PROMPTS, jax.random.key(4), three)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.mask, b.mask)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -61,10 +61,10 @@ def matmul_params(cfg: model.ModelConfig) -> int:
     )
 
 
-def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, peak, bw, repeats):
+def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, peak, bw, repeats):
     itemsize = jnp.dtype(cfg.dtype).itemsize
     scfg = sampling.SamplingConfig(
-        max_new_tokens=new_tokens, temperature=1.0, buckets=(prompt_len,)
+        max_new_tokens=new_tokens, temperature=1.0, buckets=(prompt_len,), decode_phases=phases
     )
     tokens = np.asarray(
         jax.random.randint(jax.random.key(1), (batch, prompt_len), 4, cfg.vocab_size), np.int32
@@ -79,7 +79,7 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, peak, bw,
 
     @jax.jit
     def prefill(params, tokens, mask):
-        cache = model.init_cache(cfg, batch, prompt_len + new_tokens)
+        cache = model.init_cache(cfg, batch, prompt_len + -(-new_tokens // phases))
         h, cache = model.hidden(
             graphdef, params, tokens, model.positions_from_mask(mask), mask, cache
         )
@@ -102,6 +102,7 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, peak, bw,
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": steps,
+        "decode_phases": phases,
         "prefill_s": pre,
         "decode_s": decode,
         "decode_tokens_per_s": batch * steps / decode,
@@ -145,6 +146,7 @@ def main():
     p.add_argument("--batch", type=int, default=128, help="decode batch")
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=192)
+    p.add_argument("--decode_phases", type=int, default=8, help="SamplingConfig.decode_phases")
     p.add_argument("--train_batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--dtype", default=None, help="override the model's compute/param dtype")
@@ -184,6 +186,7 @@ def main():
             args.batch,
             args.prompt_len,
             args.new_tokens,
+            args.decode_phases,
             peak,
             bw,
             args.repeats,
@@ -201,7 +204,7 @@ def main():
     print(f"{'part':<8}{'shape':<22}{'tokens/s':>12}{'GFLOP/s':>10}{'roofline':>10}")
     if "decode" in results:
         d = results["decode"]
-        shape = f"B={d['batch']} P={d['prompt_len']} M={d['new_tokens']}"
+        shape = f"B={d['batch']} P={d['prompt_len']} M={d['new_tokens']}/{d['decode_phases']}ph"
         print(
             f"{'decode':<8}{shape:<22}"
             f"{d['decode_tokens_per_s']:>12.0f}{d['decode_flops_per_s'] / 1e9:>10.1f}"

@@ -40,6 +40,10 @@ class SamplingConfig:
         part of the completion.
       pad_id: id written after a completion ends and used to left-pad prompts.
       buckets: allowed padded prompt lengths, ascending.
+      decode_phases: the decode loop runs in this many phases with a KV cache that grows
+        between them (bucket + max_new_tokens * j / phases slots in phase j), so early steps
+        attend over a shorter buffer. Each phase is a separately compiled loop and each growth
+        copies the cache once; worth it for long generations.
     """
 
     max_new_tokens: int = 64
@@ -50,6 +54,7 @@ class SamplingConfig:
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
     buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    decode_phases: int = 1
 
     def __post_init__(self):
         problems = []
@@ -61,6 +66,8 @@ class SamplingConfig:
             problems.append(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if not 1 <= self.decode_phases <= self.max_new_tokens:
+            problems.append(f"decode_phases={self.decode_phases} must be in [1, max_new_tokens]")
         if self.num_samples < 1:
             problems.append(f"num_samples={self.num_samples} must be >= 1")
         if (
@@ -182,6 +189,16 @@ def _constrain(tree, logical, layout):
     )
 
 
+def grow_cache(cache: decoder.KVCache, size: int) -> decoder.KVCache:
+    """Copies the cache into a buffer of `size` slots (the new slots empty)."""
+    extra = size - cache.valid_BS.shape[1]
+    return cache._replace(
+        k=tuple(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, extra))) for k in cache.k),
+        v=tuple(jnp.pad(v, ((0, 0), (0, 0), (0, extra), (0, 0))) for v in cache.v),
+        valid_BS=jnp.pad(cache.valid_BS, ((0, 0), (0, extra))),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"))
 def generate(
     graphdef,
@@ -199,8 +216,11 @@ def generate(
     M, n = cfg.max_new_tokens, cfg.num_samples
     cache_axes = decoder.cache_logical_axes(model_cfg)
 
+    # Cache size of each decode phase; step i writes slot P + i.
+    sizes = [P + -(-M * (j + 1) // cfg.decode_phases) for j in range(cfg.decode_phases)]
+
     # Prefill once per prompt; only the last position's logits are needed.
-    cache = _constrain(decoder.init_cache(model_cfg, B, P + M), cache_axes, layout)
+    cache = _constrain(decoder.init_cache(model_cfg, B, sizes[0]), cache_axes, layout)
     positions_BP = decoder.positions_from_mask(mask_BP)
     h, cache = decoder.hidden(graphdef, params, tokens_BP, positions_BP, mask_BP, cache)
     logits_BV = decoder.logits(graphdef, params, h[:, -1:])[:, 0]
@@ -217,9 +237,9 @@ def generate(
     N = B * n
     stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
 
-    def cond(carry):
+    def cond(carry, end):
         i, _, _, _, done_N, *_ = carry
-        return (i < M) & ~jnp.all(done_N)
+        return (i < end) & ~jnp.all(done_N)
 
     def body(carry):
         i, logits_NV, cache, pos_N, done_N, length_N, tokens_NM, logprobs_NM = carry
@@ -246,7 +266,16 @@ def generate(
         jnp.full((N, M), cfg.pad_id, jnp.int32),
         jnp.zeros((N, M), jnp.float32),
     )
-    _, _, _, _, done_N, length_N, tokens_NM, logprobs_NM = jax.lax.while_loop(cond, body, init)
+    carry = init
+    for j, size in enumerate(sizes):
+        if j:
+            carry = (
+                carry[:2]
+                + (_constrain(grow_cache(carry[2], size), cache_axes, layout),)
+                + (carry[3:])
+            )
+        carry = jax.lax.while_loop(functools.partial(cond, end=size - P), body, carry)
+    _, _, _, _, done_N, length_N, tokens_NM, logprobs_NM = carry
     mask_NM = jnp.arange(M)[None, :] < length_N[:, None]
     return tokens_NM, mask_NM, logprobs_NM, length_N, ~done_N
 
