@@ -17,6 +17,7 @@ setuptools.setup(
         "orbax-checkpoint==0.12.8",
         "tensorflow-datasets==4.9.10",
         "array_record==0.8.6",
+        "safetensors==0.8.0",
         "sentencepiece==0.2.3",
         "ml-collections==1.1.0",
         "absl-py==2.5.1",
@@ -24,6 +25,9 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest==9.2.0", "ruff==0.17.5"],
+        # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
+        # keeps the CPU build instead of pulling the CUDA one.
+        "hf": ["torch==2.13.0", "transformers==5.23.0"],
         "gpu": ["jax[cuda12]==0.10.2"],
         "tpu": ["jax[tpu]==0.10.2"],
     },
