@@ -17,6 +17,7 @@ setuptools.setup(
         "orbax-checkpoint==0.12.8",
         "tensorflow-datasets==4.9.10",
         "array_record==0.8.6",
+        "importlib_resources==7.1.0",  # Needed by tensorflow-datasets' builders, undeclared.
         "safetensors==0.8.0",
         "sentencepiece==0.2.3",
         "ml-collections==1.1.0",

@@ -1,0 +1,1 @@
+"""Data: synthetic tasks, their TFDS builders, prompt streams and filters."""

@@ -1,0 +1,64 @@
+"""Synthetic tasks: determinism, disjoint splits, exact verifiers, TFDS materialization."""
+
+import sys
+
+import pytest
+
+from rlscale.data import builders, tasks
+
+
+@pytest.mark.parametrize(
+    "name,difficulty", [("arithmetic", 1), ("arithmetic", 3), ("countdown", 2), ("countdown", 3)]
+)
+def test_deterministic_disjoint_and_demos_verify(name, difficulty):
+    task = tasks.get(name, difficulty)
+    n = 100 if difficulty < 3 else 300
+    train = list(task.problems("train", n))
+    test = list(task.problems("test", 20))
+    assert train == list(tasks.get(name, difficulty).problems("train", n))
+    assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert len({p.prompt for p in train}) == n
+    assert all(task.verify(p.demo, p) == 1.0 for p in train + test)
+
+
+def test_arithmetic_verifier_hand_cases():
+    task = tasks.get("arithmetic", 2)
+    p = tasks.Problem(prompt="Q: 3-5*6=", answer="-27", demo="3-30=-27 Answer: -27")
+    assert task.verify("3-30=-27 Answer: -27", p) == 1.0
+    assert task.verify("Answer: -27", p) == 1.0
+    assert task.verify("Answer: 27", p) == 0.0  # Sign matters.
+    assert task.verify("-27", p) == 0.0  # No "Answer:" line: fail closed.
+    assert task.verify("Answer: -27 Answer: 5", p) == 0.0  # The last answer counts.
+    assert task.verify("Answer: -27.0", p) == 0.0
+
+
+def test_countdown_verifier_hand_cases():
+    task = tasks.get("countdown", 3)
+    p = tasks.Problem(prompt="Q: reach 22 with 3 5 7=", answer="22", demo="3*5+7 Answer: 22")
+    assert task.verify("3*5+7 Answer: 22", p) == 1.0
+    assert task.verify("7+3*5", p) == 1.0  # Another valid solution.
+    assert task.verify("3*5+7+0 Answer: 22", p) == 0.0  # 0 is not an input.
+    assert task.verify("7+7+3+5 Answer: 22", p) == 0.0  # 7 used twice.
+    assert task.verify("3*5+6 Answer: 22", p) == 0.0
+    assert task.verify("__import__('os') Answer: 22", p) == 0.0  # Parsed, never evaluated.
+    assert tasks.evaluate(*tasks.parse_expression("2+3*4-5")) == 9
+
+
+def test_tfds_materialization_without_tensorflow(tmp_path):
+    sources = builders.materialize("arithmetic", 2, n_train=50, n_test=10, data_dir=str(tmp_path))
+    assert len(sources["train"]) == 50 and len(sources["test"]) == 10
+    expected = list(tasks.get("arithmetic", 2).problems("test", 10))
+    assert [builders.decode(sources["test"][i]) for i in range(10)] == expected
+    again = builders.materialize("arithmetic", 2, n_train=50, n_test=10, data_dir=str(tmp_path))
+    assert builders.decode(again["train"][7]) == builders.decode(sources["train"][7])
+    assert list(tmp_path.rglob("*.array_record*"))
+    assert "tensorflow" not in sys.modules
+
+
+def test_bad_task_arguments():
+    with pytest.raises(ValueError, match="unknown task 'sudoku'"):
+        tasks.get("sudoku", 1)
+    with pytest.raises(ValueError, match="difficulty=0"):
+        tasks.get("arithmetic", 0)
+    with pytest.raises(ValueError, match="fewer than 500 distinct test problems"):
+        list(tasks.get("countdown", 1).problems("test", 500))
