@@ -19,6 +19,9 @@ setuptools.setup(
         "array_record==0.8.6",
         "importlib_resources==7.1.0",  # Needed by tensorflow-datasets' builders, undeclared.
         "safetensors==0.8.0",
+        "tensorboardX==2.6.5",
+        # Math answer checking; the extra pins the ANTLR runtime its LaTeX parser needs.
+        "math-verify[antlr4_13_2]==0.9.0",
         "sentencepiece==0.2.3",
         "ml-collections==1.1.0",
         "absl-py==2.5.1",

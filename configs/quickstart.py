@@ -1,23 +1,40 @@
-"""Quickstart: today, the sampling demo on a tiny random model.
+"""Quickstart: ScaleRL-style RL on multi-step arithmetic with a tiny policy, from scratch.
 
     python -m rlscale.main --config configs/quickstart.py --workdir /tmp/rlscale_quickstart
 
-Laptop CPU: about 10 s (mostly compilation). Expected output: a summary with tokens/s and
-`max_logprob_error_vs_forward` below 1e-4 (the sampler's logprobs equal a full forward pass).
-Variants: `:smoke` (fewer prompts and tokens, used by the tests), `:model=small`.
+Laptop CPU (2 cores): about 6 minutes, SFT warm start and compilation included. Expected:
+held-out pass@1 rises from about 0.15 (the SFT warm start) by more than 0.30.
+Variants: `:smoke` (a few steps of everything, under a minute: used by the tests),
+`:demo` (the sampling demo on a random model).
 """
-
-import ml_collections
 
 from rlscale import config_lib
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, model="tiny")
+    arg = config_lib.parse_arg(arg, smoke=False, demo=False, model="tiny")
+    if arg.demo:
+        return _demo_config(arg)
+    c = config_lib.rl_config()
+    c.recipe = "quickstart"
+    c.steps = 60
+    c.objective.advantages.scale = "batch_std"
+    c.objective.policy.name = "cispo"
+    c.objective.aggregate = "prompt_mean"
+    c.filters.zero_variance = True
+    if arg.smoke:
+        config_lib.smoke(c)
+    return c
+
+
+def _demo_config(arg):
+    import ml_collections
+
     c = ml_collections.ConfigDict()
+    c.recipe = "demo"
     c.seed = 0
     c.model = config_lib.model_config(arg.model)
-    c.mesh = dict(shape=(-1, 1, 1))  # (data, fsdp, tensor); -1 takes the remaining devices.
+    c.mesh = dict(shape=(-1, 1, 1))
     c.num_prompts = 4 if arg.smoke else 16
     c.min_prompt_len = 3
     c.max_prompt_len = 24

@@ -59,3 +59,61 @@ def sampling_config(**overrides) -> ml_collections.ConfigDict:
 
     d = dataclasses.asdict(SamplingConfig(**overrides))
     return ml_collections.ConfigDict(d)
+
+
+def rl_config(**variant) -> ml_collections.ConfigDict:
+    """Shared defaults of every RL recipe: one place, overridden by each recipe file."""
+    from rlscale.objectives import recipe
+
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 40
+    c.mesh = dict(shape=(-1, 1, 1))  # (data, fsdp, tensor); -1 takes the remaining devices.
+    c.task = dict(name="arithmetic", difficulty=2, seed=0, n_train=4000, n_test=400)
+    c.tokenizer = dict(vocab_size=320)
+    c.model = model_config(
+        "tiny",
+        num_layers=4,
+        d_model=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=384,
+        max_seq_len=128,
+    )
+    c.sft = dict(max_steps=400, batch_size=64, lr=3e-3, eval_every=50, target_pass=0.15)
+    c.batch = dict(prompts=32, group_size=8)
+    c.sampling = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, buckets=(16, 32, 64))
+    c.learner = dict(epochs=1, minibatches=1, micro_batches=1)  # Optimizer steps per batch.
+    c.optim = dict(
+        lr=1e-4,
+        warmup_steps=5,
+        schedule="constant",
+        decay_steps=1000,
+        final_lr_frac=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.99,
+        weight_decay=0.0,
+    )
+    c.objective = recipe.default_config()
+    c.filters = dict(
+        zero_variance=False,
+        dynamic_sampling=False,
+        dynamic_max_rounds=4,
+        retire=False,
+        retire_threshold=0.9,
+        overlong_cache=0,
+    )
+    c.eval = dict(every=10, prompts=200, samples=4)
+    return c
+
+
+def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Shrinks an RL config to a few steps of everything (tests, `:smoke` variants)."""
+    c.steps = 3
+    c.task.n_train, c.task.n_test = 200, 40
+    c.sft.max_steps, c.sft.eval_every = 20, 10
+    c.batch.prompts, c.batch.group_size = 8, 4
+    c.eval.every, c.eval.prompts, c.eval.samples = 2, 16, 2
+    return c

@@ -56,9 +56,17 @@ def main(argv):
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     logging.info("config:\n%s", config)
-    from rlscale import demo
+    if config.recipe == "demo":
+        from rlscale import demo
 
-    demo.run(config, workdir)
+        demo.run(config, workdir)
+        return
+    from rlscale import rl
+
+    summary = rl.run(config, workdir)
+    print("\nrlscale run finished")
+    for k, v in summary.items():
+        print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
 
 
 if __name__ == "__main__":

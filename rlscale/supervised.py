@@ -23,8 +23,9 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def next_token_loss(graphdef, params, tokens_BT, mask_BT):
-    """Mean cross-entropy of token t+1 given tokens <= t, over positions where both are real.
+def next_token_loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT=None):
+    """Mean cross-entropy of token t+1 given tokens <= t, over positions where both are real
+    (and, with `target_mask_BT`, where token t+1 is a target: e.g. only completions in SFT).
 
     Returns (sum of token losses, number of predicted tokens), so callers that accumulate over
     micro-batches normalize once.
@@ -35,6 +36,8 @@ def next_token_loss(graphdef, params, tokens_BT, mask_BT):
     # targets rather than slicing the [B, T, V] logits avoids copying the logits.
     target_BT = jnp.roll(tokens_BT, -1, axis=1)
     weight_BT = mask_BT & jnp.roll(mask_BT, -1, axis=1)
+    if target_mask_BT is not None:
+        weight_BT = weight_BT & jnp.roll(target_mask_BT, -1, axis=1)
     weight_BT = weight_BT.at[:, -1].set(False).astype(jnp.float32)
     logits_BTV = logits_BTV.astype(jnp.float32)
     target_logit = jnp.take_along_axis(logits_BTV, target_BT[..., None], axis=-1)[..., 0]
@@ -43,11 +46,11 @@ def next_token_loss(graphdef, params, tokens_BT, mask_BT):
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: bool = True):
-    """A jitted `train_step(state, tokens_BT, mask_BT) -> (state, metrics)`."""
+    """A jitted `train_step(state, tokens_BT, mask_BT, target_mask_BT=None) -> (state, metrics)`."""
 
-    def train_step(state: TrainState, tokens_BT, mask_BT):
+    def train_step(state: TrainState, tokens_BT, mask_BT, target_mask_BT=None):
         def loss_fn(params):
-            total, count = next_token_loss(graphdef, params, tokens_BT, mask_BT)
+            total, count = next_token_loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT)
             return total / jnp.maximum(count, 1.0), count
 
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

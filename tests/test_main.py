@@ -24,10 +24,10 @@ def _run(*args, workdir):
     )
 
 
-def test_smoke_run_with_override(tmp_path):
+def test_demo_run_with_override(tmp_path):
     r = _run(
         "--config",
-        "configs/quickstart.py:smoke",
+        "configs/quickstart.py:demo,smoke",
         "--config.sampling.max_new_tokens=5",
         workdir=tmp_path,
     )
@@ -44,7 +44,7 @@ def test_smoke_run_with_override(tmp_path):
 def test_mistyped_key_fails_naming_it(tmp_path):
     r = _run(
         "--config",
-        "configs/quickstart.py:smoke",
+        "configs/quickstart.py:demo,smoke",
         "--config.sampling.temprature=0.5",
         workdir=tmp_path,
     )
@@ -74,3 +74,29 @@ def test_parse_arg_types_and_errors():
         config_lib.parse_arg("steps=x", steps=1)
     with pytest.raises(ValueError, match="'steps' needs a value"):
         config_lib.parse_arg("steps", steps=1)
+
+
+def test_rl_smoke_run_writes_metrics_and_summary(tmp_path):
+    r = _run("--config", "configs/quickstart.py:smoke", workdir=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    for x in lines:
+        assert x["compute/flops"] >= 0 and x["compute/device_seconds"] >= 0
+    train = [x for x in lines if "train/reward_mean" in x]
+    assert {
+        "train/loss",
+        "train/response_length",
+        "train/filtered_prompts",
+        "train/clip_frac",
+    } <= set(train[0])
+    assert "eval/pass@1" in lines[0] and "eval/reward_mean" in lines[-1]
+    flops = [x["compute/flops"] for x in lines]
+    assert flops == sorted(flops) and flops[-1] > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["end/eval_pass@1"] == lines[-1]["eval/pass@1"]
+    assert (tmp_path / "sft" / "sft.json").exists()
+    # A second run reuses the cached SFT warm start, tokenizer and data.
+    r = _run("--config", "configs/quickstart.py:smoke", workdir=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reusing the SFT warm start" in r.stderr

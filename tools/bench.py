@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from rlscale import model, supervised
+from rlscale.scaling.compute import matmul_params
 from rlscale.sampling import sampler as sampling
 
 
@@ -52,13 +53,6 @@ def memory_bandwidth(nbytes=512 << 20):
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(jnp.sum)
     return nbytes / _time(lambda: f(x).block_until_ready(), 5)
-
-
-def matmul_params(cfg: model.ModelConfig) -> int:
-    """Parameters that take part in matmuls per token (the embedding gather does not)."""
-    return cfg.num_params(include_embedding=False) + (
-        cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
-    )
 
 
 def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, peak, bw, repeats):

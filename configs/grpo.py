@@ -1,0 +1,21 @@
+"""GRPO (Shao et al. 2024): group-std advantages, token PPO clip 0.2, per-sequence token means, k3
+KL to the reference in the loss.
+
+    python -m rlscale.main --config configs/grpo.py --workdir /tmp/rlscale_grpo
+
+Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2),
+SFT warm start included. Any task by override: `--config.task.name=countdown
+--config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
+"""
+
+from rlscale import config_lib
+
+
+def get_config(arg=None):
+    arg = config_lib.parse_arg(arg, smoke=False)
+    c = config_lib.rl_config()
+    c.recipe = "grpo"
+    c.objective.kl.coef = 0.04
+    if arg.smoke:
+        config_lib.smoke(c)
+    return c

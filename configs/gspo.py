@@ -1,0 +1,23 @@
+"""GSPO (Zheng et al. 2025): sequence-level geometric-mean ratio with a tight clip, one value per
+sequence.
+
+    python -m rlscale.main --config configs/gspo.py --workdir /tmp/rlscale_gspo
+
+Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2),
+SFT warm start included. Any task by override: `--config.task.name=countdown
+--config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
+"""
+
+from rlscale import config_lib
+
+
+def get_config(arg=None):
+    arg = config_lib.parse_arg(arg, smoke=False)
+    c = config_lib.rl_config()
+    c.recipe = "gspo"
+    c.objective.ratio = "sequence"
+    c.objective.policy.eps_low = 3e-4
+    c.objective.policy.eps_high = 4e-4
+    if arg.smoke:
+        config_lib.smoke(c)
+    return c

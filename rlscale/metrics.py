@@ -1,0 +1,70 @@
+"""The one metrics writer: JSONL (`WORKDIR/metrics.jsonl`), TensorBoard events, a progress
+line. Every record carries `step`, `compute/flops` and `compute/device_seconds`."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+
+def _plain(v):
+    if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "item"):
+        v = np.asarray(v).item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; the key stays, with null.
+    return v
+
+
+class MetricWriter:
+    def __init__(self, workdir: str, total_steps: int | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self.start = time.time()
+        if enabled:
+            os.makedirs(workdir, exist_ok=True)
+            self.path = os.path.join(workdir, "metrics.jsonl")
+            self._jsonl = open(self.path, "a")
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, step: int, metrics: dict, progress: bool = True):
+        """Appends one record; keys must include the compute counters."""
+        for key in ("compute/flops", "compute/device_seconds"):
+            if key not in metrics:
+                raise KeyError(f"metric record for step {step} lacks {key!r}")
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(k, v, step)
+        if progress:
+            self._progress(step, record)
+
+    def _progress(self, step, record):
+        keys = [
+            k
+            for k in ("train/reward_mean", "eval/pass@1", "train/loss", "train/kl")
+            if record.get(k) is not None
+        ]
+        parts = [f"{k.split('/')[-1]} {record[k]:.3f}" for k in keys]
+        total = f"/{self.total}" if self.total else ""
+        elapsed = time.time() - self.start
+        print(
+            f"\rstep {step}{total} [{elapsed:6.0f}s] " + "  ".join(parts),
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+        if "eval/pass@1" in record:
+            print(file=sys.stderr)
+
+    def close(self):
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()

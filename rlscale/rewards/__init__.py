@@ -1,0 +1,6 @@
+"""Verifiers and reward functions, run host-side with timeouts and fault isolation.
+
+`math`: final-answer checking for math problems (math-verify in a worker-process sandbox).
+`sandbox`: the worker pool with per-call deadlines that verifiers which can hang run in.
+`isolation`: in-process fault isolation for cheap verifiers.
+"""

@@ -1,0 +1,1 @@
+"""Scaling science: compute accounting (and, later, curve fitting and extrapolation)."""

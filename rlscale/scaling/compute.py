@@ -1,0 +1,25 @@
+"""Model FLOPs accounting, so reward can be plotted against compute.
+
+Conventions (Kaplan et al. 2020; PaLM's MFU): a forward pass costs 2 FLOPs per matmul
+parameter per token plus 4 * layers * heads * head_dim per token per attended position; a
+backward pass costs twice the forward.
+"""
+
+from rlscale.model.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters used in matmuls per token (the embedding lookup is a gather)."""
+    tied_head = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
+    return cfg.num_params(include_embedding=False) + tied_head
+
+
+def forward_flops(cfg: ModelConfig, tokens: float, context: float) -> float:
+    """FLOPs of a forward pass over `tokens` tokens attending to `context` positions each."""
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return float(tokens) * (2 * matmul_params(cfg) + attn)
+
+
+def train_flops(cfg: ModelConfig, tokens: float, context: float) -> float:
+    """Forward + backward."""
+    return 3 * forward_flops(cfg, tokens, context)

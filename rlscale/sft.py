@@ -1,0 +1,106 @@
+"""Supervised warm start: train a policy from scratch on task demonstrations until it solves
+a minority of held-out problems, so RL has something to improve. Cached in WORKDIR/sft."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+from absl import logging
+
+from rlscale import checkpoint, evaluation, sharding, supervised
+from rlscale.sampling import Sampler, SamplingConfig
+
+
+def _batch(tokenizer, problems, length):
+    tokens = np.full((len(problems), length), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(problems), length), bool)
+    target = np.zeros((len(problems), length), bool)
+    for i, p in enumerate(problems):
+        prompt = tokenizer.encode(p.prompt, add_bos=True)
+        completion = tokenizer.encode(p.demo, add_eos=True)
+        seq = (prompt + completion)[:length]
+        tokens[i, : len(seq)] = seq
+        mask[i, : len(seq)] = True
+        target[i, len(prompt) : len(seq)] = True
+    return tokens, mask, target
+
+
+def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
+    """(graphdef, params, summary): from the cache, or trained now and cached."""
+    path = os.path.join(workdir, "sft")
+    summary_path = os.path.join(path, "sft.json")
+    if os.path.exists(summary_path):
+        cfg, graphdef, params = checkpoint.load_params(path, mesh=mesh)
+        if cfg != model_cfg:
+            raise ValueError(
+                f"{path} holds a warm start for a different model; delete it or "
+                f"use another workdir (cached {cfg}, wanted {model_cfg})"
+            )
+        with open(summary_path) as f:
+            summary = json.load(f)
+        logging.info("reusing the SFT warm start in %s: %s", path, summary)
+        return graphdef, params, summary
+
+    c = config.sft
+    rng = jax.random.key(config.seed)
+    graphdef, params = sharding.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
+    summary = {"steps": 0, "pass@1": None}
+    if c.max_steps > 0:
+        optimizer = optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.adamw(
+                optax.warmup_cosine_decay_schedule(
+                    0.0, c.lr, min(20, c.max_steps // 2), c.max_steps, c.lr * 0.1
+                )
+            ),
+        )
+        step_fn = supervised.make_train_step(graphdef, optimizer)
+        state = supervised.init_state(params, optimizer)
+        lengths = [
+            len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2
+            for p in train_problems
+        ]
+        length = -(-max(lengths) // 8) * 8
+        sampler = Sampler(graphdef, model_cfg, mesh)
+        scfg = SamplingConfig(
+            max_new_tokens=config.sampling.max_new_tokens,
+            temperature=1.0,
+            num_samples=config.eval.samples,
+            stop_tokens=(tokenizer.eos_id,),
+            pad_id=tokenizer.pad_id,
+            buckets=tuple(config.sampling.buckets),
+        )
+        order_rng = np.random.default_rng([config.seed, 7])
+        pass_at_1 = 0.0
+        for step in range(1, c.max_steps + 1):
+            idx = order_rng.integers(0, len(train_problems), c.batch_size)
+            tokens, mask, target = _batch(tokenizer, [train_problems[i] for i in idx], length)
+            state, mets = step_fn(state, tokens, mask, target)
+            if step % c.eval_every == 0 or step == c.max_steps:
+                ev = evaluation.evaluate(
+                    sampler,
+                    state.params,
+                    tokenizer,
+                    task,
+                    test_problems[: config.eval.prompts],
+                    jax.random.fold_in(rng, step),
+                    scfg,
+                )
+                pass_at_1 = ev["eval/pass@1"]
+                logging.info(
+                    "sft step %d loss %.3f held-out pass@1 %.3f",
+                    step,
+                    float(mets["loss"]),
+                    pass_at_1,
+                )
+                if pass_at_1 >= c.target_pass:
+                    break
+        params = state.params
+        summary = {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}
+    if jax.process_index() == 0:
+        checkpoint.save_params(path, model_cfg, params)
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return graphdef, params, summary
