@@ -25,8 +25,8 @@ import numpy as np
 import optax
 
 from rlscale import model, supervised
-from rlscale.scaling.compute import matmul_params
 from rlscale.sampling import sampler as sampling
+from rlscale.scaling.compute import matmul_params
 
 
 def _time(fn, repeats):
