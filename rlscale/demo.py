@@ -1,4 +1,4 @@
-"""The sampling demo that `rlscale.main` runs until the RL loop lands.
+"""The sampling demo (`--config configs/quickstart.py:demo`): a check of the sampler.
 
 It initializes the configured model (random weights) on a mesh, samples completions for random
 prompts with the jitted sampler, checks that the sampler's logprobs equal a full forward pass

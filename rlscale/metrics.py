@@ -42,7 +42,8 @@ class MetricWriter:
         self._jsonl.flush()
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(k, v, step)
+                # TensorBoard tags allow no "@": eval/pass@1 -> eval/pass_at_1.
+                self._tb.add_scalar(k.replace("@", "_at_"), v, step)
         if progress:
             self._progress(step, record)
 
