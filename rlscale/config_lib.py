@@ -94,6 +94,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         grad_clip=1.0,
         b1=0.9,
         b2=0.99,
+        eps=1e-8,
         weight_decay=0.0,
     )
     c.objective = recipe.default_config()

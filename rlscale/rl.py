@@ -172,7 +172,7 @@ def make_optimizer(c) -> optax.GradientTransformation:
     lr = optax.join_schedules([warmup, main], [c.warmup_steps])
     return optax.chain(
         optax.clip_by_global_norm(c.grad_clip),
-        optax.adamw(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+        optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
     )
 
 
