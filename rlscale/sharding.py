@@ -33,17 +33,9 @@ TRAIN_RULES: Rules = (
     ("cache_seq", None),
 )
 
-SAMPLE_RULES: Rules = (
-    ("batch", BATCH_AXES),
-    ("embed", None),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-    ("seq", None),
-    ("cache_seq", None),
+# Sampling keeps whole weights on each (data, fsdp) replica: no all-gather per decode step.
+SAMPLE_RULES: Rules = tuple(
+    (name, None if name == "embed" else target) for name, target in TRAIN_RULES
 )
 
 RULES = {"train": TRAIN_RULES, "sample": SAMPLE_RULES}

@@ -62,8 +62,8 @@ def parse_expression(text: str) -> tuple[list[int], list[str]] | None:
     return numbers, ops
 
 
-def evaluate(numbers: list[int], ops: list[str]) -> int:
-    """Value with the usual precedence (* before + and -)."""
+def fold_products(numbers: list[int], ops: list[str]) -> tuple[list[int], list[str]]:
+    """Multiplies out the products: 3-5*6 -> ([3, 30], ["-"])."""
     terms, signs = [numbers[0]], []
     for op, n in zip(ops, numbers[1:]):
         if op == "*":
@@ -71,6 +71,12 @@ def evaluate(numbers: list[int], ops: list[str]) -> int:
         else:
             terms.append(n)
             signs.append(op)
+    return terms, signs
+
+
+def evaluate(numbers: list[int], ops: list[str]) -> int:
+    """Value with the usual precedence (* before + and -)."""
+    terms, signs = fold_products(numbers, ops)
     value = terms[0]
     for sign, t in zip(signs, terms[1:]):
         value = value + t if sign == "+" else value - t
@@ -134,13 +140,7 @@ class Arithmetic(Task):
         value = evaluate(numbers, ops)
         # Worked steps: fold the products, then the sums left to right.
         steps = []
-        terms, signs = [numbers[0]], []
-        for op, n in zip(ops, numbers[1:]):
-            if op == "*":
-                terms[-1] *= n
-            else:
-                terms.append(n)
-                signs.append(op)
+        terms, signs = fold_products(numbers, ops)
         if "*" in ops and len(terms) > 1:
             steps.append("".join(f"{t}{s}" for t, s in zip(terms, signs)) + str(terms[-1]))
         demo = (steps[0] + "=" if steps else "") + f"{value} Answer: {value}"
