@@ -2,9 +2,9 @@
 
     python -m rlscale.main --config configs/quickstart.py --workdir /tmp/rlscale_quickstart
 
-Laptop CPU (2 cores): about 4 minutes, SFT warm start and compilation included. Measured
+Laptop CPU (2 cores): about 2.5 minutes, SFT warm start and compilation included. Measured
 result (seed 0): the warm start reaches held-out pass@1 0.21 after 350 SFT steps; the RL run
-starts at 0.18 and ends at 0.18 after 60 steps: RL does not yet beat the warm start on
+starts at 0.18 and ends at 0.16 after 60 steps: RL does not yet beat the warm start on
 held-out problems here (see the README, "What the quickstart shows").
 Variants: `:smoke` (3 steps of everything, under a minute: used by the tests), `:demo` (the
 sampling demo on a random model).
