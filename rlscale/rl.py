@@ -208,10 +208,10 @@ def run(config, workdir: str) -> dict:
     model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
     scfg = _sampling_config(config, tokenizer)
     eval_scfg = dataclasses.replace(scfg, num_samples=config.eval.samples)
-    sampler = Sampler(model.abstract_model(model_cfg)[0], model_cfg, mesh)
     graphdef, params, sft_summary = sft.warm_start(
         config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems
     )
+    sampler = Sampler(graphdef, model_cfg, mesh)
     needs = recipe.needs(config.objective)
     # The reference model is the same function with frozen params; copied because the train
     # state's buffers are donated to each update.
@@ -228,6 +228,7 @@ def run(config, workdir: str) -> dict:
         jnp.zeros((), jnp.int32),
     )
     batch_state = batch_tx.init()
+    batch_update = jax.jit(batch_tx.update)
     stream = filters.PromptStream(len(train_problems), seed=config.seed)
     history = filters.PassRateHistory(config.filters.retire_threshold)
     writer = metrics.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
@@ -269,9 +270,10 @@ def run(config, workdir: str) -> dict:
         def draw(round_index, params=state.params, step_rng=step_rng):
             ids = stream.next(config.batch.prompts, history.retired)
             chunk = [train_problems[i] for i in ids]
+            encoded = evaluation.encode_prompts(tokenizer, chunk)
             out = sampler(
                 params,
-                evaluation.encode_prompts(tokenizer, chunk),
+                encoded,
                 jax.random.fold_in(step_rng, round_index),
                 scfg,
             )
@@ -294,7 +296,7 @@ def run(config, workdir: str) -> dict:
                 else np.ones(len(ids), bool)
             )
             return {
-                "chunk": chunk,
+                "encoded": encoded,
                 "out": out,
                 "reward": reward,
                 "correct": correct,
@@ -337,12 +339,11 @@ def run(config, workdir: str) -> dict:
                 graphdef, ref_params, state.value_params, tokens, attn, P=P, with_value=False
             )["logp"]
             batch["logp"] = old["logp"]  # For a KL-in-reward transform before the update.
-        mask_f = np.asarray(roll.mask_NM, np.float32)
-        logp_gap = float(
-            np.sum(np.abs(np.asarray(old["logp"]) - roll.sampler_logp_NM) * mask_f)
-            / max(mask_f.sum(), 1.0)
+        mask_f = batch["mask"].astype(jnp.float32)
+        logp_gap = jnp.sum(jnp.abs(old["logp"] - batch["sampler_logp"]) * mask_f) / jnp.maximum(
+            jnp.sum(mask_f), 1.0
         )
-        terms, batch_state = batch_tx.update(batch, batch_state)
+        terms, batch_state = batch_update(batch, batch_state)
         batch["advantage"] = terms["advantage"]
         if "returns" in terms:
             batch["returns"] = terms["returns"]
@@ -394,9 +395,7 @@ def run(config, workdir: str) -> dict:
 
         # ---- compute accounting ----------------------------------------------------------
         n_gen = float(lengths.sum())
-        prompt_tokens = float(
-            sum(len(tokenizer.encode(p.prompt)) + 1 for d in draws for p in d["chunk"])
-        )
+        prompt_tokens = float(sum(len(p) for d in draws for p in d["encoded"]))
         ctx = P + config.sampling.max_new_tokens / 2
         counters["compute/sample_flops"] += compute.forward_flops(
             model_cfg, prompt_tokens + n_gen, ctx
@@ -417,7 +416,7 @@ def run(config, workdir: str) -> dict:
             "train/pass_rate": float(correct.mean()),
             "train/loss": loss_sum / max(denom, 1.0),
             "train/response_length": float(lengths.mean()),
-            "train/sampler_logp_gap": logp_gap,
+            "train/sampler_logp_gap": float(logp_gap),
             "train/truncated_frac": float(np.mean(truncated)),
             "train/kept_prompts": int(keep_P.sum()),
             "train/filtered_prompts": int(sum((~d["keep"]).sum() for d in draws)),
@@ -489,9 +488,7 @@ def _assemble(tokenizer, sampler, scfg, draws, n_prompts, G):
     (weight 0, for static shapes) dropped ones, `n_prompts` groups in all. Prompts are
     re-padded on the left to the longest round's bucket."""
     rolls = [
-        _rollouts(
-            tokenizer, sampler, d["chunk"], d["out"], scfg, d["reward"], np.repeat(d["keep"], G)
-        )
+        _rollouts(sampler, d["encoded"], d["out"], scfg, d["reward"], np.repeat(d["keep"], G))
         for d in draws
     ]
     P = max(r.prompt_len for r in rolls)
@@ -522,9 +519,9 @@ def _assemble(tokenizer, sampler, scfg, draws, n_prompts, G):
     return roll, keep_P
 
 
-def _rollouts(tokenizer, sampler, chunk, out, scfg, reward, keep_N) -> Rollouts:
+def _rollouts(sampler, encoded, out, scfg, reward, keep_N) -> Rollouts:
     """Prompt (left-padded to its bucket) + completion rows for the learner."""
-    prompt_BP, prompt_mask_BP = sampler.prepare(evaluation.encode_prompts(tokenizer, chunk), scfg)
+    prompt_BP, prompt_mask_BP = sampler.prepare(encoded, scfg)
     rep = out.prompt_index
     tokens = np.concatenate([prompt_BP[rep], np.asarray(out.tokens)], axis=1)
     comp_mask = np.asarray(out.mask) & keep_N[:, None]
