@@ -26,6 +26,9 @@ setuptools.setup(
         "ml-collections==1.1.0",
         "absl-py==2.5.1",
         "numpy==2.4.6",
+        # Scaling-curve fits (least squares) and their plots.
+        "scipy==1.17.1",
+        "matplotlib==3.11.2",
     ],
     extras_require={
         "test": ["pytest==9.2.0", "ruff==0.17.5"],

@@ -2,6 +2,7 @@
 
 The config is an ml_collections file, locked so a mistyped key is an error naming it; override
 any field with `--config.a.b=value`. Today it runs the sampling demo (`rlscale.demo`).
+After an RL run it fits the run's scaling curve (`scaling.fit_run`: `WORKDIR/scaling/`).
 """
 
 import os
@@ -67,6 +68,10 @@ def main(argv):
     print("\nrlscale run finished")
     for k, v in summary.items():
         print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
+    if jax.process_index() == 0:
+        from rlscale import scaling
+
+        print("  " + scaling.describe(scaling.fit_run(workdir)))
 
 
 if __name__ == "__main__":
