@@ -1,21 +1,25 @@
-"""Tokenizers: the `Tokenizer` interface and its SentencePiece backend.
+"""Tokenizers: the `Tokenizer` interface and its SentencePiece and Hugging Face backends.
 
 The rest of rlscale only sees `Tokenizer`: text to ids and back, the special ids
 and a lookup for marker pieces such as `</think>`. `SentencePieceTokenizer` wraps
 a SentencePiece model, and `train_sentencepiece` builds one in memory from a
 corpus, with fixed special ids (pad 0, unk 1, bos 2, eos 3) so that downstream
-code can rely on padding with 0.
+code can rely on padding with 0. `HFTokenizer` wraps a Hugging Face `tokenizer.json`
+(the `tokenizers` library, what transformers' fast tokenizers run), with its special
+tokens from `tokenizer_config.json`. `load(path)` picks the backend from what is on disk.
 """
 
 from __future__ import annotations
 
 import abc
 import io
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
+import tokenizers
 
 PAD_ID = 0
 UNK_ID = 1
@@ -189,15 +193,7 @@ class SentencePieceTokenizer(Tokenizer):
         ]
 
     def _wrap(self, ids: list[int], *, add_bos: bool, add_eos: bool) -> list[int]:
-        if add_bos:
-            if self.bos_id < 0:
-                raise ValueError("add_bos=True but this model has no bos token")
-            ids = [self.bos_id, *ids]
-        if add_eos:
-            if self.eos_id < 0:
-                raise ValueError("add_eos=True but this model has no eos token")
-            ids = [*ids, self.eos_id]
-        return ids
+        return _add_specials(ids, self.bos_id, self.eos_id, add_bos=add_bos, add_eos=add_eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
@@ -214,6 +210,244 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.id_to_piece(i) != piece:
             raise ValueError(f"piece {piece!r} is not in the vocabulary")
         return i
+
+
+# Files of a Hugging Face tokenizer directory.
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
+HF_SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
+_SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token")
+
+
+class HFTokenizer(Tokenizer):
+    """A `Tokenizer` backed by a Hugging Face `tokenizer.json` (the `tokenizers` library).
+
+    Build it from a model directory (or the `tokenizer.json` file in it) with
+    `HFTokenizer(path)`, or from a `tokenizers.Tokenizer` with `from_tokenizer`. The bos,
+    eos and pad tokens are read from the directory's `tokenizer_config.json` (a role it does
+    not mention is taken from `special_tokens_map.json`); a role that is absent or null has
+    id -1 (Qwen has no bos token, Llama 3 no pad token).
+
+    Encoding matches transformers' `tokenizer.encode(text, add_special_tokens=False)`: special
+    tokens written in the text (`<|im_start|>`, `<|eot_id|>`, ...) become their single ids,
+    and nothing is added unless `add_bos` / `add_eos` ask for it (the file's post-processor,
+    which would add a bos for Llama 3, is not applied). Decoding matches
+    `decode(ids, skip_special_tokens=True)`: special tokens (bos, eos, pad, end-of-turn
+    markers) decode to "", as SentencePiece control pieces do, while non-special added tokens
+    such as Qwen3's `<think>` are kept. Padding and truncation settings stored in the file are
+    switched off.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        """Loads a Hugging Face tokenizer.
+
+        Args:
+          path: A directory holding `tokenizer.json` (and usually `tokenizer_config.json`),
+            or the path of a `tokenizer.json` file (its directory is searched for the config).
+
+        Raises:
+          FileNotFoundError: If there is no `tokenizer.json`.
+          ValueError: If a file is not valid, or a special token it names is not in the
+            vocabulary.
+        """
+        path = os.fspath(path)
+        directory, file = (
+            (path, os.path.join(path, HF_TOKENIZER_FILE))
+            if os.path.isdir(path)
+            else (os.path.dirname(path), path)
+        )
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"Hugging Face tokenizer file not found: {file!r}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # The Rust side raises a bare Exception on bad JSON.
+            raise ValueError(f"{file!r} is not a valid tokenizer.json: {e}") from e
+        special, source = _read_special_tokens(directory)
+        self._init(backend, special, source=source)
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> HFTokenizer:
+        """Wraps a `tokenizers.Tokenizer` (a copy of it), with the given special tokens.
+
+        Raises:
+          ValueError: If a special token is not in the vocabulary.
+        """
+        self = cls.__new__(cls)
+        special = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+        self._init(tokenizers.Tokenizer.from_str(backend.to_str()), special, source="arguments")
+        return self
+
+    def _init(self, backend: tokenizers.Tokenizer, special: dict, *, source: str) -> None:
+        backend.no_padding()
+        backend.no_truncation()
+        self._backend = backend
+        self._special_tokens = dict(special)
+        ids = {}
+        for role in _SPECIAL_ROLES:
+            token = special.get(role)
+            if token is None:
+                ids[role] = -1
+                continue
+            i = backend.token_to_id(token)
+            if i is None:
+                raise ValueError(f"{role} {token!r} (from {source}) is not in the vocabulary")
+            ids[role] = i
+        self._bos_id, self._eos_id, self._pad_id = (ids[r] for r in _SPECIAL_ROLES)
+        # Added tokens may sit above the base vocabulary with gaps; every id maps below this.
+        self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+
+    def __reduce__(self):
+        # Rebuilt from the JSON, so the tokenizer crosses process boundaries as a value.
+        return (_hf_from_json, (self._backend.to_str(), self._special_tokens))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._backend
+
+    @property
+    def special_tokens(self) -> dict[str, str | None]:
+        """The bos, eos and pad token strings (None when absent)."""
+        return dict(self._special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return _add_specials(ids, self.bos_id, self.eos_id, add_bos=add_bos, add_eos=add_eos)
+
+    def encode_batch(
+        self, texts: Iterable[str], *, add_bos: bool = False, add_eos: bool = False
+    ) -> list[list[int]]:
+        # One native call encodes the whole list (in parallel in Rust).
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+        return [
+            _add_specials(e.ids, self.bos_id, self.eos_id, add_bos=add_bos, add_eos=add_eos)
+            for e in encodings
+        ]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"token id {i} is out of range [0, {self._vocab_size})")
+        # The pad token is normally special (skipped below); drop it even when it is not.
+        ids = [i for i in ids if i != self._pad_id]
+        return self._backend.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, piece: str) -> int:
+        i = self._backend.token_to_id(piece)
+        if i is None:
+            raise ValueError(f"piece {piece!r} is not in the vocabulary")
+        return i
+
+
+def _hf_from_json(backend_json: str, special: dict) -> HFTokenizer:
+    self = HFTokenizer.__new__(HFTokenizer)
+    self._init(tokenizers.Tokenizer.from_str(backend_json), special, source="a pickle")
+    return self
+
+
+def _add_specials(ids: list[int], bos_id: int, eos_id: int, *, add_bos: bool, add_eos: bool):
+    if add_bos:
+        if bos_id < 0:
+            raise ValueError("add_bos=True but this model has no bos token")
+        ids = [bos_id, *ids]
+    if add_eos:
+        if eos_id < 0:
+            raise ValueError("add_eos=True but this model has no eos token")
+        ids = [*ids, eos_id]
+    return ids
+
+
+def _token_content(value) -> str | None:
+    """A special-token entry of a tokenizer config: a string, null, or a serialized
+    `AddedToken` (`{"content": "<s>", ...}`, the older transformers format)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"unrecognized special-token entry {value!r}")
+
+
+def _read_special_tokens(directory: str) -> tuple[dict[str, str | None], str]:
+    """The bos/eos/pad strings of a Hugging Face tokenizer directory.
+
+    `tokenizer_config.json` decides; a role it does not mention at all is taken from
+    `special_tokens_map.json` (older checkpoints keep them there). A role in neither is None.
+
+    Returns:
+      ({role: token or None}, the files read, for error messages).
+    """
+    special: dict[str, str | None] = {}
+    read = []
+    for name in (HF_CONFIG_FILE, HF_SPECIAL_TOKENS_FILE):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        read.append(repr(path))
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            for role in _SPECIAL_ROLES:
+                if role in config and role not in special:
+                    special[role] = _token_content(config[role])
+        except ValueError as e:  # json.JSONDecodeError is a ValueError.
+            raise ValueError(f"{path!r}: {e}") from e
+    source = " and ".join(read) if read else f"no {HF_CONFIG_FILE} in {directory!r}"
+    return {role: special.get(role) for role in _SPECIAL_ROLES}, source
+
+
+def load(path: str | os.PathLike[str]) -> Tokenizer:
+    """Loads a tokenizer, picking the backend from what `path` holds.
+
+    * a SentencePiece `.model` file: `SentencePieceTokenizer`;
+    * a `tokenizer.json` file, or a directory holding one (a Hugging Face model directory):
+      `HFTokenizer`;
+    * a directory holding only `tokenizer.model`: `SentencePieceTokenizer`.
+
+    Raises:
+      FileNotFoundError: If `path` holds none of these, naming what was looked for.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, HF_TOKENIZER_FILE)):
+            return HFTokenizer(path)
+        if os.path.isfile(os.path.join(path, SENTENCEPIECE_FILE)):
+            return SentencePieceTokenizer(os.path.join(path, SENTENCEPIECE_FILE))
+        raise FileNotFoundError(
+            f"{path!r} holds neither {HF_TOKENIZER_FILE} nor {SENTENCEPIECE_FILE}"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path not found: {path!r}")
+    if path.endswith(".json"):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)
 
 
 def train_sentencepiece(
