@@ -81,7 +81,16 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         mlp_dim=384,
         max_seq_len=128,
     )
-    c.sft = dict(max_steps=400, batch_size=64, lr=3e-3, eval_every=50, target_pass=0.15)
+    c.sft = dict(
+        max_steps=400,
+        batch_size=64,
+        lr=3e-3,
+        eval_every=50,
+        target_pass=0.15,
+        # Demonstrations that end with the graded "Answer: N" line; the rest stop after the
+        # working ("7+15-2=22-2=20"), which the verifier scores 0.
+        answer_line_fraction=1.0,
+    )
     c.batch = dict(prompts=32, group_size=8)
     c.sampling = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, buckets=(16, 32, 64))
     c.learner = dict(epochs=1, minibatches=1, micro_batches=1)  # Optimizer steps per batch.

@@ -10,16 +10,22 @@ import optax
 from absl import logging
 
 from rlscale import checkpoint, evaluation, sharding, supervised
+from rlscale.data import tasks
 from rlscale.sampling import Sampler, SamplingConfig
 
 
-def _batch(tokenizer, problems, length):
+def _batch(tokenizer, problems, length, bare_B=None):
+    """Token, attention and target masks; `bare_B[i]` drops the "Answer: N" line from
+    problem i's demonstration."""
     tokens = np.full((len(problems), length), tokenizer.pad_id, np.int32)
     mask = np.zeros((len(problems), length), bool)
     target = np.zeros((len(problems), length), bool)
     for i, p in enumerate(problems):
         prompt = tokenizer.encode(p.prompt, add_bos=True)
-        completion = tokenizer.encode(p.demo, add_eos=True)
+        demo = p.demo
+        if bare_B is not None and bare_B[i]:
+            demo = tasks.without_answer_line(p)
+        completion = tokenizer.encode(demo, add_eos=True)
         seq = (prompt + completion)[:length]
         tokens[i, : len(seq)] = seq
         mask[i, : len(seq)] = True
@@ -76,7 +82,10 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
         pass_at_1 = 0.0
         for step in range(1, c.max_steps + 1):
             idx = order_rng.integers(0, len(train_problems), c.batch_size)
-            tokens, mask, target = _batch(tokenizer, [train_problems[i] for i in idx], length)
+            bare_B = order_rng.random(c.batch_size) >= c.answer_line_fraction
+            tokens, mask, target = _batch(
+                tokenizer, [train_problems[i] for i in idx], length, bare_B
+            )
             state, mets = step_fn(state, tokens, mask, target)
             if step % c.eval_every == 0 or step == c.max_steps:
                 ev = evaluation.evaluate(

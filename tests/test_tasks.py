@@ -32,11 +32,37 @@ def test_arithmetic_verifier_hand_cases():
     assert task.verify("Answer: -27.0", p) == 0.0
 
 
+def test_arithmetic_demo_takes_one_operation_per_step():
+    task = tasks.get("arithmetic", 3)
+    p = task._sample(_FixedRng([7, 5, 3, 2], ["+", "*", "-"]))
+    assert p.prompt == "Q: 7+5*3-2="
+    assert p.demo == "7+15-2=22-2=20 Answer: 20"
+    assert tasks.without_answer_line(p) == "7+15-2=22-2=20"
+    assert task.verify(tasks.without_answer_line(p), p) == 0.0
+
+
+class _FixedRng:
+    """Stands in for np.random.Generator: returns scripted numbers, then operators."""
+
+    def __init__(self, numbers, ops):
+        self.numbers, self.ops = numbers, ops
+
+    def integers(self, low, high, size):
+        del low, high, size
+        return self.numbers
+
+    def choice(self, options, size):
+        del options, size
+        return self.ops
+
+
 def test_countdown_verifier_hand_cases():
     task = tasks.get("countdown", 3)
     p = tasks.Problem(prompt="Q: reach 22 with 3 5 7=", answer="22", demo="3*5+7 Answer: 22")
     assert task.verify("3*5+7 Answer: 22", p) == 1.0
-    assert task.verify("7+3*5", p) == 1.0  # Another valid solution.
+    assert task.verify("7+3*5 Answer: 22", p) == 1.0  # Another valid solution.
+    assert task.verify("7+3*5", p) == 0.0  # No "Answer:" line: fail closed.
+    assert task.verify("3*5+7 Answer: 21", p) == 0.0  # The stated answer must be the target.
     assert task.verify("3*5+7+0 Answer: 22", p) == 0.0  # 0 is not an input.
     assert task.verify("7+7+3+5 Answer: 22", p) == 0.0  # 7 used twice.
     assert task.verify("3*5+6 Answer: 22", p) == 0.0

@@ -6,10 +6,15 @@ seed, split, index), and the held-out split is disjoint from the training split 
 construction (a problem belongs to the split its prompt's hash picks). Verifiers are exact and
 never evaluate model text with `eval`: they parse it with a small grammar.
 
-  arithmetic   "Q: 7+5*3-2=" -> "7+15-2=20 Answer: 20"; difficulty = number of operators.
+  arithmetic   "Q: 7+5*3-2=" -> "7+15-2=22-2=20 Answer: 20" (one operation per step);
+               difficulty = number of operators.
   countdown    "Q: reach 22 with 3 5 7" -> "3*5+7 Answer: 22"; difficulty = number of inputs;
                any expression that uses the inputs at most once each and equals the target
                scores 1.
+
+Both verifiers grade only a completion that ends with the answer line "Answer: N": working
+without a stated answer scores 0 (`without_answer_line` writes such demonstrations, for a warm
+start that has to learn the answer format from the reward).
 """
 
 import dataclasses
@@ -89,6 +94,11 @@ def final_answer(completion: str) -> str | None:
     return m.group(1) if m else None
 
 
+def without_answer_line(problem: Problem) -> str:
+    """The demonstration's working without its final "Answer: N" line."""
+    return problem.demo.rsplit("Answer:", 1)[0].strip()
+
+
 class Task:
     """Base class: `problem(split, index)`, `problems(split, n)` and `verify`."""
 
@@ -138,12 +148,16 @@ class Arithmetic(Task):
         ops = [str(o) for o in rng.choice(["+", "-", "*"], k)]
         expr = "".join(f"{n}{o}" for n, o in zip(numbers, ops)) + str(numbers[-1])
         value = evaluate(numbers, ops)
-        # Worked steps: fold the products, then the sums left to right.
+        # Worked steps: one operation per step, products first, then left to right.
         steps = []
-        terms, signs = fold_products(numbers, ops)
-        if "*" in ops and len(terms) > 1:
-            steps.append("".join(f"{t}{s}" for t, s in zip(terms, signs)) + str(terms[-1]))
-        demo = (steps[0] + "=" if steps else "") + f"{value} Answer: {value}"
+        while ops:
+            i = ops.index("*") if "*" in ops else 0
+            a, b = numbers[i], numbers[i + 1]
+            r = a * b if ops[i] == "*" else a + b if ops[i] == "+" else a - b
+            numbers = numbers[:i] + [r] + numbers[i + 2 :]
+            ops = ops[:i] + ops[i + 1 :]
+            steps.append("".join(f"{n}{o}" for n, o in zip(numbers, ops)) + str(numbers[-1]))
+        demo = "=".join(steps) + f" Answer: {value}"
         return Problem(prompt=f"Q: {expr}=", answer=str(value), demo=demo)
 
     def verify(self, completion, problem):
@@ -167,6 +181,8 @@ class Countdown(Task):
 
     def verify(self, completion, problem):
         text = completion.strip()
+        if final_answer(text) != problem.answer:
+            return 0.0
         head = text.split("Answer:")[0]
         parsed = parse_expression(head)
         if parsed is None:
