@@ -21,13 +21,6 @@ def get_config(arg=None):
     c.recipe = "quickstart"
     c.steps = 80
     c.eval.every = 5
-    c.sampling.max_new_tokens = 32
-    # The warm start imitates demonstrations of which only a quarter state the graded
-    # "Answer: N" line: it works problems out well but rarely says the answer (README).
-    c.sft.max_steps = 900
-    c.sft.eval_every = 300
-    c.sft.target_pass = 0.5
-    c.sft.answer_line_fraction = 0.25
     c.objective.advantages.scale = "batch_std"
     c.objective.policy.name = "cispo"
     c.objective.aggregate = "prompt_mean"

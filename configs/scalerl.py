@@ -1,5 +1,5 @@
 """ScaleRL (Khatri et al. 2025): CISPO (eps_max 4), prompt-mean loss, batch-std advantages, FP32 LM
-head, zero-variance filtering, no-positive-resampling.
+head, zero-variance filtering, no-positive-resampling, forced length interruption.
 
     python -m rlscale.main --config configs/scalerl.py --workdir /tmp/rlscale_scalerl
 
@@ -23,6 +23,8 @@ def get_config(arg=None):
     c.filters.zero_variance = True
     c.filters.retire = True
     c.filters.retire_threshold = 0.9
+    # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
+    c.sampling.think_budget = 24
     if arg.smoke:
         config_lib.smoke(c)
     return c

@@ -81,18 +81,32 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         mlp_dim=384,
         max_seq_len=128,
     )
+    # The warm start imitates demonstrations of which only a quarter state the graded
+    # "Answer: N" line: it works problems out well but rarely says the answer (README).
     c.sft = dict(
-        max_steps=400,
+        max_steps=900,
         batch_size=64,
         lr=3e-3,
-        eval_every=50,
-        target_pass=0.15,
+        eval_every=300,
+        target_pass=0.5,  # Stop early once the warm start solves this much of held-out.
         # Demonstrations that end with the graded "Answer: N" line; the rest stop after the
         # working ("7+15-2=22-2=20"), which the verifier scores 0.
-        answer_line_fraction=1.0,
+        answer_line_fraction=0.25,
+        reuse_from="",  # Another run's workdir whose data, tokenizer and warm start to copy.
     )
     c.batch = dict(prompts=32, group_size=8)
-    c.sampling = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, buckets=(16, 32, 64))
+    c.sampling = dict(
+        max_new_tokens=32,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        buckets=(16, 32, 64),
+        # Forced interruption (ScaleRL): after think_budget tokens without `think_end` (one
+        # token), `interrupt_phrase` is written in and the model answers. 0: off.
+        think_budget=0,
+        interrupt_phrase=" Answer:",
+        think_end=" Answer",
+    )
     c.learner = dict(epochs=1, minibatches=1, micro_batches=1)  # Optimizer steps per batch.
     c.optim = dict(
         lr=1e-4,

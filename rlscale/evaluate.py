@@ -103,7 +103,7 @@ def sampling_config(config, tokenizer, k: int) -> SamplingConfig:
     Stops at the EOS and, for a chat-formatted task, at the template's end-of-turn token.
     Tokenizers without a pad token (Llama 3) left-pad prompts with the EOS (padding is masked).
     """
-    cfg = rl._sampling_config(config, tokenizer)
+    cfg = rl.sampling_config(config, tokenizer)
     stop = cfg.stop_tokens
     if config.task.name == "math" and config.task.chat_template:
         stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))

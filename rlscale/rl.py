@@ -191,6 +191,7 @@ def run(config, workdir: str) -> dict:
     n_devices = mesh.devices.size
 
     # ---- data --------------------------------------------------------------------------
+    sft.reuse(config, workdir)
     task = tasks.get(config.task.name, config.task.difficulty, config.task.seed)
     sources = builders.materialize(
         config.task.name,
@@ -206,7 +207,7 @@ def run(config, workdir: str) -> dict:
 
     # ---- models ------------------------------------------------------------------------
     model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
-    scfg = _sampling_config(config, tokenizer)
+    scfg = sampling_config(config, tokenizer)
     eval_scfg = dataclasses.replace(scfg, num_samples=config.eval.samples)
     graphdef, params, sft_summary = sft.warm_start(
         config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems
@@ -353,6 +354,7 @@ def run(config, workdir: str) -> dict:
         correct = np.concatenate([d["correct"] for d in draws])
         lengths = np.concatenate([d["lengths"] for d in draws])
         truncated = np.concatenate([np.asarray(d["out"].truncated) for d in draws])
+        interrupted = np.concatenate([np.asarray(d["out"].interrupted) for d in draws])
 
         # ---- update ----------------------------------------------------------------------
         t_update = time.time()
@@ -418,6 +420,7 @@ def run(config, workdir: str) -> dict:
             "train/response_length": float(lengths.mean()),
             "train/sampler_logp_gap": float(logp_gap),
             "train/truncated_frac": float(np.mean(truncated)),
+            "train/interrupted_frac": float(np.mean(interrupted)),
             "train/kept_prompts": int(keep_P.sum()),
             "train/filtered_prompts": int(sum((~d["keep"]).sum() for d in draws)),
             "train/sampling_rounds": len(draws),
@@ -469,9 +472,23 @@ def _tokenizer(config, workdir, problems):
     )
 
 
-def _sampling_config(config, tokenizer) -> SamplingConfig:
+def sampling_config(config, tokenizer) -> SamplingConfig:
+    """The run's `SamplingConfig`: `config.sampling` with its texts (the forced-interruption
+    phrase and end-of-thinking marker) encoded by the run's tokenizer."""
     s = config.sampling
+    interrupt_ids, think_end = (), ()
+    if s.think_budget:
+        interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
+        think_end = tuple(tokenizer.encode(s.think_end))
+        if len(think_end) != 1:
+            raise ValueError(
+                f"sampling.think_end={s.think_end!r} is {len(think_end)} tokens "
+                f"({list(think_end)}); it must be exactly one token of the tokenizer"
+            )
     return SamplingConfig(
+        think_budget=s.think_budget,
+        interrupt_ids=interrupt_ids,
+        think_end_tokens=think_end,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         top_k=s.top_k,
@@ -524,7 +541,8 @@ def _rollouts(sampler, encoded, out, scfg, reward, keep_N) -> Rollouts:
     prompt_BP, prompt_mask_BP = sampler.prepare(encoded, scfg)
     rep = out.prompt_index
     tokens = np.concatenate([prompt_BP[rep], np.asarray(out.tokens)], axis=1)
-    comp_mask = np.asarray(out.mask) & keep_N[:, None]
+    # Tokens written by forced interruption are context, not actions: out of the loss.
+    comp_mask = np.asarray(out.mask) & ~np.asarray(out.forced) & keep_N[:, None]
     attn = np.concatenate([prompt_mask_BP[rep], np.asarray(out.mask)], axis=1)
     return Rollouts(
         tokens_NL=tokens.astype(np.int32),

@@ -3,6 +3,7 @@ a minority of held-out problems, so RL has something to improve. Cached in WORKD
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -33,11 +34,73 @@ def _batch(tokenizer, problems, length, bare_B=None):
     return tokens, mask, target
 
 
+def _inputs(config) -> dict:
+    """The config sections a warm start depends on (with its data and tokenizer)."""
+    sft = {k: v for k, v in config.sft.to_dict().items() if k != "reuse_from"}
+    return {
+        "seed": config.seed,
+        "task": config.task.to_dict(),
+        "tokenizer": config.tokenizer.to_dict(),
+        "model": config.model.to_dict(),
+        "sft": sft,
+        "eval": {"prompts": config.eval.prompts, "samples": config.eval.samples},
+        "sampling": {"max_new_tokens": config.sampling.max_new_tokens},
+    }
+
+
+def _differences(saved: dict, wanted: dict, prefix="") -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(k), wanted.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def reuse(config, workdir) -> None:
+    """Copies the data, tokenizer and warm start of `config.sft.reuse_from` (another run's
+    workdir) into `workdir`, so runs that differ only after the warm start (a sweep over RL
+    settings) train it once. Fails, listing the differences, unless that warm start was made
+    with the same task, tokenizer, model and SFT settings."""
+    src = config.sft.reuse_from
+    if not src or os.path.exists(os.path.join(workdir, "sft", "sft.json")):
+        return
+    inputs_path = os.path.join(src, "sft", "inputs.json")
+    if not os.path.exists(inputs_path):
+        raise ValueError(f"sft.reuse_from={src!r}: {inputs_path} does not exist (no warm start)")
+    with open(inputs_path) as f:
+        diff = _differences(json.load(f), json.loads(json.dumps(_inputs(config))))
+    if diff:
+        raise ValueError(
+            f"sft.reuse_from={src!r} was trained with different settings:\n  " + "\n  ".join(diff)
+        )
+    os.makedirs(workdir, exist_ok=True)
+    for name in ("data", "tokenizer.model", "sft"):
+        from_path, to_path = os.path.join(src, name), os.path.join(workdir, name)
+        if os.path.isdir(from_path):
+            shutil.copytree(from_path, to_path, dirs_exist_ok=True)
+        else:
+            shutil.copy2(from_path, to_path)
+    logging.info("copied the warm start, data and tokenizer of %s", src)
+
+
 def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
     """(graphdef, params, summary): from the cache, or trained now and cached."""
     path = os.path.join(workdir, "sft")
     summary_path = os.path.join(path, "sft.json")
+    inputs = json.loads(json.dumps(_inputs(config)))  # Tuples as lists, as read back.
     if os.path.exists(summary_path):
+        inputs_path = os.path.join(path, "inputs.json")
+        if os.path.exists(inputs_path):
+            with open(inputs_path) as f:
+                diff = _differences(json.load(f), inputs)
+            if diff:
+                raise ValueError(
+                    f"{path} holds a warm start made with different settings; delete it or use "
+                    "another workdir:\n  " + "\n  ".join(diff)
+                )
         cfg, graphdef, params = checkpoint.load_params(path, mesh=mesh)
         if cfg != model_cfg:
             raise ValueError(
@@ -110,6 +173,8 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
         summary = {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}
     if jax.process_index() == 0:
         checkpoint.save_params(path, model_cfg, params)
-        with open(summary_path, "w") as f:
+        with open(os.path.join(path, "inputs.json"), "w") as f:
+            json.dump(inputs, f, indent=2)
+        with open(summary_path, "w") as f:  # Written last: its presence marks a complete cache.
             json.dump(summary, f, indent=2)
     return graphdef, params, summary

@@ -50,6 +50,34 @@ def test_recipe_runs(name, warm, tmp_path):
         assert "train/value_loss" in train[0]
     if name == "dapo":
         assert all(x["train/sampling_rounds"] >= 1 for x in train)
+    if name == "scalerl":
+        assert config.sampling.think_budget > 0
+        assert all(0 <= x["train/interrupted_frac"] <= 1 for x in train)
+
+
+def test_forced_tokens_are_context_not_actions():
+    """Rows for the learner keep interruption tokens in attention but out of the loss."""
+    from rlscale.sampling import SampleOutput
+
+    class FakeSampler:
+        def prepare(self, encoded, scfg):
+            return np.array([[0, 5, 6]]), np.array([[False, True, True]])
+
+    mask = np.array([[True, True, True, True, False]] * 2)
+    forced = np.array([[False, True, True, False, False], [False] * 5])
+    out = SampleOutput(
+        tokens=np.array([[7, 8, 9, 3, 0]] * 2),
+        mask=mask,
+        logprobs=np.where(mask & ~forced, -1.0, 0.0),
+        lengths=np.array([4, 4]),
+        truncated=np.array([False, False]),
+        forced=forced,
+        interrupted=np.array([True, False]),
+        prompt_index=np.array([0, 0]),
+    )
+    roll = rl._rollouts(FakeSampler(), None, out, None, np.ones(2), np.ones(2, bool))
+    assert roll.mask_NM.tolist() == (mask & ~forced).tolist()
+    assert roll.attn_mask_NL[:, 3:].tolist() == mask.tolist()
 
 
 def test_bad_config_lists_every_problem():

@@ -228,3 +228,51 @@ def test_decode_phases_give_the_same_samples(setup):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.mask, b.mask)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_forced_interruption(setup):
+    """Rows still thinking at the budget get the phrase written in (not sampled: flagged,
+    logprob 0, stop tokens inside it ignored), then sampling resumes; rows that closed their
+    thinking first are left alone; every sampled token's logprob still equals the full
+    forward pass over the whole sequence, phrase included."""
+    cfg, graphdef, params, smp = setup
+    budget, phrase, think_end = 5, (3, 40, 41), 30
+    scfg = SamplingConfig(
+        max_new_tokens=14,
+        num_samples=16,
+        temperature=1.5,
+        stop_tokens=(3,),
+        think_budget=budget,
+        interrupt_ids=phrase,
+        think_end_tokens=(think_end,),
+    )
+    base = SamplingConfig(max_new_tokens=14, num_samples=16, temperature=1.5, stop_tokens=(3,))
+    out = smp(params, PROMPTS, jax.random.key(5), scfg)
+    tokens, mask, forced = map(np.asarray, (out.tokens, out.mask, out.forced))
+    logprobs, interrupted = np.asarray(out.logprobs), np.asarray(out.interrupted)
+    closed = [think_end in tokens[n, :budget] for n in range(len(tokens))]
+    assert interrupted.any() and any(closed)  # Both cases occur in this draw.
+    for n in range(tokens.shape[0]):
+        head = tokens[n, :budget][mask[n, :budget]]
+        expect = mask[n, budget - 1] and tokens[n, budget - 1] != 3 and think_end not in head
+        assert interrupted[n] == expect, n
+        if expect:
+            assert list(tokens[n, budget : budget + 3]) == list(phrase)
+            assert forced[n].tolist() == [budget <= t < budget + 3 for t in range(14)]
+            assert np.all(logprobs[n, budget : budget + 3] == 0)
+            assert mask[n, budget + 3]  # The stop token in the phrase did not end the row.
+        else:
+            assert not forced[n].any()
+    # Sampled tokens' logprobs are those of the full sequence; forced ones are excluded.
+    p_tok, p_mask = smp.prepare(PROMPTS, scfg)
+    ref = demo.recompute_logprobs(
+        graphdef, params, p_tok[out.prompt_index], p_mask[out.prompt_index], out, base
+    )
+    sampled = mask & ~forced
+    np.testing.assert_allclose(logprobs[sampled], np.asarray(ref)[sampled], atol=1e-5)
+    with pytest.raises(ValueError, match="no room to answer"):
+        SamplingConfig(
+            max_new_tokens=8, think_budget=5, interrupt_ids=phrase, think_end_tokens=(1,)
+        )
+    with pytest.raises(ValueError, match="needs interrupt_ids"):
+        SamplingConfig(max_new_tokens=8, think_budget=2)

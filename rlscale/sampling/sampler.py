@@ -44,6 +44,13 @@ class SamplingConfig:
         between them (bucket + max_new_tokens * j / phases slots in phase j), so early steps
         attend over a shorter buffer. Each phase is a separately compiled loop and each growth
         copies the cache once; worth it for long generations.
+      think_budget: forced interruption (ScaleRL, Khatri et al. 2025): a completion that has
+        generated this many tokens without sampling one of `think_end_tokens` gets
+        `interrupt_ids` written next (not sampled; flagged in `SampleOutput.forced`), then
+        sampling resumes so the model can answer within the rest of `max_new_tokens`. 0: off.
+      interrupt_ids: the end-of-thinking phrase's ids.
+      think_end_tokens: ids that close the thinking; a row that samples one is never
+        interrupted.
     """
 
     max_new_tokens: int = 64
@@ -55,9 +62,21 @@ class SamplingConfig:
     pad_id: int = 0
     buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     decode_phases: int = 1
+    think_budget: int = 0
+    interrupt_ids: tuple[int, ...] = ()
+    think_end_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         problems = []
+        if self.think_budget < 0:
+            problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
+        if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):
+            problems.append("think_budget > 0 needs interrupt_ids and think_end_tokens")
+        if self.think_budget and self.think_budget + len(self.interrupt_ids) >= self.max_new_tokens:
+            problems.append(
+                f"think_budget={self.think_budget} + {len(self.interrupt_ids)} interruption "
+                f"tokens leaves no room to answer within max_new_tokens={self.max_new_tokens}"
+            )
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature < 0:
@@ -94,6 +113,9 @@ class SampleOutput(NamedTuple):
         sampled from; 0 where `mask` is False, and 0 for greedy decoding.
       lengths: [N] completion lengths.
       truncated: [N] True when the completion hit `max_new_tokens` without a stop token.
+      forced: [N, M] True on tokens written by forced interruption rather than sampled
+        (logprob 0; a learner masks them out of the loss).
+      interrupted: [N] True when the completion was interrupted.
       prompt_index: [N] which prompt each row continues.
     """
 
@@ -102,6 +124,8 @@ class SampleOutput(NamedTuple):
     logprobs: jax.Array
     lengths: jax.Array
     truncated: jax.Array
+    forced: jax.Array
+    interrupted: jax.Array
     prompt_index: np.ndarray
 
 
@@ -236,48 +260,71 @@ def generate(
     cache = _constrain(cache, cache_axes, layout)
     N = B * n
     stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+    think_end = jnp.asarray(cfg.think_end_tokens or (-1,), jnp.int32)
+    phrase = jnp.asarray(cfg.interrupt_ids or (0,), jnp.int32)
+    budget, L = cfg.think_budget, len(cfg.interrupt_ids)
 
     def cond(carry, end):
-        i, _, _, _, done_N, *_ = carry
-        return (i < end) & ~jnp.all(done_N)
+        return (carry["i"] < end) & ~jnp.all(carry["done_N"])
 
-    def body(carry):
-        i, logits_NV, cache, pos_N, done_N, length_N, tokens_NM, logprobs_NM = carry
-        token_N, logp_N = sample_tokens(logits_NV, jax.random.fold_in(rng, i), cfg)
-        live_N = ~done_N
+    def body(c):
+        i = c["i"]
+        token_N, logp_N = sample_tokens(c["logits_NV"], jax.random.fold_in(rng, i), cfg)
+        live_N = ~c["done_N"]
+        interrupted_N, forced_N = c["interrupted_N"], jnp.zeros_like(live_N)
+        if budget:  # Forced interruption: rows still thinking at the budget get the phrase.
+            interrupted_N = interrupted_N | ((i == budget) & live_N & ~c["thought_N"])
+            forced_N = interrupted_N & (i >= budget) & (i < budget + L) & live_N
+            token_N = jnp.where(forced_N, phrase[jnp.clip(i - budget, 0, L - 1)], token_N)
+            logp_N = jnp.where(forced_N, 0.0, logp_N)
         token_N = jnp.where(live_N, token_N, cfg.pad_id)
         logp_N = jnp.where(live_N, logp_N, 0.0)
-        tokens_NM = jax.lax.dynamic_update_slice(tokens_NM, token_N[:, None], (0, i))
-        logprobs_NM = jax.lax.dynamic_update_slice(logprobs_NM, logp_N[:, None], (0, i))
-        length_N = length_N + live_N
-        done_N = done_N | jnp.isin(token_N, stop)
         logits_N1V, cache = decoder.forward(
-            graphdef, params, token_N[:, None], pos_N[:, None], live_N[:, None], cache
+            graphdef, params, token_N[:, None], c["pos_N"][:, None], live_N[:, None], c["cache"]
         )
-        return (i + 1, logits_N1V[:, 0], cache, pos_N + 1, done_N, length_N, tokens_NM, logprobs_NM)
+        return {
+            "i": i + 1,
+            "logits_NV": logits_N1V[:, 0],
+            "cache": cache,
+            "pos_N": c["pos_N"] + 1,
+            # A forced phrase never ends a completion, even if it holds a stop token.
+            "done_N": c["done_N"] | (jnp.isin(token_N, stop) & ~forced_N),
+            "thought_N": c["thought_N"] | (jnp.isin(token_N, think_end) & live_N),
+            "interrupted_N": interrupted_N,
+            "length_N": c["length_N"] + live_N,
+            "tokens_NM": jax.lax.dynamic_update_slice(c["tokens_NM"], token_N[:, None], (0, i)),
+            "logprobs_NM": jax.lax.dynamic_update_slice(c["logprobs_NM"], logp_N[:, None], (0, i)),
+            "forced_NM": jax.lax.dynamic_update_slice(c["forced_NM"], forced_N[:, None], (0, i)),
+        }
 
-    init = (
-        jnp.zeros((), jnp.int32),
-        logits_BV,
-        cache,
-        pos_B,
-        jnp.zeros((N,), bool),
-        jnp.zeros((N,), jnp.int32),
-        jnp.full((N, M), cfg.pad_id, jnp.int32),
-        jnp.zeros((N, M), jnp.float32),
-    )
-    carry = init
+    carry = {
+        "i": jnp.zeros((), jnp.int32),
+        "logits_NV": logits_BV,
+        "cache": cache,
+        "pos_N": pos_B,
+        "done_N": jnp.zeros((N,), bool),
+        "thought_N": jnp.zeros((N,), bool),
+        "interrupted_N": jnp.zeros((N,), bool),
+        "length_N": jnp.zeros((N,), jnp.int32),
+        "tokens_NM": jnp.full((N, M), cfg.pad_id, jnp.int32),
+        "logprobs_NM": jnp.zeros((N, M), jnp.float32),
+        "forced_NM": jnp.zeros((N, M), bool),
+    }
     for j, size in enumerate(sizes):
         if j:
-            carry = (
-                carry[:2]
-                + (_constrain(grow_cache(carry[2], size), cache_axes, layout),)
-                + (carry[3:])
-            )
+            carry["cache"] = _constrain(grow_cache(carry["cache"], size), cache_axes, layout)
         carry = jax.lax.while_loop(functools.partial(cond, end=size - P), body, carry)
-    _, _, _, _, done_N, length_N, tokens_NM, logprobs_NM = carry
+    length_N, tokens_NM = carry["length_N"], carry["tokens_NM"]
     mask_NM = jnp.arange(M)[None, :] < length_N[:, None]
-    return tokens_NM, mask_NM, logprobs_NM, length_N, ~done_N
+    return (
+        tokens_NM,
+        mask_NM,
+        carry["logprobs_NM"],
+        length_N,
+        ~carry["done_N"],
+        carry["forced_NM"],
+        carry["interrupted_N"],
+    )
 
 
 class Sampler:
