@@ -2,5 +2,5 @@
 
 `math`: final-answer checking for math problems (math-verify in a worker-process sandbox).
 `sandbox`: the worker pool with per-call deadlines that verifiers which can hang run in.
-`isolation`: in-process fault isolation for cheap verifiers.
+`isolation`: one failing sample costs one reward (in process, or in a `sandbox` pool).
 """
