@@ -130,6 +130,14 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         overlong_cache=0,
     )
     c.eval = dict(every=10, prompts=200, samples=4)
+    # Checkpoints in WORKDIR/checkpoints: every `every` steps and at the end; the last `keep`
+    # are kept, plus every `keep_every`-th step (0: none). A workdir with checkpoints resumes.
+    c.checkpoint = dict(every=20, keep=3, keep_every=0)
+    c.faults = dict(max_consecutive_skips=3)  # Non-finite updates in a row before stopping.
+    # Rewards run in `workers` processes with a per-sample `timeout` (s): a crash, hang or
+    # exception costs one sample. workers=0 scores in-process. `fn`: "module:function"
+    # called as fn(completion, problem) -> float instead of the task's verifier.
+    c.reward = dict(fn="", workers=2, timeout=10.0)
     return c
 
 
@@ -140,4 +148,5 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sft.max_steps, c.sft.eval_every = 20, 10
     c.batch.prompts, c.batch.group_size = 8, 4
     c.eval.every, c.eval.prompts, c.eval.samples = 2, 16, 2
+    c.checkpoint.every = 2
     return c

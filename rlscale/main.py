@@ -17,6 +17,11 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a :variant suffix.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "Resume a workdir's checkpoint even though the config differs from the saved one.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -53,18 +58,24 @@ def main(argv):
     maybe_initialize_distributed()
     config, workdir = _CONFIG.value, _WORKDIR.value
     os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     logging.info("config:\n%s", config)
     if config.recipe == "demo":
         from rlscale import demo
 
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         demo.run(config, workdir)
         return
     from rlscale import rl
 
-    summary = rl.run(config, workdir)
+    try:
+        summary = rl.run(config, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    except rl.PreemptedError as e:
+        print(f"\n{e}", file=sys.stderr)
+        sys.exit(143)
+    except ValueError as e:  # Bad config or input: the message names it; no traceback.
+        sys.exit(f"error: {e}")
     print("\nrlscale run finished")
     for k, v in summary.items():
         print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")

@@ -20,13 +20,36 @@ def _plain(v):
 
 
 class MetricWriter:
-    def __init__(self, workdir: str, total_steps: int | None = None, enabled: bool = True):
+    """Appends records to `WORKDIR/metrics.jsonl` and TensorBoard.
+
+    `resume_offset` (a resumed run: `offset()` as saved with its checkpoint) first cuts the
+    file back to that length, dropping the lines written after the checkpoint, which the
+    resumed run writes again.
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        total_steps: int | None = None,
+        enabled: bool = True,
+        resume_offset: int | None = None,
+    ):
         self.enabled = enabled
         self.total = total_steps
         self.start = time.time()
         if enabled:
             os.makedirs(workdir, exist_ok=True)
             self.path = os.path.join(workdir, "metrics.jsonl")
+            if resume_offset is None and os.path.exists(self.path):
+                resume_offset = 0  # A fresh run in a used workdir starts a fresh file.
+            if resume_offset is not None:
+                with open(self.path, "a") as f:
+                    if f.tell() < resume_offset:
+                        raise ValueError(
+                            f"{self.path} has {f.tell()} bytes, fewer than the {resume_offset} "
+                            "its checkpoint recorded: the file was edited or replaced"
+                        )
+                    f.truncate(resume_offset)
             self._jsonl = open(self.path, "a")
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
@@ -64,6 +87,10 @@ class MetricWriter:
         )
         if "eval/pass@1" in record:
             print(file=sys.stderr)
+
+    def offset(self) -> int:
+        """Length of metrics.jsonl so far: saved with a checkpoint, to resume from."""
+        return self._jsonl.tell() if self.enabled else 0
 
     def close(self):
         if self.enabled:

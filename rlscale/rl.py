@@ -8,8 +8,10 @@ Dimension letters: N rows (prompts x group), G group size, P padded prompt lengt
 M completion length, L = P + M, V vocab.
 """
 
+import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import time
@@ -19,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 
-from rlscale import checkpoint, evaluation, metrics, model, sft, sharding
+from rlscale import checkpoint, evaluation, faults, metrics, model, preemption, sft, sharding
 from rlscale.data import builders, filters, tasks
 from rlscale.model import decoder
 from rlscale.objectives import recipe
@@ -81,6 +84,37 @@ def validate(config) -> None:
         problems.append(
             f"filters.overlong_cache={config.filters.overlong_cache} exceeds "
             f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
+        )
+    if config.reward.fn:
+        module, _, name = config.reward.fn.partition(":")
+        try:
+            if not callable(getattr(importlib.import_module(module), name)):
+                raise TypeError("not callable")
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            problems.append(f"reward.fn={config.reward.fn!r} ('module:function') fails: {e}")
+    if config.reward.workers and config.reward.timeout <= 0:
+        problems.append(f"reward.timeout={config.reward.timeout} must be > 0 with worker processes")
+    for key, value, low in (
+        ("steps", config.steps, 1),
+        ("eval.every", config.eval.every, 1),
+        ("checkpoint.every", config.checkpoint.every, 1),
+        ("checkpoint.keep", config.checkpoint.keep, 1),
+        ("faults.max_consecutive_skips", config.faults.max_consecutive_skips, 1),
+        ("reward.workers", config.reward.workers, 0),
+        ("sampling.max_new_tokens", config.sampling.max_new_tokens, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            problems.append(f"{key}={value!r} must be an integer >= {low}")
+    numbers = (("optim.lr", config.optim.lr), ("sampling.temperature", config.sampling.temperature))
+    for key, value in numbers:
+        if not isinstance(value, (int, float)) or value < 0:
+            problems.append(f"{key}={value!r} must be a number >= 0")
+    if config.sampling.think_budget and (
+        config.sampling.think_budget + 2 >= config.sampling.max_new_tokens
+    ):
+        problems.append(
+            f"sampling.think_budget={config.sampling.think_budget} leaves no room to answer "
+            f"within sampling.max_new_tokens={config.sampling.max_new_tokens}"
         )
     mesh_devices = int(np.prod([s for s in config.mesh.shape if s > 0]))
     if jax.device_count() % mesh_devices:
@@ -151,13 +185,24 @@ def micro_grads(
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0,))
-def apply_grads(state: TrainState, grads, denom, obj_state, *, optimizer):
+def apply_grads(state: TrainState, grads, loss_sum, denom, obj_state, *, optimizer):
+    """One optimizer step on the accumulated gradient sums; skipped (state unchanged, bit for
+    bit) when the loss or the gradient norm is not finite."""
     grads = jax.tree.map(lambda g: g / jnp.maximum(denom, 1.0), grads)
-    both = (state.params, state.value_params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, both)
-    params, value_params = optax.apply_updates(both, updates)
+
+    def apply(grads, s):
+        params, value_params, opt_state, _ = s
+        updates, opt_state = optimizer.update(grads, opt_state, (params, value_params))
+        params, value_params = optax.apply_updates((params, value_params), updates)
+        return params, value_params, opt_state, obj_state
+
+    old = (state.params, state.value_params, state.opt_state, state.obj_state)
+    (params, value_params, opt_state, obj_state), ok = faults.guarded_update(
+        grads, loss_sum, apply, old
+    )
     return TrainState(params, value_params, opt_state, obj_state, state.step + 1), {
-        "train/grad_norm": optax.tree.norm(grads)
+        "train/grad_norm": optax.tree.norm(grads),
+        "ok": ok,
     }
 
 
@@ -181,10 +226,22 @@ def make_optimizer(c) -> optax.GradientTransformation:
 # ==========================================================================================
 
 
-def run(config, workdir: str) -> dict:
+# Config keys that may change between a run and its resumption: they do not change what the
+# run computes up to the checkpoint.
+RESUMABLE_CHANGES = ("steps", "eval.every", "checkpoint", "sft.reuse_from", "faults", "reward")
+
+
+class PreemptedError(Exception):
+    """Raised after a SIGTERM once the checkpoint is saved; rerunning the command resumes.
+    `rlscale.main` exits with status 143 (128 + SIGTERM) on it."""
+
+
+def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+    """Runs (or resumes) the RL loop in `workdir`; returns the summary."""
     validate(config)
     t_start = time.time()
     rng = jax.random.key(config.seed)
+    os.makedirs(workdir, exist_ok=True)
 
     # ---- mesh --------------------------------------------------------------------------
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
@@ -232,12 +289,66 @@ def run(config, workdir: str) -> dict:
     batch_update = jax.jit(batch_tx.update)
     stream = filters.PromptStream(len(train_problems), seed=config.seed)
     history = filters.PassRateHistory(config.filters.retire_threshold)
-    writer = metrics.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
     counters = {
         "compute/sample_flops": 0.0,
         "compute/train_flops": 0.0,
         "compute/device_seconds": 0.0,
     }
+    evals = []
+
+    # ---- checkpoint ------------------------------------------------------------------
+    # Everything that decides the rest of the run: device state (params, optimizer and
+    # objective state, the batch-level transforms' state, step, RNG) and host state (the
+    # prompt stream's cursor and shuffle, the pass-rate history and retired set, compute
+    # counters, the metrics file's length, the config). The reference params are the warm
+    # start's, reloaded from WORKDIR/sft. A workdir with checkpoints resumes from the latest.
+    ckpt = checkpoint.RunCheckpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=config.checkpoint.keep,
+        keep_every=config.checkpoint.keep_every,
+    )
+    start_step, metrics_offset = 0, None
+    config_dict = json.loads(config.to_json_best_effort())
+    if ckpt.latest_step() is not None:
+        tree = {"train": state, "batch": batch_state, "rng": rng}
+        start_step, tree, host = ckpt.restore(_abstract(tree, mesh))
+        diff = checkpoint.config_diff(host["config"], config_dict, ignore=RESUMABLE_CHANGES)
+        if diff and not allow_config_change:
+            ckpt.close()
+            raise ValueError(
+                f"{workdir} holds a run with a different config; pass --allow_config_change to "
+                "resume it anyway, or use another workdir. Differences (saved -> now):\n  "
+                + "\n  ".join(diff)
+            )
+        state, batch_state, rng = tree["train"], tree["batch"], tree["rng"]
+        stream = filters.PromptStream.from_state(host["stream"])
+        history = filters.PassRateHistory.from_state(host["history"])
+        counters, evals, metrics_offset = host["counters"], host["evals"], host["metrics_offset"]
+        logging.info("resuming from the checkpoint at step %d in %s", start_step, workdir)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_dict, f, indent=2, sort_keys=True)
+    writer = metrics.MetricWriter(
+        workdir, config.steps, enabled=jax.process_index() == 0, resume_offset=metrics_offset
+    )
+
+    def save(step, wait=False):
+        host = {
+            "stream": stream.state(),
+            "history": history.state(),
+            "counters": counters,
+            "evals": evals,
+            "metrics_offset": writer.offset(),
+            "config": config_dict,
+        }
+        ckpt.save(step, {"train": state, "batch": batch_state, "rng": rng}, host)
+        if wait:
+            ckpt.wait()
+
+    # ---- reward ----------------------------------------------------------------------
+    reward_fn = _reward_fn(config, task)
+    pool = isolation.verifier_pool(config.reward.workers) if config.reward.workers else None
+    skips = faults.SkipCounter(config.faults.max_consecutive_skips)
 
     def compute_metrics():
         return {
@@ -259,187 +370,222 @@ def run(config, workdir: str) -> dict:
         counters["compute/device_seconds"] += (time.time() - t) * n_devices
         return ev
 
-    first_eval = run_eval(0)
-    writer.write(0, {**first_eval, **compute_metrics()})
-    evals = [first_eval]
+    if start_step == 0:
+        first_eval = run_eval(0)
+        writer.write(0, {**first_eval, **compute_metrics()})
+        evals.append(first_eval)
 
-    for step in range(1, config.steps + 1):
-        step_rng = jax.random.fold_in(rng, step)
-        t_sample = time.time()
+    guard = preemption.PreemptionGuard()
+    with guard, contextlib.ExitStack() as cleanup:
+        if pool is not None:
+            cleanup.callback(pool.close)
+        cleanup.callback(ckpt.close)
+        cleanup.callback(writer.close)
+        for step in range(start_step + 1, config.steps + 1):
+            step_rng = jax.random.fold_in(rng, step)
+            t_sample = time.time()
 
-        # ---- sample ----------------------------------------------------------------------
-        def draw(round_index, params=state.params, step_rng=step_rng):
-            ids = stream.next(config.batch.prompts, history.retired)
-            chunk = [train_problems[i] for i in ids]
-            encoded = evaluation.encode_prompts(tokenizer, chunk)
-            out = sampler(
-                params,
-                encoded,
-                jax.random.fold_in(step_rng, round_index),
-                scfg,
-            )
-            texts = evaluation.completions_text(tokenizer, out)
-
-            # ---- reward ------------------------------------------------------------------
-            rows = [chunk[i] for i in out.prompt_index]
-            reward, failures = isolation.score_all(task.verify, texts, rows)
-            correct = reward > 0
-            lengths = np.asarray(out.lengths)
-            if config.filters.overlong_cache:
-                reward = reward + filters.overlong_penalty(
-                    lengths, config.sampling.max_new_tokens, config.filters.overlong_cache
+            # ---- sample ----------------------------------------------------------------------
+            def draw(round_index, params=state.params, step_rng=step_rng):
+                ids = stream.next(config.batch.prompts, history.retired)
+                chunk = [train_problems[i] for i in ids]
+                encoded = evaluation.encode_prompts(tokenizer, chunk)
+                out = sampler(
+                    params,
+                    encoded,
+                    jax.random.fold_in(step_rng, round_index),
+                    scfg,
                 )
-            newly = history.update(ids, correct.reshape(-1, G)) if config.filters.retire else []
-            filtering = config.filters.zero_variance or config.filters.dynamic_sampling
-            keep_P = (
-                filters.zero_variance_keep(reward.reshape(-1, G))
-                if filtering
-                else np.ones(len(ids), bool)
+                texts = evaluation.completions_text(tokenizer, out)
+
+                # ---- reward ------------------------------------------------------------------
+                rows = [chunk[i] for i in out.prompt_index]
+                reward, failures = isolation.score_isolated(
+                    reward_fn, texts, rows, pool=pool, timeout=pool and config.reward.timeout
+                )
+                correct = reward > 0
+                lengths = np.asarray(out.lengths)
+                if config.filters.overlong_cache:
+                    reward = reward + filters.overlong_penalty(
+                        lengths, config.sampling.max_new_tokens, config.filters.overlong_cache
+                    )
+                newly = history.update(ids, correct.reshape(-1, G)) if config.filters.retire else []
+                filtering = config.filters.zero_variance or config.filters.dynamic_sampling
+                keep_P = (
+                    filters.zero_variance_keep(reward.reshape(-1, G))
+                    if filtering
+                    else np.ones(len(ids), bool)
+                )
+                return {
+                    "encoded": encoded,
+                    "out": out,
+                    "reward": reward,
+                    "correct": correct,
+                    "lengths": lengths,
+                    "failures": failures,
+                    "keep": keep_P,
+                    "newly": newly,
+                }
+
+            draws = [draw(0)]
+            if config.filters.dynamic_sampling:  # DAPO: refill filtered groups with fresh ones.
+                while (
+                    sum(int(d["keep"].sum()) for d in draws) < config.batch.prompts
+                    and len(draws) < config.filters.dynamic_max_rounds
+                ):
+                    draws.append(draw(len(draws)))
+            t_reward = time.time()
+
+            # ---- advantage -------------------------------------------------------------------
+            roll, keep_P = _assemble(tokenizer, sampler, scfg, draws, config.batch.prompts, G)
+            P = roll.prompt_len
+            tokens = jnp.asarray(roll.tokens_NL)
+            attn = jnp.asarray(roll.attn_mask_NL)
+            old = score(
+                graphdef,
+                state.params,
+                state.value_params,
+                tokens,
+                attn,
+                P=P,
+                with_value=needs["value"],
             )
-            return {
-                "encoded": encoded,
-                "out": out,
-                "reward": reward,
-                "correct": correct,
-                "lengths": lengths,
-                "failures": failures,
-                "keep": keep_P,
-                "newly": newly,
+            batch = {
+                "tokens": tokens,
+                "attn_mask": attn,
+                "mask": jnp.asarray(roll.mask_NM),
+                "reward": jnp.asarray(roll.reward_N, jnp.float32),
+                "row_weight": jnp.asarray(roll.row_weight_N, jnp.float32),
+                "old_logp": old["logp"],
+                "sampler_logp": jnp.asarray(roll.sampler_logp_NM),
             }
+            if needs["value"]:
+                batch["old_value"] = old["value"]
+            if needs["ref"]:
+                batch["ref_logp"] = score(
+                    graphdef, ref_params, state.value_params, tokens, attn, P=P, with_value=False
+                )["logp"]
+                batch["logp"] = old["logp"]  # For a KL-in-reward transform before the update.
+            mask_f = batch["mask"].astype(jnp.float32)
+            logp_gap = jnp.sum(jnp.abs(old["logp"] - batch["sampler_logp"]) * mask_f) / jnp.maximum(
+                jnp.sum(mask_f), 1.0
+            )
+            terms, batch_state = batch_update(batch, batch_state)
+            batch["advantage"] = terms["advantage"]
+            if "returns" in terms:
+                batch["returns"] = terms["returns"]
+            batch.pop("logp", None)
+            batch.pop("reward")
+            reward = np.concatenate([d["reward"] for d in draws])
+            correct = np.concatenate([d["correct"] for d in draws])
+            lengths = np.concatenate([d["lengths"] for d in draws])
+            truncated = np.concatenate([np.asarray(d["out"].truncated) for d in draws])
+            interrupted = np.concatenate([np.asarray(d["out"].interrupted) for d in draws])
 
-        draws = [draw(0)]
-        if config.filters.dynamic_sampling:  # DAPO: refill filtered groups with fresh ones.
-            while (
-                sum(int(d["keep"].sum()) for d in draws) < config.batch.prompts
-                and len(draws) < config.filters.dynamic_max_rounds
-            ):
-                draws.append(draw(len(draws)))
-        t_reward = time.time()
-
-        # ---- advantage -------------------------------------------------------------------
-        roll, keep_P = _assemble(tokenizer, sampler, scfg, draws, config.batch.prompts, G)
-        P = roll.prompt_len
-        tokens = jnp.asarray(roll.tokens_NL)
-        attn = jnp.asarray(roll.attn_mask_NL)
-        old = score(
-            graphdef, state.params, state.value_params, tokens, attn, P=P, with_value=needs["value"]
-        )
-        batch = {
-            "tokens": tokens,
-            "attn_mask": attn,
-            "mask": jnp.asarray(roll.mask_NM),
-            "reward": jnp.asarray(roll.reward_N, jnp.float32),
-            "row_weight": jnp.asarray(roll.row_weight_N, jnp.float32),
-            "old_logp": old["logp"],
-            "sampler_logp": jnp.asarray(roll.sampler_logp_NM),
-        }
-        if needs["value"]:
-            batch["old_value"] = old["value"]
-        if needs["ref"]:
-            batch["ref_logp"] = score(
-                graphdef, ref_params, state.value_params, tokens, attn, P=P, with_value=False
-            )["logp"]
-            batch["logp"] = old["logp"]  # For a KL-in-reward transform before the update.
-        mask_f = batch["mask"].astype(jnp.float32)
-        logp_gap = jnp.sum(jnp.abs(old["logp"] - batch["sampler_logp"]) * mask_f) / jnp.maximum(
-            jnp.sum(mask_f), 1.0
-        )
-        terms, batch_state = batch_update(batch, batch_state)
-        batch["advantage"] = terms["advantage"]
-        if "returns" in terms:
-            batch["returns"] = terms["returns"]
-        batch.pop("logp", None)
-        batch.pop("reward")
-        reward = np.concatenate([d["reward"] for d in draws])
-        correct = np.concatenate([d["correct"] for d in draws])
-        lengths = np.concatenate([d["lengths"] for d in draws])
-        truncated = np.concatenate([np.asarray(d["out"].truncated) for d in draws])
-        interrupted = np.concatenate([np.asarray(d["out"].interrupted) for d in draws])
-
-        # ---- update ----------------------------------------------------------------------
-        t_update = time.time()
-        step_metrics = {}
-        N = roll.tokens_NL.shape[0]
-        n_mini = config.learner.minibatches
-        for epoch in range(config.learner.epochs):
-            order = np.random.default_rng([config.seed, step, epoch]).permutation(N // G)
-            for mb in np.array_split(order, n_mini):
-                grads_acc, denom_acc = None, 0.0
-                for micro in np.array_split(mb, config.learner.micro_batches):
-                    idx = (micro[:, None] * G + np.arange(G)).reshape(-1)
-                    mbatch = {k: v[idx] for k, v in batch.items()}
-                    grads, loss_sum, denom, mets, obj_state = micro_grads(
-                        graphdef,
-                        state.params,
-                        state.value_params,
-                        state.obj_state,
-                        mbatch,
-                        P=P,
-                        loss_tx=loss_tx,
-                        with_value=needs["value"],
-                        with_entropy=needs["entropy"],
+            # ---- update ----------------------------------------------------------------------
+            t_update = time.time()
+            step_metrics = {}
+            skipped = 0
+            N = roll.tokens_NL.shape[0]
+            n_mini = config.learner.minibatches
+            for epoch in range(config.learner.epochs):
+                order = np.random.default_rng([config.seed, step, epoch]).permutation(N // G)
+                for mb in np.array_split(order, n_mini):
+                    grads_acc, denom_acc = None, 0.0
+                    for micro in np.array_split(mb, config.learner.micro_batches):
+                        idx = (micro[:, None] * G + np.arange(G)).reshape(-1)
+                        mbatch = {k: v[idx] for k, v in batch.items()}
+                        grads, loss_sum, denom, mets, obj_state = micro_grads(
+                            graphdef,
+                            state.params,
+                            state.value_params,
+                            state.obj_state,
+                            mbatch,
+                            P=P,
+                            loss_tx=loss_tx,
+                            with_value=needs["value"],
+                            with_entropy=needs["entropy"],
+                        )
+                        state = state._replace(obj_state=obj_state)
+                        grads_acc = (
+                            grads if grads_acc is None else jax.tree.map(jnp.add, grads_acc, grads)
+                        )
+                        denom_acc = denom_acc + denom
+                        for k, v in mets.items():
+                            step_metrics.setdefault(f"train/{k}", []).append(v)
+                        step_metrics.setdefault("train/loss_sum", []).append(loss_sum)
+                        step_metrics.setdefault("train/denominator", []).append(denom)
+                    loss_acc = sum(step_metrics["train/loss_sum"][-config.learner.micro_batches :])
+                    state, upd = apply_grads(
+                        state, grads_acc, loss_acc, denom_acc, state.obj_state, optimizer=optimizer
                     )
-                    state = state._replace(obj_state=obj_state)
-                    grads_acc = (
-                        grads if grads_acc is None else jax.tree.map(jnp.add, grads_acc, grads)
-                    )
-                    denom_acc = denom_acc + denom
-                    for k, v in mets.items():
-                        step_metrics.setdefault(f"train/{k}", []).append(v)
-                    step_metrics.setdefault("train/loss_sum", []).append(loss_sum)
-                    step_metrics.setdefault("train/denominator", []).append(denom)
-                state, upd = apply_grads(
-                    state, grads_acc, denom_acc, state.obj_state, optimizer=optimizer
+                    step_metrics.setdefault("train/grad_norm", []).append(upd["train/grad_norm"])
+                    # A non-finite loss or gradient skips the update (state unchanged); too
+                    # many in a row stop the run, keeping the last good checkpoint.
+                    ok = bool(upd["ok"])
+                    skipped += not ok
+                    skips.update(ok, step, last_checkpoint=ckpt.latest_step())
+            jax.block_until_ready(state.params)
+            t_done = time.time()
+
+            # ---- compute accounting ----------------------------------------------------------
+            n_gen = float(lengths.sum())
+            prompt_tokens = float(sum(len(p) for d in draws for p in d["encoded"]))
+            ctx = P + config.sampling.max_new_tokens / 2
+            counters["compute/sample_flops"] += compute.forward_flops(
+                model_cfg, prompt_tokens + n_gen, ctx
+            )
+            seq_tokens = float(roll.attn_mask_NL.sum())
+            passes = 1 + int(needs["ref"])
+            counters["compute/train_flops"] += (
+                compute.forward_flops(model_cfg, seq_tokens, ctx) * passes
+                + compute.train_flops(model_cfg, seq_tokens, ctx) * config.learner.epochs
+            )
+            counters["compute/device_seconds"] += (t_done - t_sample) * n_devices
+
+            # ---- metrics and eval ------------------------------------------------------------
+            loss_sum = float(np.sum(step_metrics.pop("train/loss_sum")))
+            denom = float(np.sum(step_metrics.pop("train/denominator")))
+            record = {
+                "train/reward_mean": float(reward.mean()),
+                "train/pass_rate": float(correct.mean()),
+                "train/loss": loss_sum / max(denom, 1.0),
+                "train/response_length": float(lengths.mean()),
+                "train/sampler_logp_gap": float(logp_gap),
+                "train/truncated_frac": float(np.mean(truncated)),
+                "train/interrupted_frac": float(np.mean(interrupted)),
+                "train/kept_prompts": int(keep_P.sum()),
+                "train/filtered_prompts": int(sum((~d["keep"]).sum() for d in draws)),
+                "train/sampling_rounds": len(draws),
+                "train/retired_prompts": len(history.retired),
+                "train/newly_retired": sum(len(d["newly"]) for d in draws),
+                "train/skipped_updates": skipped,
+                "reward/failures": sum(sum(d["failures"].values()) for d in draws),
+                **{
+                    f"reward/failures_{kind}": sum(d["failures"][kind] for d in draws)
+                    for kind in draws[0]["failures"]
+                },
+                "time/sample_s": t_reward - t_sample,
+                "time/update_s": t_done - t_update,
+                **{k: float(np.mean([float(x) for x in v])) for k, v in step_metrics.items()},
+                **compute_metrics(),
+            }
+            if step % config.eval.every == 0 or step == config.steps:
+                ev = run_eval(step)
+                evals.append(ev)
+                record.update(ev)
+                record.update(compute_metrics())
+            writer.write(step, record)
+
+            if guard.should_stop(step):
+                save(step, wait=True)
+                raise PreemptedError(
+                    f"preempted ({guard.signal_name}) after step {step}: checkpoint saved in "
+                    f"{ckpt.directory}; rerun the same command to resume"
                 )
-                step_metrics.setdefault("train/grad_norm", []).append(upd["train/grad_norm"])
-        jax.block_until_ready(state.params)
-        t_done = time.time()
+            if step % config.checkpoint.every == 0 or step == config.steps:
+                save(step, wait=step == config.steps)
 
-        # ---- compute accounting ----------------------------------------------------------
-        n_gen = float(lengths.sum())
-        prompt_tokens = float(sum(len(p) for d in draws for p in d["encoded"]))
-        ctx = P + config.sampling.max_new_tokens / 2
-        counters["compute/sample_flops"] += compute.forward_flops(
-            model_cfg, prompt_tokens + n_gen, ctx
-        )
-        seq_tokens = float(roll.attn_mask_NL.sum())
-        passes = 1 + int(needs["ref"])
-        counters["compute/train_flops"] += (
-            compute.forward_flops(model_cfg, seq_tokens, ctx) * passes
-            + compute.train_flops(model_cfg, seq_tokens, ctx) * config.learner.epochs
-        )
-        counters["compute/device_seconds"] += (t_done - t_sample) * n_devices
-
-        # ---- metrics and eval ------------------------------------------------------------
-        loss_sum = float(np.sum(step_metrics.pop("train/loss_sum")))
-        denom = float(np.sum(step_metrics.pop("train/denominator")))
-        record = {
-            "train/reward_mean": float(reward.mean()),
-            "train/pass_rate": float(correct.mean()),
-            "train/loss": loss_sum / max(denom, 1.0),
-            "train/response_length": float(lengths.mean()),
-            "train/sampler_logp_gap": float(logp_gap),
-            "train/truncated_frac": float(np.mean(truncated)),
-            "train/interrupted_frac": float(np.mean(interrupted)),
-            "train/kept_prompts": int(keep_P.sum()),
-            "train/filtered_prompts": int(sum((~d["keep"]).sum() for d in draws)),
-            "train/sampling_rounds": len(draws),
-            "train/retired_prompts": len(history.retired),
-            "train/newly_retired": sum(len(d["newly"]) for d in draws),
-            "reward/failures": sum(d["failures"] for d in draws),
-            "time/sample_s": t_reward - t_sample,
-            "time/update_s": t_done - t_update,
-            **{k: float(np.mean([float(x) for x in v])) for k, v in step_metrics.items()},
-            **compute_metrics(),
-        }
-        if step % config.eval.every == 0 or step == config.steps:
-            ev = run_eval(step)
-            evals.append(ev)
-            record.update(ev)
-            record.update(compute_metrics())
-        writer.write(step, record)
-
-    writer.close()
     summary = {
         "start/eval_pass@1": evals[0]["eval/pass@1"],
         "end/eval_pass@1": evals[-1]["eval/pass@1"],
@@ -459,6 +605,27 @@ def run(config, workdir: str) -> dict:
 # ==========================================================================================
 # Helpers.
 # ==========================================================================================
+
+
+def _abstract(tree, mesh):
+    """Shape, dtype and sharding of each leaf: where a checkpoint restores onto. Leaves not on
+    the mesh (fresh scalars) are replicated over it."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def leaf(x):
+        s = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(leaf, tree)
+
+
+def _reward_fn(config, task):
+    """`config.reward.fn` ("module:function", called as fn(completion, problem) -> float), or
+    the task's own verifier."""
+    if not config.reward.fn:
+        return task.verify
+    module, _, name = config.reward.fn.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _tokenizer(config, workdir, problems):

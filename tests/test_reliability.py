@@ -1,0 +1,276 @@
+"""Reliability of whole runs: exact resume after SIGKILL, SIGTERM checkpoints, damaged
+checkpoints, non-finite updates, misbehaving verifiers.
+
+The runs are `configs/scalerl.py:smoke` (checkpoints every 2 steps, no-positive-resampling,
+zero-variance filtering, forced interruption) with an easy reward (`reward_fixtures.digits`)
+so prompts do get retired and filtered. Runs that must be killed run as subprocesses on one
+CPU device; the straight run's workdir provides the others' warm start (`sft.reuse_from`).
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlscale import config_lib, rl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 6
+# Wall-clock measurements differ between any two runs, resumed or not; everything else
+# (rewards, losses, gradient norms, evals, FLOP counters, filter counts) must not.
+TIMING = ("time/", "compute/device_seconds")
+
+
+def _command(workdir, *overrides, steps=STEPS):
+    return [
+        sys.executable,
+        "-m",
+        "rlscale.main",
+        "--config",
+        os.path.join(ROOT, "configs", "scalerl.py") + ":smoke",
+        "--workdir",
+        str(workdir),
+        f"--config.steps={steps}",
+        "--config.reward.fn=reward_fixtures:digits",
+        *overrides,
+    ]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = ""  # One device: faster, and the same for every run.
+    return env
+
+
+def _run(workdir, *overrides, steps=STEPS):
+    out = subprocess.run(
+        _command(workdir, *overrides, steps=steps),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out
+
+
+def _lines(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f]
+
+
+def _comparable(lines):
+    return [{k: v for k, v in x.items() if not k.startswith(TIMING)} for x in lines]
+
+
+def _host(workdir, step):
+    with open(os.path.join(workdir, "checkpoints", str(step), "host", "metadata")) as f:
+        return json.load(f)
+
+
+def _start_and_signal(workdir, sig, after_step, *overrides):
+    """Starts a run, sends `sig` once `after_step` is in metrics.jsonl; returns (proc, t_sig)."""
+    proc = subprocess.Popen(
+        _command(workdir, *overrides),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    path = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if os.path.exists(path) and len(open(path).read().splitlines()) > after_step:
+            break
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {after_step}: {proc.communicate()[1]}")
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    return proc, time.time()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    out = _run(workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir
+
+
+def test_straight_run_retires_and_checkpoints(straight):
+    lines = _lines(straight)
+    assert [x["step"] for x in lines] == list(range(STEPS + 1))
+    host = _host(straight, STEPS)
+    assert host["history"]["retired"], "the easy reward should retire some prompts"
+    assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4, 6]
+
+
+def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
+    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, f"--config.sft.reuse_from={straight}")
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(_lines(tmp_path)) < STEPS + 1  # Killed mid-run.
+    out = _run(tmp_path, f"--config.sft.reuse_from={straight}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from the checkpoint at step" in out.stderr
+    assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
+    ours, theirs = _host(tmp_path, STEPS), _host(straight, STEPS)
+    assert ours["stream"] == theirs["stream"]  # Data position and shuffle.
+    assert ours["history"] == theirs["history"]  # Pass rates and the retired set.
+    assert ours["counters"]["compute/train_flops"] == theirs["counters"]["compute/train_flops"]
+
+
+def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path):
+    proc, t_signal = _start_and_signal(
+        tmp_path, signal.SIGTERM, 1, f"--config.sft.reuse_from={straight}"
+    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.time() - t_signal < 60  # Bounded: the step in flight, then one save.
+    assert "preempted (SIGTERM) after step" in err
+    last = _lines(tmp_path)[-1]["step"]
+    assert last < STEPS
+    assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
+    out = _run(tmp_path, f"--config.sft.reuse_from={straight}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from the checkpoint at step {last}" in out.stderr
+    assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    for path in glob.glob(
+        str(workdir / "checkpoints" / str(STEPS) / "state" / "**"), recursive=True
+    ):
+        if os.path.isfile(path) and os.path.getsize(path) > 64:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    out = _run(workdir, steps=STEPS + 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"checkpoint step {STEPS} in" in out.stderr and "unreadable" in out.stderr
+    assert f"resuming from the checkpoint at step {STEPS - 2}" in out.stderr
+    lines = _lines(workdir)
+    assert [x["step"] for x in lines] == list(range(STEPS + 3))
+    # Steps after the good checkpoint were replayed exactly.
+    assert _comparable(lines[: STEPS + 1]) == _comparable(_lines(straight))
+
+
+def test_changed_config_is_refused_unless_allowed(straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    out = _run(workdir, "--config.optim.lr=0.01", steps=STEPS + 1)
+    assert out.returncode == 1
+    assert "optim.lr: 0.0001 -> 0.01" in out.stderr and "--allow_config_change" in out.stderr
+    out = _run(workdir, "--config.optim.lr=0.01", "--allow_config_change", steps=STEPS + 1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [x["step"] for x in _lines(workdir)] == list(range(STEPS + 2))
+
+
+# ------------------------------------------------------------------------------------------
+# In-process runs: numeric faults and reward faults.
+# ------------------------------------------------------------------------------------------
+
+
+def _config(**overrides):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "cfg", os.path.join(ROOT, "configs", "scalerl.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config("smoke")
+    c.steps = 4
+    for k, v in overrides.items():
+        section, key = k.split("__")
+        c[section][key] = v
+    return c
+
+
+def _nan_on(monkeypatch, steps):
+    """Makes the loss NaN on the optimizer steps whose (1-based) index is in `steps`."""
+    original, calls = rl.micro_grads, []
+
+    def patched(*args, **kwargs):
+        grads, loss_sum, denom, mets, obj_state = original(*args, **kwargs)
+        calls.append(None)
+        if len(calls) in steps:
+            loss_sum = loss_sum * float("nan")
+        return grads, loss_sum, denom, mets, obj_state
+
+    monkeypatch.setattr(rl, "micro_grads", patched)
+
+
+def test_nan_loss_skips_the_update_and_the_run_goes_on(straight, tmp_path, monkeypatch):
+    _nan_on(monkeypatch, {2})
+    rl.run(_config(sft__reuse_from=str(straight), reward__workers=0), str(tmp_path))
+    skipped = [x.get("train/skipped_updates") for x in _lines(tmp_path)[1:]]
+    assert skipped == [0, 1, 0, 0]
+
+
+def test_consecutive_nan_losses_stop_the_run(straight, tmp_path, monkeypatch):
+    _nan_on(monkeypatch, {3, 4, 5})
+    config = _config(sft__reuse_from=str(straight), reward__workers=0)
+    config.steps = 6
+    with pytest.raises(
+        RuntimeError,
+        match="3 consecutive non-finite updates .last at step 5.; "
+        "the last good checkpoint is step 4",
+    ):
+        rl.run(config, str(tmp_path))
+    assert os.path.isdir(tmp_path / "checkpoints" / "2")
+
+
+def test_misbehaving_verifiers_cost_their_samples(straight, tmp_path, monkeypatch):
+    from rlscale.data import builders, filters
+
+    config = _config(
+        sft__reuse_from=str(straight),
+        reward__fn="reward_fixtures:faulty",
+        reward__timeout=1.0,
+        reward__workers=2,
+    )
+    config.steps = 1
+    # The first batch's prompts, as the loop's prompt stream will draw them.
+    sources = builders.materialize("arithmetic", 2, 200, 40, str(straight / "data"))
+    ids = filters.PromptStream(len(sources["train"]), seed=config.seed).next(8)
+    prompts = [builders.decode(sources["train"][i]).prompt for i in ids]
+    faults = dict(zip(prompts, ["raise", "nan", "sleep", "exit"]))
+    (tmp_path / "faults.json").write_text(json.dumps(faults))
+    monkeypatch.setenv("RLSCALE_TEST_FAULTS", str(tmp_path / "faults.json"))
+    monkeypatch.syspath_prepend(HERE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    rl.run(config, str(tmp_path / "run"))
+    line = _lines(tmp_path / "run")[1]
+    G = config.batch.group_size
+    assert line["reward/failures_error"] == G
+    assert line["reward/failures_nonfinite"] == G
+    assert line["reward/failures_timeout"] == G
+    assert line["reward/failures_crash"] == G
+    assert line["reward/failures"] == 4 * G
+    assert line["train/reward_mean"] > 0  # The other prompts were scored.
+
+
+def test_config_validation_lists_every_problem():
+    c = config_lib.rl_config()
+    c.steps = 0
+    c.checkpoint.every = -1
+    c.reward.fn = "no_such_module:f"
+    c.sampling.think_budget = 31
+    with pytest.raises(ValueError) as e:
+        rl.validate(c)
+    text = str(e.value)
+    for expected in (
+        "steps=0 must be an integer >= 1",
+        "checkpoint.every=-1",
+        "reward.fn='no_such_module:f'",
+        "sampling.think_budget=31 leaves no room",
+    ):
+        assert expected in text, text
