@@ -3,18 +3,41 @@ head, zero-variance filtering, no-positive-resampling, forced length interruptio
 
     python -m rlscale.main --config configs/scalerl.py --workdir /tmp/rlscale_scalerl
 
-Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2),
-SFT warm start included. Any task by override: `--config.task.name=countdown
+Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2), SFT
+warm start (2.5 minutes) included. Any task by override: `--config.task.name=countdown
 --config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
+
+Ablation variants (experiments/scalerl_ablations):
+  :loss=ppo_clip|gspo|cispo   swap the loss, keep the rest of the recipe (the paper's Fig. 5a):
+                              ppo_clip is DAPO's clip-higher (0.2/0.28), gspo clips the
+                              sequence geometric-mean ratio (3e-4/4e-4).
+  :drop=COMPONENT             the recipe minus one component (the paper's leave-one-out):
+                              cispo (-> DAPO's clipped loss), prompt_mean (-> token mean),
+                              batch_std (-> group std), fp32_head (LM head in the compute dtype;
+                              run both sides with `:bf16`), zero_variance, no_positive_resampling,
+                              interruption.
+  :bf16                       bfloat16 compute (the FP32-head ablation is void in fp32).
 """
 
 from rlscale import config_lib
 
+COMPONENTS = (
+    "cispo",
+    "prompt_mean",
+    "batch_std",
+    "fp32_head",
+    "zero_variance",
+    "no_positive_resampling",
+    "interruption",
+)
+
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False)
+    arg = config_lib.parse_arg(arg, smoke=False, loss="cispo", drop="", bf16=False)
     c = config_lib.rl_config()
     c.recipe = "scalerl"
+    c.steps = 80
+    c.eval.every = 5
     c.objective.advantages.scale = "batch_std"
     c.objective.policy.name = "cispo"
     c.objective.policy.eps_max = 4.0
@@ -25,6 +48,31 @@ def get_config(arg=None):
     c.filters.retire_threshold = 0.9
     # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
     c.sampling.think_budget = 24
+    if arg.loss not in ("cispo", "ppo_clip", "gspo"):
+        raise ValueError(f"config variant loss={arg.loss!r} is not cispo, ppo_clip or gspo")
+    if arg.loss == "ppo_clip" or arg.drop == "cispo":
+        c.objective.policy.name = "ppo_clip"
+        c.objective.policy.eps_low, c.objective.policy.eps_high = 0.2, 0.28
+    elif arg.loss == "gspo":
+        c.objective.policy.name = "ppo_clip"
+        c.objective.ratio = "sequence"
+        c.objective.policy.eps_low, c.objective.policy.eps_high = 3e-4, 4e-4
+    if arg.drop and arg.drop not in COMPONENTS:
+        raise ValueError(f"config variant drop={arg.drop!r} is not one of {COMPONENTS}")
+    if arg.drop == "prompt_mean":
+        c.objective.aggregate = "token_mean"
+    elif arg.drop == "batch_std":
+        c.objective.advantages.scale = "group_std"
+    elif arg.drop == "fp32_head":
+        c.model.fp32_lm_head = False
+    elif arg.drop == "zero_variance":
+        c.filters.zero_variance = False
+    elif arg.drop == "no_positive_resampling":
+        c.filters.retire = False
+    elif arg.drop == "interruption":
+        c.sampling.think_budget = 0
+    if arg.bf16:
+        c.model.dtype = "bfloat16"
     if arg.smoke:
         config_lib.smoke(c)
     return c

@@ -93,6 +93,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         # working ("7+15-2=22-2=20"), which the verifier scores 0.
         answer_line_fraction=0.25,
         reuse_from="",  # Another run's workdir whose data, tokenizer and warm start to copy.
+        seed=0,  # The warm start's own seed: RL seeds (`seed`) share one warm start.
     )
     c.batch = dict(prompts=32, group_size=8)
     c.sampling = dict(

@@ -1,6 +1,7 @@
 """Supervised warm start: train a policy from scratch on task demonstrations until it solves
 a minority of held-out problems, so RL has something to improve. Cached in WORKDIR/sft."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from absl import logging
 
 from rlscale import checkpoint, evaluation, sharding, supervised
 from rlscale.data import tasks
+from rlscale.model import decoder
 from rlscale.sampling import Sampler, SamplingConfig
 
 
@@ -34,14 +36,18 @@ def _batch(tokenizer, problems, length, bare_B=None):
     return tokens, mask, target
 
 
+# Model fields that change how the policy computes, not its parameters: a warm start trained
+# with one setting serves runs with another (an RL ablation of the FP32 LM head, bf16 compute).
+COMPUTE_ONLY = ("dtype", "fp32_lm_head")
+
+
 def _inputs(config) -> dict:
     """The config sections a warm start depends on (with its data and tokenizer)."""
     sft = {k: v for k, v in config.sft.to_dict().items() if k != "reuse_from"}
     return {
-        "seed": config.seed,
         "task": config.task.to_dict(),
         "tokenizer": config.tokenizer.to_dict(),
-        "model": config.model.to_dict(),
+        "model": {k: v for k, v in config.model.to_dict().items() if k not in COMPUTE_ONLY},
         "sft": sft,
         "eval": {"prompts": config.eval.prompts, "samples": config.eval.samples},
         "sampling": {"max_new_tokens": config.sampling.max_new_tokens},
@@ -101,8 +107,9 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
                     f"{path} holds a warm start made with different settings; delete it or use "
                     "another workdir:\n  " + "\n  ".join(diff)
                 )
-        cfg, graphdef, params = checkpoint.load_params(path, mesh=mesh)
-        if cfg != model_cfg:
+        cfg, _, params = checkpoint.load_params(path, mesh=mesh)
+        compute_only = {k: getattr(model_cfg, k) for k in COMPUTE_ONLY}
+        if dataclasses.replace(cfg, **compute_only) != model_cfg:
             raise ValueError(
                 f"{path} holds a warm start for a different model; delete it or "
                 f"use another workdir (cached {cfg}, wanted {model_cfg})"
@@ -110,10 +117,11 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
         with open(summary_path) as f:
             summary = json.load(f)
         logging.info("reusing the SFT warm start in %s: %s", path, summary)
+        graphdef, _ = decoder.abstract_model(model_cfg)  # This run's compute settings.
         return graphdef, params, summary
 
     c = config.sft
-    rng = jax.random.key(config.seed)
+    rng = jax.random.key(c.seed)
     graphdef, params = sharding.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
     summary = {"steps": 0, "pass@1": None}
     if c.max_steps > 0:
@@ -141,7 +149,7 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
             pad_id=tokenizer.pad_id,
             buckets=tuple(config.sampling.buckets),
         )
-        order_rng = np.random.default_rng([config.seed, 7])
+        order_rng = np.random.default_rng([c.seed, 7])
         pass_at_1 = 0.0
         for step in range(1, c.max_steps + 1):
             idx = order_rng.integers(0, len(train_problems), c.batch_size)

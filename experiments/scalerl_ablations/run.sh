@@ -1,0 +1,41 @@
+#!/bin/bash
+# The ScaleRL loss comparison and leave-one-out at small scale; see README.md here.
+#
+#   bash experiments/scalerl_ablations/run.sh ROOT [SEEDS]     e.g. ROOT=/tmp/ablations SEEDS="0 1"
+#
+# Every run is `rlscale.main` on configs/scalerl.py with one variant; all runs share the first
+# run's SFT warm start (sft.reuse_from), and RL seeds vary with --config.seed. Finished runs
+# are skipped, so the script can be re-run after an interruption. Then fits every run.
+set -euo pipefail
+ROOT=${1:?usage: run.sh ROOT [SEEDS]}
+SEEDS=${2:-0}
+PY=${PYTHON:-python}
+RUNS=(
+  "full:"
+  "loss_ppo_clip:loss=ppo_clip"
+  "loss_gspo:loss=gspo"
+  "minus_prompt_mean:drop=prompt_mean"
+  "minus_batch_std:drop=batch_std"
+  "minus_zero_variance:drop=zero_variance"
+  "minus_no_positive_resampling:drop=no_positive_resampling"
+  "minus_interruption:drop=interruption"
+  "bf16_full:bf16"
+  "bf16_minus_fp32_head:drop=fp32_head,bf16"
+)
+WARM=$ROOT/full_s0
+mkdir -p "$ROOT/logs"
+for seed in $SEEDS; do
+  for run in "${RUNS[@]}"; do
+    name=${run%%:*}; variant=${run#*:}
+    dir=$ROOT/${name}_s$seed
+    [ -f "$dir/summary.json" ] && continue
+    reuse=()
+    [ "$dir" != "$WARM" ] && reuse=(--config.sft.reuse_from="$WARM")
+    echo "== $name seed $seed"
+    $PY -m rlscale.main --config "configs/scalerl.py:$variant" --workdir "$dir" \
+      --config.seed="$seed" "${reuse[@]}" > "$ROOT/logs/${name}_s$seed.log" 2>&1
+    grep -E "eval_pass@1|scaling fit" "$ROOT/logs/${name}_s$seed.log" || true
+  done
+done
+# Fit each run on its first half of compute and check the prediction on the second half.
+$PY tools/fit_scaling.py "$ROOT"/*_s* --out "$ROOT/fits" --y eval/pass@1 --fit-until-frac 0.5
