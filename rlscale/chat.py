@@ -31,7 +31,7 @@ Reasoning format: the completion is `<think>\\n...\\n</think>\\n\\n` then the an
 `reasoning_completion` writes and the math verifier reads: only the text after the last
 `</think>` is graded). When a thinking budget runs out, a sampler appends
 `FORCED_INTERRUPTION` (`interruption_ids`) and lets the model answer (ScaleRL's forced
-interruptions; not yet wired into `rlscale.sampling`).
+interruptions: the RL loop's `sampling.interrupt_phrase`, written in by the sampler).
 """
 
 from __future__ import annotations

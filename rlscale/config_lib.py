@@ -71,6 +71,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     c.mesh = dict(shape=(-1, 1, 1))  # (data, fsdp, tensor); -1 takes the remaining devices.
     c.task = dict(name="arithmetic", difficulty=2, seed=0, n_train=4000, n_test=400)
     c.tokenizer = dict(vocab_size=320)
+    # A Hugging Face model directory to start from instead of the SFT warm start (its own
+    # tokenizer and architecture; `model` then only sets the compute dtype).
+    c.init = dict(hf_checkpoint="")
     c.model = model_config(
         "tiny",
         num_layers=4,

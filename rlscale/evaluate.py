@@ -36,9 +36,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlscale import chat, checkpoint, evaluation, rl, sharding
+from rlscale import checkpoint, evaluation, rl, sharding
 from rlscale import tokenizer as tokenizer_lib
-from rlscale.data import builders, math_data, tasks
+from rlscale.data import load as data_load
+from rlscale.data import tasks
 from rlscale.rewards import isolation
 from rlscale.sampling import Sampler, SamplingConfig
 
@@ -52,36 +53,7 @@ _ANSWER_FNS = {"arithmetic": tasks.final_answer}
 # ==========================================================================================
 
 
-def load_task(config, workdir: str):
-    """(task, {split: problems}) for `config.task`, materialized in `workdir/data`.
-
-    Synthetic tasks are built exactly as `rl.run` builds them; `math` reads the configured
-    files with `math_data` and formats the prompts with the configured chat template.
-    """
-    t, data_dir = config.task, os.path.join(workdir, "data")
-    if t.name in tasks.TASKS:
-        task = tasks.get(t.name, t.difficulty, t.seed)
-        sources = builders.materialize(
-            t.name, t.difficulty, t.n_train, t.n_test, data_dir, seed=t.seed
-        )
-        return task, {
-            split: [builders.decode(src[i]) for i in range(len(src))]
-            for split, src in sources.items()
-        }
-    if t.name == "math":
-        template = chat.get(t.chat_template) if t.chat_template else None
-        splits = math_data.load(
-            dict(t.files),
-            t.format,
-            data_dir,
-            template,
-            instruction=t.instruction or None,
-            system=t.system or None,
-        )
-        return math_data.MathTask(), splits
-    raise ValueError(
-        f"task.name={t.name!r} is not a synthetic task ({', '.join(tasks.TASKS)}) or 'math'"
-    )
+load_task = data_load.load_task  # Re-exported: the CLI's task is the run's.
 
 
 def default_tokenizer_path(checkpoint_dir: str, workdir: str) -> str:
@@ -103,12 +75,7 @@ def sampling_config(config, tokenizer, k: int) -> SamplingConfig:
     Stops at the EOS and, for a chat-formatted task, at the template's end-of-turn token.
     Tokenizers without a pad token (Llama 3) left-pad prompts with the EOS (padding is masked).
     """
-    cfg = rl.sampling_config(config, tokenizer)
-    stop = cfg.stop_tokens
-    if config.task.name == "math" and config.task.chat_template:
-        stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))
-    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
-    return dataclasses.replace(cfg, num_samples=k, stop_tokens=stop, pad_id=pad_id)
+    return dataclasses.replace(rl.sampling_config(config, tokenizer), num_samples=k)
 
 
 # ==========================================================================================

@@ -14,6 +14,7 @@ import functools
 import importlib
 import json
 import os
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -23,9 +24,11 @@ import numpy as np
 import optax
 from absl import logging
 
-from rlscale import checkpoint, evaluation, faults, metrics, model, preemption, sft, sharding
-from rlscale.data import builders, filters, tasks
-from rlscale.model import decoder
+from rlscale import chat, checkpoint, evaluation, faults, metrics, model, preemption, sft, sharding
+from rlscale import tokenizer as tokenizer_lib
+from rlscale.data import filters, tasks
+from rlscale.data import load as data_load
+from rlscale.model import decoder, hf
 from rlscale.objectives import recipe
 from rlscale.rewards import isolation
 from rlscale.sampling import Sampler, SamplingConfig
@@ -75,8 +78,24 @@ def validate(config) -> None:
             f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
             f"by learner.micro_batches={u.micro_batches}"
         )
-    if config.task.name not in tasks.TASKS:
-        problems.append(f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)}")
+    if config.task.name not in (*tasks.TASKS, "math"):
+        problems.append(
+            f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)} or 'math'"
+        )
+    if config.task.name == "math":
+        for split in ("train", "test"):
+            path = config.task.files.get(split, "")
+            if not path or not os.path.exists(path):
+                problems.append(f"task.files.{split}={path!r}: no such file")
+        if not config.init.hf_checkpoint:
+            problems.append("task.name='math' needs init.hf_checkpoint (a pretrained policy)")
+    if config.init.hf_checkpoint and not os.path.isfile(
+        os.path.join(config.init.hf_checkpoint, "config.json")
+    ):
+        problems.append(
+            f"init.hf_checkpoint={config.init.hf_checkpoint!r} has no config.json: not a "
+            "Hugging Face model directory"
+        )
     if (
         config.filters.overlong_cache
         and config.filters.overlong_cache > config.sampling.max_new_tokens
@@ -185,22 +204,20 @@ def micro_grads(
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0,))
-def apply_grads(state: TrainState, grads, loss_sum, denom, obj_state, *, optimizer):
+def apply_grads(state: TrainState, grads, loss_sum, denom, *, optimizer):
     """One optimizer step on the accumulated gradient sums; skipped (state unchanged, bit for
     bit) when the loss or the gradient norm is not finite."""
     grads = jax.tree.map(lambda g: g / jnp.maximum(denom, 1.0), grads)
 
     def apply(grads, s):
-        params, value_params, opt_state, _ = s
+        params, value_params, opt_state = s
         updates, opt_state = optimizer.update(grads, opt_state, (params, value_params))
         params, value_params = optax.apply_updates((params, value_params), updates)
-        return params, value_params, opt_state, obj_state
+        return params, value_params, opt_state
 
-    old = (state.params, state.value_params, state.opt_state, state.obj_state)
-    (params, value_params, opt_state, obj_state), ok = faults.guarded_update(
-        grads, loss_sum, apply, old
-    )
-    return TrainState(params, value_params, opt_state, obj_state, state.step + 1), {
+    old = (state.params, state.value_params, state.opt_state)
+    (params, value_params, opt_state), ok = faults.guarded_update(grads, loss_sum, apply, old)
+    return TrainState(params, value_params, opt_state, state.obj_state, state.step + 1), {
         "train/grad_norm": optax.tree.norm(grads),
         "ok": ok,
     }
@@ -249,26 +266,25 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
 
     # ---- data --------------------------------------------------------------------------
     sft.reuse(config, workdir)
-    task = tasks.get(config.task.name, config.task.difficulty, config.task.seed)
-    sources = builders.materialize(
-        config.task.name,
-        config.task.difficulty,
-        config.task.n_train,
-        config.task.n_test,
-        os.path.join(workdir, "data"),
-        seed=config.task.seed,
-    )
-    train_problems = [builders.decode(sources["train"][i]) for i in range(len(sources["train"]))]
-    test_problems = [builders.decode(sources["test"][i]) for i in range(len(sources["test"]))]
-    tokenizer = _tokenizer(config, workdir, train_problems)
+    task, splits = data_load.load_task(config, workdir)
+    train_problems, test_problems = splits["train"], splits["test"]
+    hf_init = config.init.hf_checkpoint
+    if hf_init:  # A pretrained policy brings its own tokenizer.
+        tokenizer = tokenizer_lib.load(hf_init)
+    else:
+        tokenizer = _tokenizer(config, workdir, train_problems)
 
     # ---- models ------------------------------------------------------------------------
-    model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
+    if hf_init:  # Start from a Hugging Face checkpoint, placed directly on the mesh.
+        model_cfg, graphdef, params = hf.load_hf(hf_init, mesh, dtype=config.model.dtype)
+        sft_summary = {}
+    else:  # Start from the SFT warm start (trained now, or cached in WORKDIR/sft).
+        model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
+        graphdef, params, sft_summary = sft.warm_start(
+            config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems
+        )
     scfg = sampling_config(config, tokenizer)
     eval_scfg = dataclasses.replace(scfg, num_samples=config.eval.samples)
-    graphdef, params, sft_summary = sft.warm_start(
-        config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems
-    )
     sampler = Sampler(graphdef, model_cfg, mesh)
     needs = recipe.needs(config.objective)
     # The reference model is the same function with frozen params; copied because the train
@@ -517,7 +533,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                         step_metrics.setdefault("train/denominator", []).append(denom)
                     loss_acc = sum(step_metrics["train/loss_sum"][-config.learner.micro_batches :])
                     state, upd = apply_grads(
-                        state, grads_acc, loss_acc, denom_acc, state.obj_state, optimizer=optimizer
+                        state, grads_acc, loss_acc, denom_acc, optimizer=optimizer
                     )
                     step_metrics.setdefault("train/grad_norm", []).append(upd["train/grad_norm"])
                     # A non-finite loss or gradient skips the update (state unchanged); too
@@ -597,6 +613,12 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     }
     if jax.process_index() == 0:
         checkpoint.save_params(os.path.join(workdir, "final"), model_cfg, state.params)
+        if hf_init:  # Also as a Hugging Face checkpoint, with the tokenizer: servable as is.
+            export = os.path.join(workdir, "hf")
+            hf.save_hf(export, model_cfg, state.params)
+            for name in os.listdir(hf_init):
+                if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                    shutil.copy2(os.path.join(hf_init, name), export)
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
@@ -641,8 +663,16 @@ def _tokenizer(config, workdir, problems):
 
 def sampling_config(config, tokenizer) -> SamplingConfig:
     """The run's `SamplingConfig`: `config.sampling` with its texts (the forced-interruption
-    phrase and end-of-thinking marker) encoded by the run's tokenizer."""
+    phrase and end-of-thinking marker) encoded by the run's tokenizer.
+
+    Completions stop at the EOS and, for a chat-formatted task, at the template's end-of-turn
+    token. Tokenizers without a pad token (Llama 3) left-pad with the EOS (padding is masked).
+    """
     s = config.sampling
+    stop = (tokenizer.eos_id,)
+    if config.task.name == "math" and config.task.chat_template:
+        stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))
+    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
     interrupt_ids, think_end = (), ()
     if s.think_budget:
         interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
@@ -661,8 +691,8 @@ def sampling_config(config, tokenizer) -> SamplingConfig:
         top_k=s.top_k,
         top_p=s.top_p,
         num_samples=config.batch.group_size,
-        stop_tokens=(tokenizer.eos_id,),
-        pad_id=tokenizer.pad_id,
+        stop_tokens=stop,
+        pad_id=pad_id,
         buckets=tuple(s.buckets),
     )
 

@@ -297,10 +297,14 @@ def load_hf(
             )
         host = host.astype(v.dtype)
         if mesh is None:
-            return v.replace(jax.device_put(host))
+            return v.replace(jax.device_put(np.array(host)))
         spec = sharding.logical_to_spec(v.get_metadata()["axes"], rules, mesh, v.shape)
         target = jax.sharding.NamedSharding(mesh, spec)
-        return v.replace(jax.make_array_from_callback(v.shape, target, lambda idx: host[idx]))
+        # A copy per shard: on CPU a device buffer may alias the NumPy memory it came from,
+        # and replicated shards would then share one buffer, which a donating update writes.
+        return v.replace(
+            jax.make_array_from_callback(v.shape, target, lambda idx: np.array(host[idx]))
+        )
 
     try:
         params = jax.tree_util.tree_map_with_path(

@@ -1,0 +1,132 @@
+"""End to end on real-format inputs: a tiny random Qwen2-shaped Hugging Face checkpoint (with
+its own tokenizer.json) and a 20-row GSM8K-style jsonl, through a few RL steps of
+`configs/math.py`, then the exported policy loaded by transformers."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rlscale import checkpoint, rl
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _rows(n=20):
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(2, 50, 2))
+        rows.append(
+            {
+                "question": f"Tom has {a} apples and buys {b} more. How many apples now?",
+                "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+            }
+        )
+    return rows
+
+
+def _tokenizer_dir(path, corpus):
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return backend.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("math_e2e")
+    rows = _rows()
+    data = root / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model_dir = root / "qwen"
+    model_dir.mkdir()
+    corpus = [r["question"] + r["answer"] for r in rows] + [
+        "system user assistant Please reason step by step, and put your final answer within "
+        "\\boxed{}. You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    ] * 5
+    vocab = _tokenizer_dir(model_dir, corpus)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(model_dir)
+    return root, data, model_dir
+
+
+def _math_config(arg):
+    spec = importlib.util.spec_from_file_location(
+        "math_cfg", os.path.join(ROOT, "configs", "math.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def test_rl_on_a_hf_checkpoint_and_gsm8k_file_then_export(inputs, tmp_path):
+    _, data, model_dir = inputs
+    config = _math_config(f"checkpoint={model_dir},train={data},test={data},smoke")
+    # A random model never answers right: an easy reward (any digit) gives the update signal.
+    config.reward.fn = "reward_fixtures:digits"
+    config.optim.lr = 1e-3
+    summary = rl.run(config, str(tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert all(np.isfinite(x["train/loss"]) for x in lines[1:])
+    assert all(x["train/sampler_logp_gap"] < 1e-4 for x in lines[1:])
+    assert summary["compute/flops"] > 0
+    # The export loads in transformers and computes what rlscale's final params compute.
+    export = tmp_path / "hf"
+    assert (export / "tokenizer.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(export)).float().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    ids = tok("Tom has 3 apples.")["input_ids"]
+    with torch.no_grad():
+        theirs = reloaded(torch.tensor([ids])).logits.numpy()
+    from rlscale import model
+
+    cfg, graphdef, params = checkpoint.load_params(str(tmp_path / "final"))
+    tokens = np.array([ids])
+    mask = np.ones_like(tokens, bool)
+    ours, _ = model.forward(graphdef, params, tokens, model.positions_from_mask(mask), mask)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+    # Training moved the policy away from the checkpoint it started from.
+    start = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
+    with torch.no_grad():
+        before = start(torch.tensor([ids])).logits.numpy()
+    assert np.abs(before - theirs).max() > 1e-6
+
+
+def test_bad_math_config_names_the_problem(inputs, tmp_path):
+    _, data, _ = inputs
+    config = _math_config(f"checkpoint={tmp_path},train={data},test={tmp_path / 'nope.jsonl'}")
+    with pytest.raises(ValueError) as e:
+        rl.validate(config)
+    assert "task.files.test=" in str(e.value) and "no such file" in str(e.value)
+    assert "has no config.json" in str(e.value)
