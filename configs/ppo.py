@@ -3,9 +3,11 @@ clipped value loss, 2 epochs of 2 minibatches per batch.
 
     python -m rlscale.main --config configs/ppo.py --workdir /tmp/rlscale_ppo
 
-Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2),
-SFT warm start included. Any task by override: `--config.task.name=countdown
---config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
+Laptop CPU (2 cores), quickstart task (arithmetic, difficulty 2): about 6 minutes, of which
+the SFT warm start is 2.5 (reuse one with `--config.sft.reuse_from=WORKDIR`; the 40 RL steps
+alone took 3m44). Measured result (seed 0): held-out pass@1 0.18 (warm start) -> 0.790 after 40
+steps. Any task by override: `--config.task.name=countdown --config.task.difficulty=3`.
+Variant `:smoke` runs 3 steps (used by the tests).
 """
 
 from rlscale import config_lib
