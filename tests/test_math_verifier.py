@@ -348,3 +348,20 @@ def test_memory_limit_fails_one_call():
     with sandbox.WorkerPool(allocate_too_much, 1, memory_limit_bytes=2 << 30) as pool:
         (result,) = pool.map([()], timeout=30)
     assert result.status == sandbox.ERROR and "MemoryError" in result.error
+
+
+@pytest.mark.parametrize(
+    "completion,gold",
+    [
+        ("The answer is \\boxed{" + "7" * 10_000 + "}", "7"),  # A 10,000-digit number.
+        ("\\boxed{10^{10^{10}}}", "100"),  # A power tower.
+        ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "1"),  # 5,000 nested braces.
+        ("x" * (1 << 20) + " \\boxed{4}", "3"),  # A 1 MB string.
+    ],
+    ids=["10k_digits", "power_tower", "nested_braces", "1MB"],
+)
+def test_adversarial_answers_score_zero_in_bounded_time(default_verifier, completion, gold):
+    """The deadline bounds every check (1.5 s by default): the issue's bound is 2 s each."""
+    start = time.monotonic()
+    assert math_reward.score(completion, gold) == 0.0
+    assert time.monotonic() - start < 2.0

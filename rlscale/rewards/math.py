@@ -69,7 +69,9 @@ from collections.abc import Callable, Sequence
 
 from rlscale.rewards import sandbox
 
-DEFAULT_TIMEOUT = 5.0
+# Seconds one check may take: ordinary answers take milliseconds; adversarial ones (an
+# exponent tower, thousands of nested braces) are cut off here and score 0.
+DEFAULT_TIMEOUT = 1.5
 DEFAULT_MEMORY_LIMIT_BYTES = 4 << 30
 
 # Relative tolerances of the numeric guard (see the module docstring).
