@@ -36,7 +36,8 @@ def completions_text(tokenizer, out) -> list[str]:
 def evaluate(
     sampler: Sampler, params, tokenizer, task, problems, rng, cfg: SamplingConfig, batch: int = 64
 ) -> dict:
-    """Samples `cfg.num_samples` completions per problem; pass@1 is the mean correctness."""
+    """Samples `cfg.num_samples` completions per problem: mean reward, pass@1 (the mean
+    correctness) and, with n > 1 samples, pass@n."""
     rewards = []
     for start in range(0, len(problems), batch):
         chunk = problems[start : start + batch]
@@ -46,7 +47,12 @@ def evaluate(
         r, _ = isolation.score_all(task.verify, texts, probs)
         rewards.append(r)
     r = np.concatenate(rewards)
-    return {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
+    out = {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
+    n = cfg.num_samples
+    if n > 1:  # Rows are prompt-major: each prompt's n samples give an unbiased pass@n.
+        correct_P = (r > 0).reshape(-1, n).sum(axis=1)
+        out[f"eval/pass@{n}"] = float(pass_at_k(n, correct_P, n).mean())
+    return out
 
 
 # ==========================================================================================
