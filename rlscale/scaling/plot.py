@@ -26,6 +26,7 @@ def plot_fits(results, path: str, *, title: str | None = None) -> str:
       `path`.
     """
     import matplotlib
+    import matplotlib.ticker
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -58,6 +59,8 @@ def plot_fits(results, path: str, *, title: str | None = None) -> str:
         if ext:
             ax.axvline(ext.fit_until, color=color, ls=":", lw=1)
     ax.set_xscale("log")
+    # Label decades only: minor-tick labels on a short log axis overlap.
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     curve = results[0].curve
     ax.set_xlabel(curve.x_key)
     ax.set_ylabel(curve.y_key)
