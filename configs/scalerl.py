@@ -38,6 +38,11 @@ def get_config(arg=None):
     c.recipe = "scalerl"
     c.steps = 80
     c.eval.every = 5
+    # Four optimizer steps per sampled batch: the later minibatches update a policy that has
+    # moved since sampling, standing in for the paper's off-policy (PipelineRL) updates, so
+    # the importance weights and their clipping act. With one step per batch every clipped
+    # loss has the plain policy gradient (tested), and CISPO, DAPO and GSPO coincide.
+    c.learner.minibatches = 4
     c.objective.advantages.scale = "batch_std"
     c.objective.policy.name = "cispo"
     c.objective.policy.eps_max = 4.0

@@ -47,7 +47,8 @@ sympy with an ANTLR parser (latex2sympy2_extended). Its plain-expression path
 (`ExprExtractionConfig`, which calls `sympy.parse_expr`, an `eval` underneath) is only used for
 gold answers, and its regex only admits digits, spaces and `+-*/^()×÷.` anyway.
 
-Counters (`stats()`): samples, correct, no_answer (extraction found nothing), invalid_gold,
+Counters (`stats()`): samples, correct, no_answer (extraction found nothing), too_long (an
+answer over `MAX_ANSWER_CHARS`, scored 0 without parsing), invalid_gold,
 timeouts, errors (the check raised), crashes (a worker died) and restarts (workers replaced).
 They are cumulative over the verifier's life; log their differences between RL steps.
 
@@ -69,6 +70,8 @@ from collections.abc import Callable, Sequence
 
 from rlscale.rewards import sandbox
 
+# An extracted answer longer than this scores 0 unless it is the gold string itself.
+MAX_ANSWER_CHARS = 1000
 # Seconds one check may take: ordinary answers take milliseconds; adversarial ones (an
 # exponent tower, thousands of nested braces) are cut off here and score 0.
 DEFAULT_TIMEOUT = 1.5
@@ -346,6 +349,7 @@ class _Counts:
     samples: int = 0
     correct: int = 0
     no_answer: int = 0
+    too_long: int = 0
     invalid_gold: int = 0
 
 
@@ -411,7 +415,7 @@ class MathVerifier:
             raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
         scores = [0.0] * len(completions)
         jobs, job_index = [], []
-        no_answer = invalid_gold = 0
+        no_answer = invalid_gold = too_long = 0
         for i, (completion, gold) in enumerate(zip(completions, golds)):
             pred_answer = extract_answer(completion)
             gold_answer = extract_gold(gold)
@@ -419,6 +423,8 @@ class MathVerifier:
                 invalid_gold += 1
             elif pred_answer is None:
                 no_answer += 1
+            elif len(pred_answer) > MAX_ANSWER_CHARS and pred_answer.strip() != gold_answer.strip():
+                too_long += 1  # No real answer is this long: do not spend a parse on it.
             else:
                 jobs.append((pred_answer, gold_answer))
                 job_index.append(i)
@@ -430,6 +436,7 @@ class MathVerifier:
             self._counts.samples += len(completions)
             self._counts.correct += int(sum(scores))
             self._counts.no_answer += no_answer
+            self._counts.too_long += too_long
             self._counts.invalid_gold += invalid_gold
         return scores
 
