@@ -72,27 +72,6 @@ def gsm8k_gold(answer: str) -> str | None:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def _braced(text: str, start: int) -> str | None:
-    """The content of the `{...}` group opening at `text[start]`, or None if unbalanced.
-
-    `\\{` and `\\}` are literal braces, not group delimiters.
-    """
-    depth, i = 0, start
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : i]
-        i += 1
-    return None
-
-
 def boxed_answer(solution: str) -> str | None:
     """The argument of the last `\\boxed{...}` or `\\fbox{...}` in a solution, brace-matched.
 
@@ -111,7 +90,7 @@ def boxed_answer(solution: str) -> str | None:
         i += 1
     if i >= len(solution) or solution[i] != "{":
         return None
-    return _braced(solution, i)
+    return math_reward.braced_argument(solution, i)
 
 
 # ------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def _final_section(completion: str) -> str | None:
     return completion
 
 
-def _braced_argument(text: str, start: int) -> str | None:
+def braced_argument(text: str, start: int) -> str | None:
     """The content of the `{...}` group opening at `text[start]`, or None if unbalanced."""
     depth = 0
     i = start
@@ -144,7 +144,7 @@ def _last_boxed(text: str) -> str | None:
         i += 1
     if i >= len(text) or text[i] != "{":
         return None
-    return _braced_argument(text, i)
+    return braced_argument(text, i)
 
 
 def _find_unescaped(text: str, needle: str, start: int) -> int:
