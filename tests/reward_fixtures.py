@@ -4,7 +4,12 @@
 import json
 import os
 import signal
+import tempfile
 import time
+
+# Where `faulty` reads its {prompt: fault} table. A fixed path, not an environment variable:
+# reward workers fork from a server that may predate the test and its environment.
+FAULTS_PATH = os.path.join(tempfile.gettempdir(), f"rlscale_test_faults_{os.getuid()}.json")
 
 
 def digits(completion, problem):
@@ -14,9 +19,9 @@ def digits(completion, problem):
 
 
 def faulty(completion, problem):
-    """Misbehaves on the prompts listed in $RLSCALE_TEST_FAULTS ({prompt: fault}), else
-    `digits`. Faults: raise, nan, sleep (past any test timeout), exit (the worker dies)."""
-    with open(os.environ["RLSCALE_TEST_FAULTS"]) as f:
+    """Misbehaves on the prompts listed in `FAULTS_PATH` ({prompt: fault}), else `digits`.
+    Faults: raise, nan, sleep (past any test timeout), exit (the worker dies)."""
+    with open(FAULTS_PATH) as f:
         fault = json.load(f).get(problem.prompt)
     if fault == "raise":
         raise RuntimeError("verifier bug")

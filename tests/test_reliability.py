@@ -188,6 +188,7 @@ def _config(**overrides):
     spec.loader.exec_module(module)
     c = module.get_config("smoke")
     c.steps = 4
+    c.learner.minibatches = 1  # One optimizer step per RL step: the NaN schedules count them.
     for k, v in overrides.items():
         section, key = k.split("__")
         c[section][key] = v
@@ -243,11 +244,14 @@ def test_misbehaving_verifiers_cost_their_samples(straight, tmp_path, monkeypatc
     ids = filters.PromptStream(len(sources["train"]), seed=config.seed).next(8)
     prompts = [builders.decode(sources["train"][i]).prompt for i in ids]
     faults = dict(zip(prompts, ["raise", "nan", "sleep", "exit"]))
-    (tmp_path / "faults.json").write_text(json.dumps(faults))
-    monkeypatch.setenv("RLSCALE_TEST_FAULTS", str(tmp_path / "faults.json"))
-    monkeypatch.syspath_prepend(HERE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    rl.run(config, str(tmp_path / "run"))
+    import reward_fixtures
+
+    with open(reward_fixtures.FAULTS_PATH, "w") as f:
+        json.dump(faults, f)
+    try:
+        rl.run(config, str(tmp_path / "run"))
+    finally:
+        os.remove(reward_fixtures.FAULTS_PATH)
     line = _lines(tmp_path / "run")[1]
     G = config.batch.group_size
     assert line["reward/failures_error"] == G

@@ -233,7 +233,7 @@ import sys
 from absl import app
 from rlscale import main, rl
 
-def fake_run(config, workdir):
+def fake_run(config, workdir, **kwargs):
     with open(workdir + "/metrics.jsonl", "w") as f:
         f.write('{{"compute/flops": 0.0, "eval/reward_mean": 0.2}}\\n')
         f.write('{{"compute/flops": 1e12, "eval/reward_mean": 0.3}}\\n')
