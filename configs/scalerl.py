@@ -3,8 +3,10 @@ head, zero-variance filtering, no-positive-resampling, forced length interruptio
 
     python -m rlscale.main --config configs/scalerl.py --workdir /tmp/rlscale_scalerl
 
-Laptop CPU (2 cores): about 5 minutes on the quickstart task (arithmetic, difficulty 2), SFT
-warm start (2.5 minutes) included. Any task by override: `--config.task.name=countdown
+Laptop CPU (2 cores), quickstart task (arithmetic, difficulty 2): about 7 minutes, of which
+the SFT warm start is 2.5 (80 RL steps of 4 minibatches took 4 min 20 s on a busy machine).
+Measured result (seed 0): held-out pass@1 0.18 -> 0.84; the run's own fit gives A = 0.83,
+B = 2.3, C_mid = 2.7e11 FLOPs. Any task by override: `--config.task.name=countdown
 --config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
 
 Ablation variants (experiments/scalerl_ablations):
