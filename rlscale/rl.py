@@ -245,7 +245,15 @@ def make_optimizer(c) -> optax.GradientTransformation:
 
 # Config keys that may change between a run and its resumption: they do not change what the
 # run computes up to the checkpoint.
-RESUMABLE_CHANGES = ("steps", "eval.every", "checkpoint", "sft.reuse_from", "faults", "reward")
+RESUMABLE_CHANGES = (
+    "steps",
+    "eval.every",
+    "checkpoint",
+    "sft.reuse_from",
+    "faults",
+    "reward.workers",
+    "reward.timeout",
+)
 
 
 class PreemptedError(Exception):
