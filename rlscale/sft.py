@@ -99,14 +99,18 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
     inputs = json.loads(json.dumps(_inputs(config)))  # Tuples as lists, as read back.
     if os.path.exists(summary_path):
         inputs_path = os.path.join(path, "inputs.json")
-        if os.path.exists(inputs_path):
-            with open(inputs_path) as f:
-                diff = _differences(json.load(f), inputs)
-            if diff:
-                raise ValueError(
-                    f"{path} holds a warm start made with different settings; delete it or use "
-                    "another workdir:\n  " + "\n  ".join(diff)
-                )
+        if not os.path.exists(inputs_path):
+            raise ValueError(
+                f"{path} holds a warm start with no record of the settings it was made with "
+                "(an older rlscale); delete it or use another workdir"
+            )
+        with open(inputs_path) as f:
+            diff = _differences(json.load(f), inputs)
+        if diff:
+            raise ValueError(
+                f"{path} holds a warm start made with different settings; delete it or use "
+                "another workdir:\n  " + "\n  ".join(diff)
+            )
         cfg, _, params = checkpoint.load_params(path, mesh=mesh)
         compute_only = {k: getattr(model_cfg, k) for k in COMPUTE_ONLY}
         if dataclasses.replace(cfg, **compute_only) != model_cfg:

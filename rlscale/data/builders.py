@@ -27,7 +27,12 @@ class TaskConfig(tfds.core.BuilderConfig):
 class SyntheticTasks(tfds.core.GeneratorBasedBuilder):
     """One config per (task, difficulty, seed, sizes); splits `train` and `test`."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    # Bump when generation changes, so cached datasets of the old version are not reused.
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "Arithmetic demonstrations fold the products, then the sums in one step.",
+        "1.1.0": "Arithmetic demonstrations take one operation per step.",
+    }
     BUILDER_CONFIGS = [TaskConfig(name="arithmetic_d2")]
 
     def _info(self):
