@@ -2,7 +2,7 @@
 
     python -m rlscale.main --config configs/quickstart.py --workdir /tmp/rlscale_quickstart
 
-Laptop CPU (2 cores): about 4.5 minutes, SFT warm start (2.5 minutes) and compilation
+Laptop CPU (2 cores): 4.5-5 minutes, SFT warm start (2.5 minutes) and compilation
 included. Measured result (seed 0): held-out pass@1 0.18 (the warm start, which works
 problems out but rarely states the graded answer) -> 0.82 after 80 RL steps; the run's own
 fit gives A = 0.89. See the README, "What the quickstart shows".
