@@ -105,9 +105,8 @@ def validate(config) -> None:
             f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
         )
     if config.reward.fn:
-        module, _, name = config.reward.fn.partition(":")
         try:
-            if not callable(getattr(importlib.import_module(module), name)):
+            if not callable(_import_function(config.reward.fn)):
                 raise TypeError("not callable")
         except (ImportError, AttributeError, TypeError, ValueError) as e:
             problems.append(f"reward.fn={config.reward.fn!r} ('module:function') fails: {e}")
@@ -509,13 +508,13 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
             # ---- update ----------------------------------------------------------------------
             t_update = time.time()
             step_metrics = {}
-            skipped = 0
+            skipped, applied = 0, []
             N = roll.tokens_NL.shape[0]
             n_mini = config.learner.minibatches
             for epoch in range(config.learner.epochs):
                 order = np.random.default_rng([config.seed, step, epoch]).permutation(N // G)
                 for mb in np.array_split(order, n_mini):
-                    grads_acc, denom_acc = None, 0.0
+                    grads_acc, denom_acc, loss_acc = None, 0.0, 0.0
                     for micro in np.array_split(mb, config.learner.micro_batches):
                         idx = (micro[:, None] * G + np.arange(G)).reshape(-1)
                         mbatch = {k: v[idx] for k, v in batch.items()}
@@ -539,18 +538,20 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                             step_metrics.setdefault(f"train/{k}", []).append(v)
                         step_metrics.setdefault("train/loss_sum", []).append(loss_sum)
                         step_metrics.setdefault("train/denominator", []).append(denom)
-                    loss_acc = sum(step_metrics["train/loss_sum"][-config.learner.micro_batches :])
+                        loss_acc = loss_acc + loss_sum
                     state, upd = apply_grads(
                         state, grads_acc, loss_acc, denom_acc, optimizer=optimizer
                     )
                     step_metrics.setdefault("train/grad_norm", []).append(upd["train/grad_norm"])
-                    # A non-finite loss or gradient skips the update (state unchanged); too
-                    # many in a row stop the run, keeping the last good checkpoint.
-                    ok = bool(upd["ok"])
-                    skipped += not ok
-                    skips.update(ok, step, last_checkpoint=ckpt.latest_step())
+                    applied.append(upd["ok"])
             jax.block_until_ready(state.params)
             t_done = time.time()
+            # A non-finite loss or gradient skipped its update (state unchanged); too many in
+            # a row stop the run, keeping the last good checkpoint. Read once the step is done,
+            # so the host never waits between updates.
+            for ok in map(bool, applied):
+                skipped += not ok
+                skips.update(ok, step, last_checkpoint=ckpt.latest_step())
 
             # ---- compute accounting ----------------------------------------------------------
             n_gen = float(lengths.sum())
@@ -652,9 +653,12 @@ def _abstract(tree, mesh):
 def _reward_fn(config, task):
     """`config.reward.fn` ("module:function", called as fn(completion, problem) -> float), or
     the task's own verifier."""
-    if not config.reward.fn:
-        return task.verify
-    module, _, name = config.reward.fn.partition(":")
+    return _import_function(config.reward.fn) if config.reward.fn else task.verify
+
+
+def _import_function(spec: str):
+    """The object named by "module:function"."""
+    module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
