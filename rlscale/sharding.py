@@ -63,9 +63,13 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
                 f"mesh shape {tuple(shape)} cannot be filled from {devices.size} devices"
             )
         shape[shape.index(-1)] = devices.size // known
-    if int(np.prod(shape)) != devices.size:
+    needed = int(np.prod(shape))
+    if needed < devices.size and jax.process_count() == 1 and devices.size % needed == 0:
+        devices = devices[:needed]  # A smaller mesh on one host: its first devices.
+    if needed != devices.size:
         raise ValueError(
-            f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices, have {devices.size}"
+            f"mesh shape {tuple(shape)} needs {needed} devices, have {devices.size}"
+            + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else "")
         )
     # Auto axes: XLA propagates shardings from the annotated inputs and outputs. make_mesh
     # orders devices for the physical topology (TPU ICI rings) where it knows one.

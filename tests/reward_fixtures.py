@@ -32,3 +32,10 @@ def faulty(completion, problem):
     if fault == "exit":
         os.kill(os.getpid(), signal.SIGKILL)
     return digits(completion, problem)
+
+
+def even_length(completion, problem):
+    """1 if the completion has an even number of characters: about half the samples pass, so
+    groups have reward variance (the golden-metrics runs)."""
+    del problem
+    return float(len(completion) % 2 == 0)
