@@ -17,10 +17,10 @@ def get_config(arg=None):
     arg = config_lib.parse_arg(arg, smoke=False)
     c = config_lib.rl_config()
     c.recipe = "cispo"
-    c.objective.policy.name = "cispo_two_sided"
-    c.objective.policy.eps_low = 1.0
-    c.objective.policy.eps_high = 3.0
-    c.objective.aggregate = "token_mean"
+    c.objective.chain = (
+        "group_advantages | token_ratio | cispo(eps_max=None, eps_low=1.0, eps_high=3.0)"
+        " | aggregate(mode=token_mean)"
+    )
     if arg.smoke:
         config_lib.smoke(c)
     return c

@@ -17,8 +17,10 @@ def get_config(arg=None):
     arg = config_lib.parse_arg(arg, smoke=False)
     c = config_lib.rl_config()
     c.recipe = "dapo"
-    c.objective.policy.eps_high = 0.28
-    c.objective.aggregate = "token_mean"
+    c.objective.chain = (
+        "group_advantages | token_ratio | ppo_clip(eps_low=0.2, eps_high=0.28)"
+        " | aggregate(mode=token_mean)"
+    )
     c.filters.dynamic_sampling = True
     c.filters.overlong_cache = 8
     if arg.smoke:

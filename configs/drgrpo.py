@@ -16,8 +16,10 @@ def get_config(arg=None):
     arg = config_lib.parse_arg(arg, smoke=False)
     c = config_lib.rl_config()
     c.recipe = "drgrpo"
-    c.objective.advantages.scale = "none"
-    c.objective.aggregate = "seq_sum"
+    c.objective.chain = (
+        "group_advantages(scale=none) | token_ratio | ppo_clip(eps_low=0.2, eps_high=0.2)"
+        " | aggregate(mode=seq_sum)"
+    )
     if arg.smoke:
         config_lib.smoke(c)
     return c

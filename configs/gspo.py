@@ -17,9 +17,10 @@ def get_config(arg=None):
     arg = config_lib.parse_arg(arg, smoke=False)
     c = config_lib.rl_config()
     c.recipe = "gspo"
-    c.objective.ratio = "sequence"
-    c.objective.policy.eps_low = 3e-4
-    c.objective.policy.eps_high = 4e-4
+    c.objective.chain = (
+        "group_advantages | sequence_ratio | ppo_clip(eps_low=3e-4, eps_high=4e-4)"
+        " | aggregate(mode=seq_mean_token_mean)"
+    )
     if arg.smoke:
         config_lib.smoke(c)
     return c

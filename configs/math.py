@@ -9,9 +9,10 @@ Variants: `checkpoint` (a HF model directory: config.json, safetensors, tokenize
 `train` / `test` (files), `format` (gsm8k | math | polaris), `template` (llama3 | qwen2 |
 qwen2.5 | qwen3 | gemma, or none), `recipe` (grpo | dapo | drgrpo | gspo | cispo | scalerl:
 the objective and filters of that recipe file), `smoke` (2 tiny steps: the tests).
-The policy starts from the checkpoint (no SFT), rewards come from `rlscale.rewards.math` (its
-own worker pool and timeouts), and the trained policy is exported to WORKDIR/hf with the
-tokenizer files, loadable by transformers and vLLM.
+The policy starts from the checkpoint (no SFT), rewards come from the math verifier
+(`MathTask.verify`, run in the reward worker pool with the verifier's deadline per sample), and
+the trained policy is exported to WORKDIR/hf with the tokenizer files, loadable by transformers
+and vLLM.
 
 Runtime and result depend on the model and hardware: a 0.5B model needs an accelerator (this
 config has not been run at that scale here: the tests run it on a tiny random Qwen2-shaped
@@ -23,6 +24,7 @@ import importlib.util
 import os
 
 from rlscale import chat, config_lib
+from rlscale.rewards import math as math_reward
 
 RECIPES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl")
 
@@ -70,7 +72,7 @@ def get_config(arg=None):
         c.sampling.think_budget = 768
     c.optim.lr = 1e-6
     c.eval.every, c.eval.prompts, c.eval.samples = 10, 256, 4
-    c.reward.workers = 0  # The math verifier isolates itself (worker pool, timeouts).
+    c.reward.timeout = math_reward.DEFAULT_TIMEOUT
     if arg.smoke:
         c.model.dtype = "float32"
         c.steps = 2

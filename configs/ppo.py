@@ -17,12 +17,10 @@ def get_config(arg=None):
     arg = config_lib.parse_arg(arg, smoke=False)
     c = config_lib.rl_config()
     c.recipe = "ppo"
-    c.objective.advantages.name = "gae"
-    c.objective.advantages.gamma = 1.0
-    c.objective.advantages.lam = 0.95
-    c.objective.value.coef = 0.5
-    c.objective.value.clip_eps = 0.2
-    c.objective.aggregate = "token_mean"
+    c.objective.chain = (
+        "gae(gamma=1.0, lam=0.95) | token_ratio | ppo_clip(eps_low=0.2, eps_high=0.2)"
+        " | value_loss(coef=0.5, clip_eps=0.2) | aggregate(mode=token_mean)"
+    )
     c.learner.epochs = 2
     c.learner.minibatches = 2
     if arg.smoke:

@@ -8,6 +8,8 @@ the SFT warm start is 2.5 (80 RL steps of 4 minibatches took 4 min 20 s on a bus
 Measured result (seed 0): held-out pass@1 0.18 -> 0.84; the run's own fit gives A = 0.83,
 B = 2.3, C_mid = 2.7e11 FLOPs. Any task by override: `--config.task.name=countdown
 --config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests).
+Objective: `group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0) |
+aggregate(mode=prompt_mean)`.
 
 Ablation variants (experiments/scalerl_ablations):
   :loss=ppo_clip|gspo|cispo   swap the loss, keep the rest of the recipe (the paper's Fig. 5a):
@@ -23,6 +25,12 @@ Ablation variants (experiments/scalerl_ablations):
 
 from rlscale import config_lib
 
+# The `:loss=` choices: ratio and policy loss.
+LOSSES = {
+    "cispo": "token_ratio | cispo(eps_max=4.0)",
+    "ppo_clip": "token_ratio | ppo_clip(eps_low=0.2, eps_high=0.28)",  # DAPO's clip-higher.
+    "gspo": "sequence_ratio | ppo_clip(eps_low=3e-4, eps_high=4e-4)",
+}
 COMPONENTS = (
     "cispo",
     "prompt_mean",
@@ -45,31 +53,26 @@ def get_config(arg=None):
     # the importance weights and their clipping act. With one step per batch every clipped
     # loss has the plain policy gradient (tested), and CISPO, DAPO and GSPO coincide.
     c.learner.minibatches = 4
-    c.objective.advantages.scale = "batch_std"
-    c.objective.policy.name = "cispo"
-    c.objective.policy.eps_max = 4.0
-    c.objective.aggregate = "prompt_mean"
     c.model.fp32_lm_head = True
     c.filters.zero_variance = True
     c.filters.retire = True
     c.filters.retire_threshold = 0.9
     # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
     c.sampling.think_budget = 24
-    if arg.loss not in ("cispo", "ppo_clip", "gspo"):
+    if arg.loss not in LOSSES:
         raise ValueError(f"config variant loss={arg.loss!r} is not cispo, ppo_clip or gspo")
-    if arg.loss == "ppo_clip" or arg.drop == "cispo":
-        c.objective.policy.name = "ppo_clip"
-        c.objective.policy.eps_low, c.objective.policy.eps_high = 0.2, 0.28
-    elif arg.loss == "gspo":
-        c.objective.policy.name = "ppo_clip"
-        c.objective.ratio = "sequence"
-        c.objective.policy.eps_low, c.objective.policy.eps_high = 3e-4, 4e-4
     if arg.drop and arg.drop not in COMPONENTS:
         raise ValueError(f"config variant drop={arg.drop!r} is not one of {COMPONENTS}")
+    # The objective, one part per component the ablations swap or drop.
+    objective = dict(
+        advantages="group_advantages(scale=batch_std)",
+        loss=LOSSES["ppo_clip" if arg.drop == "cispo" else arg.loss],
+        aggregate="aggregate(mode=prompt_mean)",
+    )
     if arg.drop == "prompt_mean":
-        c.objective.aggregate = "token_mean"
+        objective["aggregate"] = "aggregate(mode=token_mean)"
     elif arg.drop == "batch_std":
-        c.objective.advantages.scale = "group_std"
+        objective["advantages"] = "group_advantages"  # Group-std scaling.
     elif arg.drop == "fp32_head":
         c.model.fp32_lm_head = False
     elif arg.drop == "zero_variance":
@@ -78,6 +81,7 @@ def get_config(arg=None):
         c.filters.retire = False
     elif arg.drop == "interruption":
         c.sampling.think_budget = 0
+    c.objective.chain = " | ".join(objective.values())
     if arg.bf16:
         c.model.dtype = "bfloat16"
     if arg.smoke:

@@ -11,6 +11,13 @@ import ml_collections
 
 from rlscale import model
 
+# GRPO's objective without its KL to a reference (the shared default; `configs/grpo.py` adds
+# the KL): group-std advantages, token ratio, PPO clip 0.2, per-sequence token means.
+GRPO_CHAIN = (
+    "group_advantages | token_ratio | ppo_clip(eps_low=0.2, eps_high=0.2)"
+    " | aggregate(mode=seq_mean_token_mean)"
+)
+
 
 def _convert(key: str, text: str, default):
     if isinstance(default, bool):
@@ -63,8 +70,6 @@ def sampling_config(**overrides) -> ml_collections.ConfigDict:
 
 def rl_config(**variant) -> ml_collections.ConfigDict:
     """Shared defaults of every RL recipe: one place, overridden by each recipe file."""
-    from rlscale.objectives import recipe
-
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.steps = 40
@@ -124,7 +129,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.0,
     )
-    c.objective = recipe.default_config()
+    # The loss as a chain of registered transforms (`rlscale.objectives.registry`); override
+    # with --config.objective.chain='group_advantages | token_ratio | ...'.
+    c.objective = dict(chain=GRPO_CHAIN)
     c.filters = dict(
         zero_variance=False,
         dynamic_sampling=False,

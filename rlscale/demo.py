@@ -19,12 +19,15 @@ from rlscale import model, sharding
 from rlscale.sampling import Sampler, SamplingConfig, transform_logits
 
 
-def recompute_logprobs(graphdef, params, prompt_BP, prompt_mask_BP, out, cfg: SamplingConfig):
-    """Logprobs of the sampled tokens from one full forward pass, under the sampling transform."""
-    tokens = jnp.concatenate([prompt_BP, out.tokens], axis=1)
-    mask = jnp.concatenate([prompt_mask_BP, out.mask], axis=1)
+def recompute_logprobs(graphdef, params, prompt_NP, prompt_mask_NP, out, cfg: SamplingConfig):
+    """Logprobs of the sampled tokens from one full forward pass, under the sampling transform.
+
+    `prompt_NP` holds each sampled row's (left-padded) prompt: the N rows of `out`.
+    """
+    tokens = jnp.concatenate([prompt_NP, out.tokens], axis=1)
+    mask = jnp.concatenate([prompt_mask_NP, out.mask], axis=1)
     logits, _ = model.forward(graphdef, params, tokens, model.positions_from_mask(mask), mask)
-    P = prompt_BP.shape[1]
+    P = prompt_NP.shape[1]
     logits = logits[:, P - 1 : -1]
     logp = jax.nn.log_softmax(transform_logits(logits, cfg), axis=-1)
     lp = jnp.take_along_axis(logp, out.tokens[..., None], axis=-1)[..., 0]
@@ -43,7 +46,7 @@ def run(config, workdir: str):
     logging.info("mesh %s", dict(mesh.shape))
     rng = jax.random.key(config.seed)
     init_rng, prompt_rng, sample_rng = jax.random.split(rng, 3)
-    graphdef, params = sharding.init_sharded(model_cfg, init_rng, mesh, sharding.TRAIN_RULES)
+    graphdef, params = model.init_sharded(model_cfg, init_rng, mesh, sharding.TRAIN_RULES)
     # Train layout -> sample layout: the same reshard the RL loop does before each rollout.
     params = sharding.reshard(params, sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES))
     sampler = Sampler(graphdef, model_cfg, mesh)
@@ -98,7 +101,7 @@ def run(config, workdir: str):
         "truncated_fraction": float(np.mean(out.truncated)),
         "max_logprob_error_vs_forward": max_err,
     }
-    print("rlscale sampling demo (random weights; the RL loop is not built yet)")
+    print("rlscale sampling demo (random weights)")
     for k, v in summary.items():
         print(f"  {k:<30} {v}")
     with open(os.path.join(workdir, "summary.json"), "w") as f:

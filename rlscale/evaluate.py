@@ -26,6 +26,7 @@ reward), `maj@k` (majority vote over extracted answers; tasks with an answer ext
 logprob, a scorer that needs no reward model), plus response length and truncation.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,12 +37,12 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlscale import checkpoint, evaluation, rl, sharding
+from rlscale import checkpoint, eval_metrics, rl, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.data import tasks
 from rlscale.rewards import isolation
-from rlscale.sampling import Sampler, SamplingConfig
+from rlscale.sampling import Sampler, SamplingConfig, scoring
 
 # Answer extraction for majority voting, per synthetic task (countdown has many correct
 # expressions for one target, so a vote over final answers means nothing there).
@@ -79,105 +80,39 @@ def sampling_config(config, tokenizer, k: int) -> SamplingConfig:
 
 
 # ==========================================================================================
-# Sampling and scoring.
+# Metrics of scored samples (sampled and scored by `sampling.scoring.sample_and_score`).
 # ==========================================================================================
 
 
-@dataclasses.dataclass
-class Samples:
-    """k completions for each of P prompts, scored. Rows follow the prompts' order."""
-
-    texts_PK: list[list[str]]
-    rewards_PK: np.ndarray
-    mean_logprob_PK: np.ndarray  # Mean logprob of the sampled tokens under the sampler.
-    lengths_PK: np.ndarray
-    truncated_PK: np.ndarray
-    verifier_failures: int
-
-
-def score(task, texts: list[str], problems: list) -> tuple[np.ndarray, int]:
-    """Rewards of completions: in parallel when the task can (`verify_batch`), else one by one
-    with in-process fault isolation. Returns (rewards, failures)."""
-    if hasattr(task, "verify_batch"):
-        return np.asarray(task.verify_batch(texts, problems), np.float64), 0
-    return isolation.score_all(task.verify, texts, problems)
-
-
-def sample_and_score(
-    sampler: Sampler,
-    params,
-    tokenizer,
-    task,
-    problems: list,
-    rng,
-    cfg: SamplingConfig,
-    batch: int = 32,
-) -> Samples:
-    """Samples `cfg.num_samples` completions per problem and scores them.
-
-    Each sampler call takes `batch` prompts; the last call is topped up with repeats of its
-    first prompt to a size the mesh's batch axes divide, and their rows are dropped.
-    """
-    k = cfg.num_samples
-    div = 1
-    if sampler.layout is not None:
-        div = sharding.batch_divisor(sampler.layout.mesh, sampler.layout.rules)
-    batch = max(div, batch // div * div)
-    texts, rewards, logps, lengths, truncated, failures = [], [], [], [], [], 0
-    for call, start in enumerate(range(0, len(problems), batch)):
-        chunk = problems[start : start + batch]
-        padded = chunk + [chunk[0]] * (-len(chunk) % div)
-        out = sampler(
-            params, evaluation.encode_prompts(tokenizer, padded), jax.random.fold_in(rng, call), cfg
-        )
-        rows = len(chunk) * k  # Rows are prompt-major: the padding rows come last.
-        chunk_texts = evaluation.completions_text(tokenizer, out)[:rows]
-        r, f = score(task, chunk_texts, [chunk[i] for i in out.prompt_index[:rows]])
-        mask = np.asarray(out.mask)[:rows]
-        logp = (np.asarray(out.logprobs)[:rows] * mask).sum(1) / np.maximum(mask.sum(1), 1)
-        texts += [chunk_texts[i * k : (i + 1) * k] for i in range(len(chunk))]
-        rewards.append(r)
-        logps.append(logp)
-        lengths.append(np.asarray(out.lengths)[:rows])
-        truncated.append(np.asarray(out.truncated)[:rows])
-        failures += f
-    shape = (len(problems), k)
-    return Samples(
-        texts_PK=texts,
-        rewards_PK=np.concatenate(rewards).reshape(shape),
-        mean_logprob_PK=np.concatenate(logps).reshape(shape),
-        lengths_PK=np.concatenate(lengths).reshape(shape),
-        truncated_PK=np.concatenate(truncated).reshape(shape),
-        verifier_failures=failures,
-    )
-
-
-def metrics(samples: Samples, answer_fn=None) -> dict:
-    """Benchmark numbers (means over prompts) from scored samples.
+def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
+    """Benchmark numbers (means over prompts) from B prompts x k scored samples.
 
     A sample is correct when its reward is positive. `answer_fn(completion) -> str | None`
     enables maj@k.
     """
-    rewards_PK = samples.rewards_PK
-    P, k = rewards_PK.shape
-    correct_P = (rewards_PK > 0).sum(1)
+    rewards_BG = samples.reward_N.reshape(-1, k)
+    B = rewards_BG.shape[0]
+    correct_B = (rewards_BG > 0).sum(1)
     out = {}
     j = 1
     while j < k:
-        out[f"pass@{j}"] = float(evaluation.pass_at_k(k, correct_P, j).mean())
+        out[f"pass@{j}"] = float(eval_metrics.pass_at_k(k, correct_B, j).mean())
         j *= 2
-    out[f"pass@{k}"] = float(evaluation.pass_at_k(k, correct_P, k).mean())
-    out[f"avg@{k}"] = float(evaluation.avg_at_k(rewards_PK).mean())
+    out[f"pass@{k}"] = float(eval_metrics.pass_at_k(k, correct_B, k).mean())
+    out[f"avg@{k}"] = float(eval_metrics.avg_at_k(rewards_BG).mean())
     if answer_fn is not None:
-        answers = [[answer_fn(t) for t in row] for row in samples.texts_PK]
-        out[f"maj@{k}"] = float(evaluation.maj_at_k(answers, rewards_PK).mean())
+        answers = [answer_fn(t) for t in samples.texts]
+        answers_BG = [answers[b * k : (b + 1) * k] for b in range(B)]
+        out[f"maj@{k}"] = float(eval_metrics.maj_at_k(answers_BG, rewards_BG).mean())
+    mask = samples.mask_NM
+    mean_logprob_N = (samples.logprobs_NM * mask).sum(1) / np.maximum(mask.sum(1), 1)
     out[f"best_of_{k}/mean_logprob"] = float(
-        evaluation.best_of_n(samples.mean_logprob_PK, rewards_PK).mean()
+        eval_metrics.best_of_n(mean_logprob_N.reshape(B, k), rewards_BG).mean()
     )
-    out["response_length"] = float(samples.lengths_PK.mean())
-    out["truncated_frac"] = float(samples.truncated_PK.mean())
-    out["verifier_failures"] = samples.verifier_failures
-    out["prompts"] = P
+    out["response_length"] = float(samples.lengths_N.mean())
+    out["truncated_frac"] = float(samples.truncated_N.mean())
+    out["verifier_failures"] = sum(samples.failures.values())
+    out["prompts"] = B
     out["samples_per_prompt"] = k
     return out
 
@@ -229,17 +164,20 @@ def run(
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
     problems = splits[split][:n]
     cfg = sampling_config(config, tokenizer, k)
-    samples = sample_and_score(
-        Sampler(graphdef, model_cfg, mesh, rules),
-        params,
-        tokenizer,
-        task,
-        problems,
-        jax.random.key(seed),
-        cfg,
-        batch,
-    )
-    result = metrics(samples, answer_fn_for(config, task))
+    # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
+    workers = config.reward.workers
+    with isolation.verifier_pool(workers) if workers else contextlib.nullcontext() as pool:
+        samples = scoring.sample_and_score(
+            Sampler(graphdef, model_cfg, mesh, rules),
+            params,
+            tokenizer,
+            problems,
+            jax.random.key(seed),
+            cfg,
+            scoring.Scorer(task.verify, pool, config.reward.timeout),
+            chunk=batch,
+        )
+    result = metrics(samples, k, answer_fn_for(config, task))
     result["wall_s"] = time.time() - t_start
     report = {
         "checkpoint": checkpoint_dir,
@@ -254,7 +192,7 @@ def run(
             "top_p": cfg.top_p,
         },
         "metrics": result,
-        "per_prompt": {"rewards": samples.rewards_PK.tolist()},
+        "per_prompt": {"rewards": samples.reward_N.reshape(-1, k).tolist()},
     }
     output = output or os.path.join(workdir, f"eval_{split}.json")
     if jax.process_index() == 0:

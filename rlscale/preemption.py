@@ -85,3 +85,8 @@ class PreemptionGuard:
                 "preemption: stopping after step %d (%s)", step, self.signal_name or "sync point"
             )
         return stop
+
+
+class PreemptedError(Exception):
+    """Raised after a SIGTERM once the checkpoint is saved; rerunning the command resumes.
+    `rlscale.main` exits with status 143 (128 + SIGTERM) on it."""

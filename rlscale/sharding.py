@@ -1,4 +1,4 @@
-"""Meshes, logical-to-mesh rule tables, sharded initialization and resharding.
+"""Meshes, logical-to-mesh rule tables, parameter shardings and resharding.
 
 Every parameter and cache array names its dimensions with logical axes (`embed`, `heads`, ...).
 A rule table maps each logical axis to mesh axes; there is one table for training (FSDP over
@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -135,20 +136,6 @@ def param_shardings(params, mesh: Mesh, rules: Rules):
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def init_sharded(cfg, rng, mesh: Mesh, rules: Rules = TRAIN_RULES):
-    """(graphdef, params) with every parameter created directly on its shards.
-
-    The shapes come from `nnx.eval_shape` and the init is jitted with `out_shardings`, so a
-    large model is never materialized on one device.
-    """
-    from rlscale.model import decoder  # Deferred: sharding is imported by the model's users.
-
-    graphdef, abstract = decoder.abstract_model(cfg)
-    shardings = param_shardings(abstract, mesh, rules)
-    params = jax.jit(lambda r: decoder.init_params(cfg, r), out_shardings=shardings)(rng)
-    return graphdef, params
-
-
 def reshard(tree, shardings):
     """Moves a pytree to new shardings (e.g. train layout -> sample layout)."""
     return jax.device_put(tree, shardings)
@@ -169,3 +156,78 @@ def batch_divisor(mesh: Mesh, rules: Rules = SAMPLE_RULES) -> int:
 def log_layout(params, name: str = "params"):
     for path, v in jax.tree_util.tree_flatten_with_path(params)[0]:
         logging.debug("%s%s %s %s", name, jax.tree_util.keystr(path), v.shape, v.sharding)
+
+
+# ==========================================================================================
+# Placement: host data <-> global arrays. Every process holds the same host data (the prompt
+# stream and the scored rollouts are replicated); each device receives only its rows.
+# ==========================================================================================
+
+
+def local_rows(sharding: NamedSharding, num_rows: int) -> slice:
+    """The rows of a [num_rows, ...] array (sharded on dim 0 by `sharding`) that this
+    process's devices hold: one contiguous block, as `jax.make_mesh` orders devices."""
+    spans = {
+        (idx[0].start or 0, num_rows if idx[0].stop is None else idx[0].stop)
+        for idx in sharding.addressable_devices_indices_map((num_rows,)).values()
+    }
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    if sum(e - s for s, e in spans) != hi - lo:
+        raise ValueError(f"this process's rows of a batch of {num_rows} are not contiguous")
+    return slice(lo, hi)
+
+
+def put_batch(tree, mesh: Mesh, rules: Rules):
+    """Host arrays (the full batch, on every process) -> global arrays with dim 0 sharded over
+    the rule table's batch axes. The one place host data becomes device data."""
+
+    def one(x):
+        x = np.asarray(x)
+        s = batch_sharding(mesh, x.ndim, rules)
+        return jax.make_array_from_process_local_data(s, x[local_rows(s, x.shape[0])], x.shape)
+
+    return jax.tree.map(one, tree)
+
+
+def fetch(tree):
+    """Global arrays -> host NumPy arrays with every element, on every process (an all-gather
+    across processes when they span several). The one way device results reach the host."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
+    )
+
+
+def process_share(num_rows: int) -> slice:
+    """The rows of a host batch this process works on (scores, decodes): an even split."""
+    per = -(-num_rows // jax.process_count())
+    start = min(jax.process_index() * per, num_rows)
+    return slice(start, min(start + per, num_rows))
+
+
+def gather_host(x, num_rows: int) -> np.ndarray:
+    """Each process's `process_share(num_rows)` rows of a host array -> the whole array, on
+    every process. Single process: `x` itself."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x
+    per = -(-num_rows // jax.process_count())
+    padded = np.zeros((per, *x.shape[1:]), x.dtype)
+    padded[: len(x)] = x
+    return np.asarray(multihost_utils.process_allgather(padded, tiled=True))[:num_rows]
+
+
+def sum_over_processes(x) -> np.ndarray:
+    """A host array summed over processes (counts each process made of its share)."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x
+    return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
+
+
+def replicate(tree, mesh: Mesh):
+    """Small host-identical values (fresh optimizer counts, RNG keys) -> copies on every
+    device of the mesh (under several processes too, where `device_put` cannot reach)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda t: t, out_shardings=replicated)(tree)

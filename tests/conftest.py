@@ -53,3 +53,52 @@ class CompileCounter:
 @pytest.fixture
 def count_compiles():
     return CompileCounter
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+# Wall-clock fields differ between any two runs; everything else in metrics.jsonl must not.
+TIMING = ("time/", "compute/device_seconds")
+
+
+def load_config(name, arg="smoke"):
+    """`configs/NAME.py`'s get_config(arg)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def metric_lines(workdir_or_file, timing=False):
+    """metrics.jsonl as dicts, without the timing fields unless `timing`."""
+    import json
+
+    path = str(workdir_or_file)
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        lines = [json.loads(x) for x in f]
+    return [{k: v for k, v in x.items() if timing or not k.startswith(TIMING)} for x in lines]
+
+
+def golden_config(name):
+    """The golden runs' settings: a recipe's smoke config on one device, with a reward about
+    half the samples earn (`reward_fixtures.even_length`), scored in-process."""
+    c = load_config(name)
+    c.mesh.shape = (1, 1, 1)
+    c.reward.fn = "reward_fixtures:even_length"
+    c.reward.workers = 0
+    return c
+
+
+@pytest.fixture(scope="session")
+def warm(tmp_path_factory):
+    """The golden quickstart smoke run's workdir: its data, tokenizer and SFT warm start are
+    the one warm start every RL test reuses (`sft.reuse_from`)."""
+    from rlscale import rl
+
+    workdir = tmp_path_factory.mktemp("warm")
+    rl.run(golden_config("quickstart"), str(workdir))
+    return workdir

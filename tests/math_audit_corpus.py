@@ -880,7 +880,7 @@ def main():
 
     cases = corpus()
     with math_reward.MathVerifier(timeout=3.0) as verifier:
-        scores = verifier.score_batch([c.completion for c in cases], [c.gold for c in cases])
+        scores = verifier.verify_batch([c.completion for c in cases], [c.gold for c in cases])
         stats = verifier.stats()
     print(report(audit(scores, cases)))
     print(f"\nverifier stats: {stats}\n")

@@ -14,9 +14,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rlscale import chat, checkpoint, evaluate, evaluation, model, sharding
+from rlscale import chat, checkpoint, eval_metrics, evaluate, model, sharding
 from rlscale.data import math_data, tasks
-from rlscale.sampling import Sampler, SamplingConfig
+from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.tokenizer import train_sentencepiece
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_pass_at_k_hand_computed():
     # n=5 samples, c=2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10;
     # pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10; pass@4: any 4 of 5 hold a correct one.
-    got = [evaluation.pass_at_k(5, 2, k)[()] for k in (1, 2, 3, 4, 5)]
+    got = [eval_metrics.pass_at_k(5, 2, k)[()] for k in (1, 2, 3, 4, 5)]
     np.testing.assert_allclose(got, [0.4, 0.7, 0.9, 1.0, 1.0], rtol=1e-15)
     np.testing.assert_allclose(
-        evaluation.pass_at_k([4, 4, 4, 10], [0, 4, 1, 3], 2), [0.0, 1.0, 0.5, 1 - 21 / 45]
+        eval_metrics.pass_at_k([4, 4, 4, 10], [0, 4, 1, 3], 2), [0.0, 1.0, 0.5, 1 - 21 / 45]
     )
 
 
@@ -40,7 +40,7 @@ def test_pass_at_k_is_stable_for_large_n():
     # C(2000, 500) overflows a float; the product form does not.
     n, c, k = 2000, 7, 500
     exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
-    assert evaluation.pass_at_k(n, c, k)[()] == pytest.approx(float(exact), rel=1e-12)
+    assert eval_metrics.pass_at_k(n, c, k)[()] == pytest.approx(float(exact), rel=1e-12)
     with pytest.raises(OverflowError):
         float(math.comb(n, k))
 
@@ -51,15 +51,15 @@ def test_pass_at_k_is_stable_for_large_n():
 )
 def test_pass_at_k_bad_arguments(n, c, k, message):
     with pytest.raises(ValueError, match=message):
-        evaluation.pass_at_k(n, c, k)
+        eval_metrics.pass_at_k(n, c, k)
 
 
 def test_avg_at_k():
     np.testing.assert_array_equal(
-        evaluation.avg_at_k([[1, 0, 0, 1], [0.5, 0.5, 0, 0]]), [0.5, 0.25]
+        eval_metrics.avg_at_k([[1, 0, 0, 1], [0.5, 0.5, 0, 0]]), [0.5, 0.25]
     )
-    with pytest.raises(ValueError, match=r"\[P, K\]"):
-        evaluation.avg_at_k([1, 0])
+    with pytest.raises(ValueError, match=r"\[B, G\]"):
+        eval_metrics.avg_at_k([1, 0])
 
 
 def test_maj_at_k_hand_computed():
@@ -71,24 +71,24 @@ def test_maj_at_k_hand_computed():
         ["1", "2", "3", "4"],  # All tied: the first.
     ]
     rewards = [[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]]
-    np.testing.assert_array_equal(evaluation.maj_at_k(answers, rewards), [1, 0, 0, 0, 0])
-    assert evaluation.majority_vote(["b", "a", "a", "b", "c"]) == 0
-    assert evaluation.majority_vote([None, "x"]) == 1
+    np.testing.assert_array_equal(eval_metrics.maj_at_k(answers, rewards), [1, 0, 0, 0, 0])
+    assert eval_metrics.majority_vote(["b", "a", "a", "b", "c"]) == 0
+    assert eval_metrics.majority_vote([None, "x"]) == 1
     with pytest.raises(ValueError, match="row 0 has 3 answers, expected 4"):
-        evaluation.maj_at_k([["1", "2", "3"]], [[0, 0, 0, 0]])
+        eval_metrics.maj_at_k([["1", "2", "3"]], [[0, 0, 0, 0]])
 
 
 def test_best_of_n_hand_computed_and_equals_pass_at_n_with_the_verifier_as_scorer():
     scores = [[0.1, 0.9, 0.5], [np.nan, 0.2, 0.2], [-1.0, -3.0, -2.0]]
     rewards = [[0, 1, 0], [1, 0, 1], [0.5, 1, 1]]
-    np.testing.assert_array_equal(evaluation.best_of_n(scores, rewards), [1, 0, 0.5])
+    np.testing.assert_array_equal(eval_metrics.best_of_n(scores, rewards), [1, 0, 0.5])
     rng = np.random.default_rng(0)
     r = (rng.random((50, 6)) < 0.2).astype(float)
     np.testing.assert_array_equal(
-        evaluation.best_of_n(r, r), evaluation.pass_at_k(6, r.sum(1).astype(int), 6)
+        eval_metrics.best_of_n(r, r), eval_metrics.pass_at_k(6, r.sum(1).astype(int), 6)
     )
     with pytest.raises(ValueError, match="must be"):
-        evaluation.best_of_n([[1, 2]], [[1, 2, 3]])
+        eval_metrics.best_of_n([[1, 2]], [[1, 2, 3]])
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_best_of_n_hand_computed_and_equals_pass_at_n_with_the_verifier_as_score
 def _init(cfg):
     """Params initialized in one jitted call (eager init is slow on 8 devices)."""
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    return sharding.init_sharded(cfg, jax.random.key(1), mesh, sharding.SAMPLE_RULES)[1]
+    return model.init_sharded(cfg, jax.random.key(1), mesh, sharding.SAMPLE_RULES)[1]
 
 
 CORPUS = [f"Q: {a}+{b}={a + b} Answer: {a + b}" for a in range(30) for b in range(10)]
@@ -129,23 +129,25 @@ def test_sample_and_score_keeps_prompts_rewards_and_texts_together(run_dir, tok)
         max_new_tokens=6, temperature=0.0, num_samples=3, stop_tokens=(tok.eos_id,), buckets=(16,)
     )
     problems = [tasks.Problem(prompt=f"Q: {i}+{2 * i}=", answer="", demo="") for i in range(5)]
-    run = lambda ps: evaluate.sample_and_score(
-        sampler, params, tok, HashTask(), ps, jax.random.key(0), scfg, batch=6
+    run = lambda ps: scoring.sample_and_score(
+        sampler, params, tok, ps, jax.random.key(0), scfg, scoring.Scorer(HashTask().verify), 6
     )
     s = run(problems)
-    assert s.rewards_PK.shape == s.lengths_PK.shape == (5, 3) and len(s.texts_PK) == 5
-    expected = [[HashTask().verify(t, p) for t in row] for row, p in zip(s.texts_PK, problems)]
-    np.testing.assert_array_equal(s.rewards_PK, expected)
-    assert 0 < s.rewards_PK.sum() < s.rewards_PK.size  # The check above has teeth.
+    rewards = s.reward_N.reshape(5, 3)
+    texts = [s.texts[i * 3 : (i + 1) * 3] for i in range(5)]
+    assert s.lengths_N.shape == (15,) and len(s.texts) == 15
+    expected = [[HashTask().verify(t, p) for t in row] for row, p in zip(texts, problems)]
+    np.testing.assert_array_equal(rewards, expected)
+    assert 0 < rewards.sum() < rewards.size  # The check above has teeth.
     # Greedy completions depend on the prompt alone: reversing the prompts reverses the rows.
     reversed_run = run(problems[::-1])
-    assert reversed_run.texts_PK == s.texts_PK[::-1]
-    np.testing.assert_array_equal(reversed_run.rewards_PK, s.rewards_PK[::-1])
-    assert all(len(set(row)) == 1 for row in s.texts_PK)  # Greedy: k identical samples,
-    assert len({row[0] for row in s.texts_PK}) > 1  # and the prompts' differ.
-    m = evaluate.metrics(s, answer_fn=lambda t: t)
-    assert m["pass@1"] == pytest.approx(s.rewards_PK.mean())
-    assert m["maj@3"] == pytest.approx(s.rewards_PK[:, 0].mean())
+    assert [reversed_run.texts[i * 3 : (i + 1) * 3] for i in range(5)] == texts[::-1]
+    np.testing.assert_array_equal(reversed_run.reward_N.reshape(5, 3), rewards[::-1])
+    assert all(len(set(row)) == 1 for row in texts)  # Greedy: k identical samples,
+    assert len({row[0] for row in texts}) > 1  # and the prompts' differ.
+    m = evaluate.metrics(s, 3, answer_fn=lambda t: t)
+    assert m["pass@1"] == pytest.approx(rewards.mean())
+    assert m["maj@3"] == pytest.approx(rewards[:, 0].mean())
     assert m["prompts"] == 5 and m["samples_per_prompt"] == 3
 
 

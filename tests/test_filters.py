@@ -40,19 +40,3 @@ def test_prompt_stream_resumes_exactly():
     assert sorted(first + filters.PromptStream(13, seed=1).next(13)[9:]) == list(range(13))
     with pytest.raises(RuntimeError, match="every training prompt has been retired"):
         filters.PromptStream(2).next(1, retired={0, 1})
-
-
-def test_dynamic_sampling_fills_the_batch():
-    ids = iter(range(1000))
-
-    def draw(n):  # Half the prompts come back all-correct or all-wrong.
-        got = [next(ids) for _ in range(n)]
-        reward = np.array([[1, 0] if i % 2 else [i % 4 == 0] * 2 for i in got], float)
-        return got, reward, np.arange(n)
-
-    kept, rounds, drawn = filters.dynamic_sampling(draw, batch_prompts=8, max_rounds=10)
-    kept_ids = [i for k in kept for i in k[0]]
-    assert len(kept_ids) == 8 and all(i % 2 for i in kept_ids)
-    assert rounds == 5 and drawn == 16  # Draws of 8, 4, 2, 1, 1 prompts; odd ids kept.
-    short, rounds, _ = filters.dynamic_sampling(draw, batch_prompts=8, max_rounds=1)
-    assert sum(len(k[0]) for k in short) == 4 and rounds == 1

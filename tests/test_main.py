@@ -76,8 +76,9 @@ def test_parse_arg_types_and_errors():
         config_lib.parse_arg("steps", steps=1)
 
 
-def test_rl_smoke_run_writes_metrics_and_summary(tmp_path):
-    r = _run("--config", "configs/quickstart.py:smoke", workdir=tmp_path)
+def test_rl_smoke_run_writes_metrics_and_summary(tmp_path, warm):
+    reuse = f"--config.sft.reuse_from={warm}"
+    r = _run("--config", "configs/quickstart.py:smoke", reuse, workdir=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3]
@@ -97,6 +98,6 @@ def test_rl_smoke_run_writes_metrics_and_summary(tmp_path):
     assert summary["end/eval_pass@1"] == lines[-1]["eval/pass@1"]
     assert (tmp_path / "sft" / "sft.json").exists()
     # A second run reuses the cached SFT warm start, tokenizer and data.
-    r = _run("--config", "configs/quickstart.py:smoke", workdir=tmp_path)
+    r = _run("--config", "configs/quickstart.py:smoke", reuse, workdir=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "reusing the SFT warm start" in r.stderr

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -11,6 +12,8 @@ import pytest
 
 from rlscale import chat
 from rlscale.data import math_data
+from rlscale.rewards import isolation
+from rlscale.rewards import math as math_reward
 
 N = 20
 INSTRUCTION = math_data.DEFAULT_INSTRUCTION
@@ -221,10 +224,33 @@ def test_gsm8k_gold():
 
 
 def test_math_task_verifies_with_the_math_verifier():
-    task = math_data.MathTask(timeout=20.0)
+    task = math_data.MathTask()
     problem = math_data.MathProblem(prompt="p", answer="\\frac{1}{2}", demo="")
     good = "<think>\nhalf\n</think>\n\nThe answer is $\\boxed{0.5}$."
     bad = "<think>\nhalf\n</think>\n\n\\boxed{2}"
     assert task.verify(good, problem) == 1.0
-    np.testing.assert_array_equal(task.verify_batch([good, bad], [problem, problem]), [1.0, 0.0])
+    assert task.verify(bad, problem) == 0.0
     assert task.extract_answer(good) == "0.5"
+
+
+def test_math_task_in_the_reward_pool_bounds_adversarial_answers():
+    """`MathTask.verify` as the RL loop runs it: in `verifier_pool` workers with the math
+    verifier's deadline, where a power tower is cut off and scores 0."""
+    task = math_data.MathTask()
+    problem = math_data.MathProblem(prompt="p", answer="Tom has 7.\n#### 1,234", demo="")
+    correct = "He buys 1200 more, so 1234.\nThe answer is 1,234."
+    wrong = "He buys 1000 more.\nThe answer is 1034."
+    tower = "So it is $\\boxed{9^{9^{9^{9}}}}$."
+    timeout = math_reward.DEFAULT_TIMEOUT
+    with isolation.verifier_pool(2) as pool:
+        # A fresh worker's first check imports math-verify and builds its parser (the RL loop
+        # pays this once per worker); warm both before timing.
+        isolation.score_isolated(task.verify, [correct] * 2, [problem] * 2, pool=pool, timeout=60)
+        start = time.monotonic()
+        rewards, failures = isolation.score_isolated(
+            task.verify, [correct, wrong, tower], [problem] * 3, pool=pool, timeout=timeout
+        )
+        elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(rewards, [1.0, 0.0, 0.0])
+    assert failures == {"error": 0, "nonfinite": 0, "timeout": 1, "crash": 0}
+    assert timeout <= elapsed < timeout + 2.0  # 2 s: killing the worker, a loaded machine.

@@ -45,10 +45,10 @@ def faulty_check(pred_answer: str, gold_answer: str) -> bool:
     return math_reward.check_answer(pred_answer, gold_answer)
 
 
-def score_in_pool_worker(completion: str, gold: str) -> tuple[float, bool]:
-    """`score` from inside a daemonic `multiprocessing.Pool` worker."""
+def verify_in_pool_worker(completion: str, gold: str) -> tuple[float, bool]:
+    """`verify` from inside a daemonic `multiprocessing.Pool` worker."""
     daemon = multiprocessing.current_process().daemon
-    return math_reward.score(completion, gold, timeout=TIMEOUT), daemon
+    return math_reward.verify(completion, gold, timeout=TIMEOUT), daemon
 
 
 def allocate_too_much() -> int:
@@ -160,7 +160,7 @@ def test_audit(default_verifier):
     assert len(cases) >= 300
     assert sum(c.trap for c in cases) >= 100
     before = math_reward.stats()
-    scores = math_reward.score_batch(
+    scores = math_reward.verify_batch(
         [c.completion for c in cases], [c.gold for c in cases], timeout=AUDIT_TIMEOUT
     )
     rows = math_audit_corpus.audit(scores, cases)
@@ -207,19 +207,19 @@ def test_numeric_guard_in_process():
 # -- the module-level API: threads and timeouts ---------------------------------------------------
 
 
-def test_score_basics(default_verifier):
-    assert math_reward.score(r"\boxed{\frac{2}{4}}", "0.5") == 1.0
-    assert math_reward.score(r"\boxed{-3}", "3") == 0.0
-    assert math_reward.score_batch([], []) == []
+def test_verify_basics(default_verifier):
+    assert math_reward.verify(r"\boxed{\frac{2}{4}}", "0.5") == 1.0
+    assert math_reward.verify(r"\boxed{-3}", "3") == 0.0
+    assert math_reward.verify_batch([], []) == []
     with pytest.raises(ValueError):
-        math_reward.score_batch(["a"], [])
+        math_reward.verify_batch(["a"], [])
 
 
 def test_no_answer_scores_zero_without_a_worker(default_verifier):
     before = math_reward.stats()
-    assert math_reward.score("The total is 5.", "5") == 0.0
-    assert math_reward.score("<think>so \\boxed{5}", "5") == 0.0
-    assert math_reward.score(r"\boxed{5}", "") == 0.0
+    assert math_reward.verify("The total is 5.", "5") == 0.0
+    assert math_reward.verify("<think>so \\boxed{5}", "5") == 0.0
+    assert math_reward.verify(r"\boxed{5}", "") == 0.0
     delta = _delta(before, math_reward.stats())
     assert delta == {"samples": 3, "no_answer": 2, "invalid_gold": 1}
 
@@ -232,12 +232,12 @@ def test_think_rules(default_verifier):
         "<think>a</think> \\boxed{5} </think> \\boxed{6}",
     ]
     golds = ["6", "5", "5", "6"]
-    assert math_reward.score_batch(completions, golds) == [1.0, 0.0, 0.0, 1.0]
+    assert math_reward.verify_batch(completions, golds) == [1.0, 0.0, 0.0, 1.0]
 
 
-def _timed_score(completion, gold, timeout=TIMEOUT):
+def _timed_verify(completion, gold, timeout=TIMEOUT):
     start = time.monotonic()
-    value = math_reward.score(completion, gold, timeout=timeout)
+    value = math_reward.verify(completion, gold, timeout=timeout)
     return value, time.monotonic() - start
 
 
@@ -245,24 +245,24 @@ def test_timeout_in_main_thread_kills_and_replaces_the_worker(default_verifier):
     pool = default_verifier._pool
     pids = set(pool.worker_pids())
     before = math_reward.stats()
-    value, elapsed = _timed_score(PATHOLOGICAL, "5")
+    value, elapsed = _timed_verify(PATHOLOGICAL, "5")
     assert value == 0.0
     assert TIMEOUT <= elapsed < TIMEOUT + SLACK
     delta = _delta(before, math_reward.stats())
     assert delta == {"samples": 1, "timeouts": 1, "restarts": 1}
     (stuck,) = pids - set(pool.worker_pids())
     assert not _exists(stuck)  # Killed and reaped.
-    assert math_reward.score(r"\boxed{5}", "5") == 1.0
+    assert math_reward.verify(r"\boxed{5}", "5") == 1.0
 
 
 def test_timeout_in_a_thread(default_verifier):
     out = []
-    thread = threading.Thread(target=lambda: out.append(_timed_score(PATHOLOGICAL, "5")))
+    thread = threading.Thread(target=lambda: out.append(_timed_verify(PATHOLOGICAL, "5")))
     thread.start()
     thread.join(timeout=TIMEOUT + SLACK + 10)
     ((value, elapsed),) = out
     assert value == 0.0 and elapsed < TIMEOUT + SLACK
-    assert math_reward.score(r"\boxed{5}", "5") == 1.0
+    assert math_reward.verify(r"\boxed{5}", "5") == 1.0
 
 
 def test_timeout_in_a_thread_pool(default_verifier):
@@ -275,7 +275,7 @@ def test_timeout_in_a_thread_pool(default_verifier):
         (r"\boxed{x = 5}", "5", 1.0),
     ]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:
-        futures = [executor.submit(_timed_score, c, g) for c, g, _ in jobs]
+        futures = [executor.submit(_timed_verify, c, g) for c, g, _ in jobs]
         results = [f.result(timeout=60) for f in futures]
     assert [v for v, _ in results] == [e for _, _, e in jobs]
     # Each call may queue behind the (at most two) timeouts before a worker takes it.
@@ -295,26 +295,26 @@ def test_worker_crash_costs_one_sample(faulty):
         "Answer: 7",
     ]
     golds = ["5", "5", "0.5", "5", "7"]
-    assert faulty.score_batch(completions, golds) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert faulty.verify_batch(completions, golds) == [1.0, 0.0, 1.0, 0.0, 1.0]
     delta = _delta(before, faulty.stats())
     assert delta == {"samples": 5, "correct": 3, "crashes": 2, "restarts": 2}
-    assert faulty.score(r"\boxed{5}", "5") == 1.0
+    assert faulty.verify(r"\boxed{5}", "5") == 1.0
 
 
 def test_exception_costs_one_sample(faulty):
     before = faulty.stats()
     completions = [rf"\boxed{{{RAISE_MARKER}}}", r"\boxed{5}", rf"\boxed{{{RAISE_MARKER}}}"]
-    assert faulty.score_batch(completions, ["5", "5", "5"]) == [0.0, 1.0, 0.0]
+    assert faulty.verify_batch(completions, ["5", "5", "5"]) == [0.0, 1.0, 0.0]
     delta = _delta(before, faulty.stats())
     assert delta == {"samples": 3, "correct": 1, "errors": 2}  # No restart: the worker lives on.
 
 
 def test_worker_killed_from_outside_mid_call(faulty):
-    assert faulty.score_batch([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # All ready.
+    assert faulty.verify_batch([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # All ready.
     before = faulty.stats()
     out = []
     thread = threading.Thread(
-        target=lambda: out.append(faulty.score(rf"\boxed{{{HANG_MARKER}}}", "5", timeout=60))
+        target=lambda: out.append(faulty.verify(rf"\boxed{{{HANG_MARKER}}}", "5", timeout=60))
     )
     thread.start()
     time.sleep(0.5)
@@ -328,20 +328,23 @@ def test_worker_killed_from_outside_mid_call(faulty):
     deadline = time.monotonic() + 10
     while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert faulty.score_batch([r"\boxed{3}", r"\boxed{4}"], ["3", "4"]) == [1.0, 1.0]
+    assert faulty.verify_batch([r"\boxed{3}", r"\boxed{4}"], ["3", "4"]) == [1.0, 1.0]
     delta = _delta(before, faulty.stats())
     assert delta["crashes"] == 1 and delta["restarts"] == 2 and "timeouts" not in delta
 
 
-def test_score_inside_a_daemonic_pool_worker():
+def test_verify_inside_a_daemonic_pool_worker():
     jobs = [(PATHOLOGICAL, "5"), (r"\boxed{5}", "5")]
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        assert pool.starmap(score_in_pool_worker, jobs) == [(0.0, True), (1.0, True)]
+        assert pool.starmap(verify_in_pool_worker, jobs) == [(0.0, True), (1.0, True)]
 
 
 def test_spawn_start_method():
     with math_reward.MathVerifier(num_workers=1, start_method="spawn") as verifier:
-        assert verifier.score_batch([r"\boxed{0.5}", r"\boxed{3}"], [r"\frac12", "4"]) == [1.0, 0.0]
+        assert verifier.verify_batch([r"\boxed{0.5}", r"\boxed{3}"], [r"\frac12", "4"]) == [
+            1.0,
+            0.0,
+        ]
 
 
 def test_memory_limit_fails_one_call():
@@ -363,5 +366,5 @@ def test_memory_limit_fails_one_call():
 def test_adversarial_answers_score_zero_in_bounded_time(default_verifier, completion, gold):
     """The deadline bounds every check (1.5 s by default): the issue's bound is 2 s each."""
     start = time.monotonic()
-    assert math_reward.score(completion, gold) == 0.0
+    assert math_reward.verify(completion, gold) == 0.0
     assert time.monotonic() - start < 2.0

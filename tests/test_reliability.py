@@ -96,9 +96,9 @@ def _start_and_signal(workdir, sig, after_step, *overrides):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, warm):
     workdir = tmp_path_factory.mktemp("straight")
-    out = _run(workdir)
+    out = _run(workdir, f"--config.sft.reuse_from={warm}")
     assert out.returncode == 0, out.stderr[-3000:]
     return workdir
 
@@ -197,16 +197,21 @@ def _config(**overrides):
 
 def _nan_on(monkeypatch, steps):
     """Makes the loss NaN on the optimizer steps whose (1-based) index is in `steps`."""
-    original, calls = rl.micro_grads, []
+    from rlscale import programs
 
-    def patched(*args, **kwargs):
-        grads, loss_sum, denom, mets, obj_state = original(*args, **kwargs)
+    original, calls = programs.Programs.run, []
+
+    def patched(self, name, fn, args, static=None):
+        out = original(self, name, fn, args, static)
+        if name != "micro_grads":
+            return out
         calls.append(None)
         if len(calls) in steps:
-            loss_sum = loss_sum * float("nan")
-        return grads, loss_sum, denom, mets, obj_state
+            grads, loss_sum, *rest = out
+            out = (grads, loss_sum * float("nan"), *rest)
+        return out
 
-    monkeypatch.setattr(rl, "micro_grads", patched)
+    monkeypatch.setattr(programs.Programs, "run", patched)
 
 
 def test_nan_loss_skips_the_update_and_the_run_goes_on(straight, tmp_path, monkeypatch):

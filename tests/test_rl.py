@@ -1,46 +1,67 @@
-"""The RL loop: every recipe runs a few steps; bad configs fail at start-up naming the key."""
+"""The RL loop: golden metrics, every recipe on the 8-device mesh, data-parallel work read from
+the compiled programs, 2 processes == 1 process, rollouts, the defect fixes, bad input."""
 
-import importlib.util
 import json
 import os
-import shutil
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
+from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines
 
 from rlscale import rl
+from rlscale.rl import rollouts
+from rlscale.sampling import scoring
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart"]
+# The two transforms added as one function and one config line each.
+VARIANTS = ["grpo:baseline=reinforce_pp", "quickstart:entropy_rho=0.2"]
 
 
-def _config(name, arg="smoke"):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+# ------------------------------------------------------------------------------------------
+# Golden metrics: recorded before the loop became parts; the parts reproduce them exactly.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["quickstart", "grpo", "ppo"])
+def test_golden_metrics(name, warm, tmp_path):
+    workdir = warm
+    if name != "quickstart":  # The warm fixture is the quickstart's golden run itself.
+        config = golden_config(name)
+        config.sft.reuse_from = str(warm)
+        rl.run(config, str(tmp_path))
+        workdir = tmp_path
+    assert metric_lines(workdir) == metric_lines(os.path.join(GOLDEN, f"{name}_smoke.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------
+# Every recipe, on the default mesh (8 devices: the batch split 8 ways).
+# ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """One smoke run's workdir: its data, tokenizer and SFT warm start are reused."""
-    workdir = tmp_path_factory.mktemp("warm")
-    rl.run(_config("grpo"), str(workdir))
-    return workdir
+def recipe_runs(warm, tmp_path_factory):
+    """Each recipe's smoke run (run on first use), reusing the warm start."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            base, _, variant = name.partition(":")
+            config = load_config(base, ",".join(filter(None, ["smoke", variant])))
+            config.sft.reuse_from = str(warm)
+            workdir = tmp_path_factory.mktemp(name.replace(":", "_").replace("=", "_"))
+            cache[name] = (config, rl.run(config, str(workdir)), workdir)
+        return cache[name]
+
+    return get
 
 
-def _workdir_from(warm, tmp_path):
-    for name in ("data", "sft", "tokenizer.model"):
-        src = warm / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    return tmp_path
-
-
-@pytest.mark.parametrize("name", RECIPES)
-def test_recipe_runs(name, warm, tmp_path):
-    config = _config(name)
-    summary = rl.run(config, str(_workdir_from(warm, tmp_path)))
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("name", RECIPES + VARIANTS)
+def test_recipe_runs(name, recipe_runs):
+    config, summary, workdir = recipe_runs(name)
+    lines = metric_lines(workdir)
     assert [x["step"] for x in lines] == list(range(config.steps + 1))
     train = lines[1:]
     assert all(np.isfinite(x["train/loss"]) for x in train if x["train/loss"] is not None)
@@ -48,63 +69,271 @@ def test_recipe_runs(name, warm, tmp_path):
     assert summary["compute/flops"] > 0
     if name == "ppo":
         assert "train/value_loss" in train[0]
-    if name == "dapo":
-        assert all(x["train/sampling_rounds"] >= 1 for x in train)
+    if name == "quickstart:entropy_rho=0.2":
+        assert "high_entropy_tokens(rho=0.2)" in config.objective.chain
+    if name == "grpo:baseline=reinforce_pp":
+        assert config.objective.chain.startswith("reinforce_pp_baseline")
     if name == "scalerl":
         assert config.sampling.think_budget > 0
         assert all(0 <= x["train/interrupted_frac"] <= 1 for x in train)
 
 
-def test_forced_tokens_are_context_not_actions():
-    """Rows for the learner keep interruption tokens in attention but out of the loss."""
-    from rlscale.sampling import SampleOutput
+def _program(workdir, name):
+    entries = [e for e in json.load(open(workdir / "programs.json")) if e["name"] == name]
+    assert entries, f"no {name} in programs.json"
+    return entries[0]
 
-    class FakeSampler:
-        def prepare(self, encoded, scfg):
-            return np.array([[0, 5, 6]]), np.array([[False, True, True]])
 
-    mask = np.array([[True, True, True, True, False]] * 2)
-    forced = np.array([[False, True, True, False, False], [False] * 5])
-    out = SampleOutput(
-        tokens=np.array([[7, 8, 9, 3, 0]] * 2),
-        mask=mask,
-        logprobs=np.where(mask & ~forced, -1.0, 0.0),
-        lengths=np.array([4, 4]),
-        truncated=np.array([False, False]),
-        forced=forced,
-        interrupted=np.array([True, False]),
-        prompt_index=np.array([0, 0]),
+def test_learner_is_data_parallel(warm, recipe_runs):
+    """The same config on 8 devices: each does an eighth of the 1-device learner's work."""
+    _, _, workdir = recipe_runs("quickstart")
+    for name in ("micro_grads", "forward_terms"):
+        one, eight = _program(warm, name), _program(workdir, name)
+        assert one["devices"] == 1 and eight["devices"] == 8
+        assert eight["mesh_shape"] == {"data": 8, "fsdp": 1, "tensor": 1}
+        ratio = eight["flops_per_device"] / (one["flops_per_device"] / 8)
+        assert 0.8 < ratio < 1.2, (name, one["flops_per_device"], eight["flops_per_device"])
+    for entry in json.load(open(workdir / "programs.json")):
+        assert entry["flops_per_device"] > 0 and entry["argument_bytes"] > 0
+        assert {"bytes_accessed_per_device", "output_bytes", "temp_bytes"} <= set(entry)
+
+
+def test_one_program_per_shape(recipe_runs):
+    """Three steps and two evaluations compile each learner program once: the state the
+    optimizer step returns is laid out as the one it was given."""
+    _, _, workdir = recipe_runs("quickstart")
+    names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
+    for name in ("forward_terms", "micro_grads", "apply_grads"):
+        assert names.count(name) == 1, names
+
+
+# ------------------------------------------------------------------------------------------
+# Several processes: 2 processes x 4 devices == 1 process x 8 devices, and the checkpoint of
+# the former resumes under the latter.
+# ------------------------------------------------------------------------------------------
+
+
+def _launch(workdir, processes, steps, warm):
+    """`processes` processes x 8 / processes devices. A 1-process run joins a 1-process job
+    too, so both sides sum across devices with the same collectives (gloo): XLA's in-process
+    CPU all-reduce adds in another order, which moves the last bits of a sum."""
+    port = 20000 + (os.getpid() + 97 * processes + steps) % 20000
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+        JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+        JAX_NUM_PROCESSES=str(processes),
+        JAX_INITIALIZATION_TIMEOUT="60",
     )
-    roll = rl._rollouts(FakeSampler(), None, out, None, np.ones(2), np.ones(2, bool))
-    assert roll.mask_NM.tolist() == (mask & ~forced).tolist()
-    assert roll.attn_mask_NL[:, 3:].tolist() == mask.tolist()
+    command = [
+        sys.executable, "-m", "rlscale.main",
+        "--config", os.path.join(ROOT, "configs", "quickstart.py") + ":smoke",
+        "--workdir", str(workdir),
+        f"--config.steps={steps}",
+        "--config.reward.fn=reward_fixtures:even_length",
+        "--config.reward.workers=0",
+        f"--config.sft.reuse_from={warm}",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            command,
+            env={**env, "JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def test_two_processes_equal_one_and_resume_under_one(warm, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch(one, 1, 2, warm)
+    _launch(two, 2, 2, warm)
+    assert metric_lines(two) == metric_lines(one)
+    assert metric_lines(two)[-1]["train/reward_mean"] is not None
+    # The two checkpoints hold the same state: every array's fingerprint agrees.
+    meta = [json.load(open(d / "checkpoints" / "2" / "meta" / "metadata")) for d in (one, two)]
+    assert meta[0]["arrays"] == meta[1]["arrays"] and len(meta[0]["arrays"]) > 10
+    # Written by two processes, restored (and its fingerprints checked) by one.
+    _, err = _launch(two, 1, 3, warm)[0]
+    assert "resuming from the checkpoint at step 2" in err
+    lines = metric_lines(two)
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    assert lines[:3] == metric_lines(one) and np.isfinite(lines[3]["train/loss"])
+
+
+def _main_with_env(tmp_path, **env):
+    return subprocess.run(
+        [sys.executable, "-m", "rlscale.main", "--config", "configs/quickstart.py:smoke",
+         "--workdir", str(tmp_path)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_process_count_mismatch_fails_naming_it(tmp_path):
+    r = _main_with_env(
+        tmp_path, JAX_COORDINATOR_ADDRESS="localhost:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="2"
+    )
+    assert r.returncode != 0
+    assert "JAX_PROCESS_ID=2 is not below JAX_NUM_PROCESSES=2" in r.stderr
+
+
+def test_processes_that_never_join_fail_naming_the_count(tmp_path):
+    r = _main_with_env(
+        tmp_path,
+        JAX_COORDINATOR_ADDRESS=f"localhost:{20000 + os.getpid() % 20000 + 7}",
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="1",  # Process 0, the coordinator, is never started.
+        JAX_INITIALIZATION_TIMEOUT="3",
+    )
+    assert r.returncode != 0
+    assert "error: no coordinator at localhost:" in r.stderr
+    assert "JAX_NUM_PROCESSES must match the number of processes launched" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# Rollouts.
+# ------------------------------------------------------------------------------------------
+
+
+def _samples(rewards, *, forced=None, lengths=None):
+    """Scored samples of len(rewards) // 2 prompts x 2, completions of 4 tokens."""
+    N = len(rewards)
+    mask = np.ones((N, 4), bool)
+    return scoring.Samples(
+        prompt_BP=np.full((N // 2, 3), 5),
+        prompt_mask_BP=np.ones((N // 2, 3), bool),
+        tokens_NM=np.full((N, 4), 7),
+        mask_NM=mask,
+        logprobs_NM=np.full((N, 4), -1.0, np.float32),
+        forced_NM=np.zeros((N, 4), bool) if forced is None else forced,
+        lengths_N=np.full(N, 4) if lengths is None else np.asarray(lengths),
+        truncated_N=np.zeros(N, bool),
+        interrupted_N=np.zeros(N, bool),
+        texts=["x"] * N,
+        reward_N=np.asarray(rewards, float),
+        failures={"error": 0},
+    )
+
+
+class _Source(rollouts.RolloutSource):
+    """A RolloutSource over canned samples (no sampler)."""
+
+    def __init__(self, config, samples):
+        from rlscale.data import filters
+
+        super().__init__(
+            config, None, scoring_cfg(), None, list(range(100)), None,
+            filters.PromptStream(100), filters.PassRateHistory(),
+        )  # fmt: skip
+        self._samples = list(samples)
+
+    def _sample(self, params, problems, rng):
+        return self._samples.pop(0)
+
+
+def scoring_cfg():
+    from rlscale.sampling import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=4, num_samples=2, pad_id=0)
+
+
+def _config(**filters):
+    c = load_config("dapo")
+    c.batch.prompts, c.batch.group_size, c.sampling.max_new_tokens = 2, 2, 4
+    c.filters.dynamic_sampling, c.filters.overlong_cache = False, 0
+    c.filters.update(filters)
+    return c
+
+
+def test_forced_tokens_are_context_not_actions():
+    forced = np.zeros((4, 4), bool)
+    forced[0, 1:3] = True
+    roll, _ = _Source(_config(), [_samples([1.0, 0.0, 1.0, 0.0], forced=forced)]).next(
+        None, jax.random.key(0), version=3
+    )
+    assert roll.mask_NM.tolist() == (~forced).tolist()
+    assert roll.attn_mask_NL[:, 3:].all()  # Still in attention.
+    assert (roll.version_NM == 3).all()
+
+
+def test_filters_judge_correctness_not_the_shaped_reward():
+    """DAPO keeps a group when 0 < #correct < G. An all-correct group in which one completion
+    is overlong has reward spread (the penalty) but nothing to learn about correctness."""
+    config = _config(zero_variance=True, overlong_cache=2)
+    # Prompt 0: both correct, one overlong (length 4 of 4 with a cache of 2: penalty -1).
+    # Prompt 1: one correct, one wrong.
+    samples = _samples([1.0, 1.0, 1.0, 0.0], lengths=[2, 4, 2, 2])
+    roll, stats = _Source(config, [samples]).next(None, jax.random.key(0), version=0)
+    assert stats["reward"].tolist() == [1.0, 0.0, 1.0, 0.0]  # 1 + (2 - 4) / 2 for row 1.
+    assert stats["kept_prompts"] == 1 and stats["filtered_prompts"] == 1
+    # The kept group (prompt 1) comes first; prompt 0 rides along with weight 0.
+    assert roll.row_weight_N.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert roll.correct_N.tolist() == [True, False, True, True]
+
+
+def test_dynamic_sampling_draws_until_the_batch_is_full():
+    config = _config(dynamic_sampling=True, dynamic_max_rounds=3)
+    rounds = [_samples([1.0, 1.0, 0.0, 1.0]), _samples([0.0, 0.0, 1.0, 0.0])]
+    roll, stats = _Source(config, rounds).next(None, jax.random.key(0), version=0)
+    assert stats["rounds"] == 2 and stats["kept_prompts"] == 2
+    assert roll.row_weight_N.tolist() == [1.0] * 4
+    assert roll.reward_N.tolist() == [0.0, 1.0, 1.0, 0.0]  # Round 1's kept, then round 2's.
+
+
+# ------------------------------------------------------------------------------------------
+# The learner's logprobs are the sampler's: temperature, top-k, top-p included.
+# ------------------------------------------------------------------------------------------
+
+
+def test_ratio_is_one_at_step_zero_with_temperature(warm, tmp_path):
+    config = golden_config("quickstart")
+    config.sft.reuse_from = str(warm)
+    config.steps, config.eval.every = 1, 1
+    config.sampling.temperature, config.sampling.top_k, config.sampling.top_p = 0.7, 20, 0.9
+    rl.run(config, str(tmp_path))
+    line = metric_lines(tmp_path)[1]
+    assert line["train/sampler_logp_gap"] < 1e-5  # Before the fix: ~0.3.
+    assert abs(line["train/ratio_mean"] - 1.0) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input fails at start-up naming the key.
+# ------------------------------------------------------------------------------------------
 
 
 def test_bad_config_lists_every_problem():
-    config = _config("ppo")
-    config.objective.value.coef = 0.0
-    config.objective.policy.name = "trpo"
+    config = load_config("ppo")
+    config.objective.chain = "gae | token_ratio | cispoo | aggregate(mode=token_mean)"
     config.batch.prompts = 6
     config.learner.minibatches = 4
     with pytest.raises(ValueError) as e:
         rl.validate(config)
     text = str(e.value)
-    assert "needs a value head" in text
-    assert "objective.policy.name='trpo'" in text
+    assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text
-    config = _config("grpo")
-    config.batch.group_size = 1
-    with pytest.raises(ValueError, match="group advantages need group_size >= 2"):
+    config = load_config("grpo")
+    config.objective.chain = "group_advantages | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
+    with pytest.raises(ValueError, match="cispo needs term 'ratio'"):
         rl.validate(config)
 
 
-def test_failing_reward_costs_one_sample(monkeypatch):
-    from rlscale.rewards import isolation
-
-    def verify(text, problem):
-        if problem == 1:
-            raise RuntimeError("verifier crashed")
-        return float("nan") if problem == 2 else 1.0
-
-    rewards, failures = isolation.score_all(verify, ["a", "b", "c", "d"], [0, 1, 2, 3])
-    assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and failures == 2
+def test_mesh_that_does_not_divide_the_batch_fails_naming_it():
+    config = load_config("quickstart")
+    config.mesh.shape = (8, 1, 1)
+    config.batch.prompts = 12  # 12 prompts over 8 data shards.
+    config.learner.minibatches = 1
+    with pytest.raises(ValueError) as e:
+        rl.validate(config)
+    assert "batch.prompts=12 is not divisible by the mesh's batch axes" in str(e.value)
+    assert "mesh.shape=(8, 1, 1)" in str(e.value)
+    config.mesh.shape = (3, 1, 1)
+    with pytest.raises(ValueError, match=r"mesh.shape=\(3, 1, 1\) does not fit 8 devices"):
+        rl.validate(config)

@@ -201,7 +201,7 @@ def test_decode_updates_cache_in_place(setup):
     tokens, mask = np.ones((4, 24), np.int32), np.ones((4, 24), bool)
     hlo = (
         sampler.generate.lower(
-            graphdef, params, tokens, mask, jax.random.key(0), model_cfg=cfg, cfg=scfg
+            params, tokens, mask, jax.random.key(0), graphdef=graphdef, model_cfg=cfg, cfg=scfg
         )
         .compile()
         .as_text()

@@ -94,14 +94,14 @@ def test_bad_task_arguments():
 def test_a_stale_warm_start_is_refused(tmp_path):
     """A cached warm start must carry the settings it was made with; one without them (an
     older rlscale) or with others is refused, not silently reused."""
-    from rlscale import config_lib, sft
+    from rlscale import config_lib, warm_start
 
     config = config_lib.rl_config()
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "sft.json").write_text("{}")
     with pytest.raises(ValueError, match="no record of the settings"):
-        sft.warm_start(config, str(tmp_path), None, None, None, None, [], [])
-    (tmp_path / "sft" / "inputs.json").write_text(json.dumps(sft._inputs(config)))
+        warm_start.train_or_load(config, str(tmp_path), None, None, None, None, [], [])
+    (tmp_path / "sft" / "inputs.json").write_text(json.dumps(warm_start._inputs(config)))
     config.sft.answer_line_fraction = 1.0
     with pytest.raises(ValueError, match="sft.answer_line_fraction: 0.25 -> 1.0"):
-        sft.warm_start(config, str(tmp_path), None, None, None, None, [], [])
+        warm_start.train_or_load(config, str(tmp_path), None, None, None, None, [], [])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlscale import model, supervised
+from rlscale import model, next_token
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
 
@@ -67,7 +67,9 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, p
     rng = jax.random.key(2)
 
     def run():
-        out = sampling.generate(graphdef, params, tokens, mask, rng, model_cfg=cfg, cfg=scfg)
+        out = sampling.generate(
+            params, tokens, mask, rng, graphdef=graphdef, model_cfg=cfg, cfg=scfg
+        )
         jax.block_until_ready(out)
         return out
 
@@ -109,8 +111,8 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, p
 
 def bench_train(cfg, params, graphdef, batch, seq_len, peak, repeats):
     optimizer = optax.adamw(1e-4)
-    step = supervised.make_train_step(graphdef, optimizer)
-    state = supervised.init_state(params, optimizer)
+    step = next_token.make_train_step(graphdef, optimizer)
+    state = next_token.init_state(params, optimizer)
     tokens = jax.random.randint(jax.random.key(3), (batch, seq_len), 4, cfg.vocab_size)
     mask = jnp.ones((batch, seq_len), bool)
     holder = [state]

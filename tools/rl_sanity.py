@@ -1,61 +1,72 @@
 """Checks that the RL loop learns when the signal is easy: a trivial reward on the quickstart.
 
-    python tools/rl_sanity.py --workdir /tmp/rl_sanity [--steps 30] [--lr 1e-4]
+    python tools/rl_sanity.py --workdir /tmp/rl_sanity --config.steps=30 \\
+        --config.optim.lr=1e-4 --config.eval.every=10 [--warm_from QUICKSTART_WORKDIR]
 
-Runs `configs/quickstart.py` with the task's verifier replaced by "the completion starts with
-the digit 1" and prints the held-out rate before and after. Measured on a 2-core CPU (seed 0,
-lr 1e-4, 30 steps, warm start reused from a quickstart workdir via --warm_from): 0.29 -> 0.56.
-If this stays flat, the loop is broken; if it rises while the quickstart's own task does not,
-the task's signal is what limits RL.
+Runs `--config` (default `configs/quickstart.py`; `:variant` suffixes and `--config.a.b=v`
+overrides as for `rlscale.main`) with the task's verifier replaced by `starts_with_one` ("the
+completion starts with the digit 1": `reward.fn=rl_sanity:starts_with_one`, scored in the
+run's reward worker pool like any verifier) and prints one JSON line with the held-out rate
+before and after: `{"start": ..., "end": ...}`. Measured on a 2-core CPU with the command above
+(seed 0, warm start reused from a quickstart workdir via --warm_from): 0.29 -> 0.56. If this
+stays flat, the loop is broken; if it rises while the quickstart's own task does not, the
+task's signal is what limits RL. `--config configs/quickstart.py:smoke --config.steps=2` runs
+it end to end in about a minute (the test), which says nothing about learning.
+
+Only the standard library is imported at the top: the reward workers import this file (as
+the module `rl_sanity`, from this directory on their `sys.path`) for `starts_with_one`.
 """
 
-import argparse
-import importlib.util
 import json
 import os
 import shutil
+import sys
 
-from rlscale import rl
-from rlscale.data import tasks
+TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TOOLS_DIR)
+REWARD_FN = "rl_sanity:starts_with_one"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument(
-        "--warm_from",
-        default=None,
-        help="a quickstart workdir whose data, tokenizer and SFT warm start to reuse",
+def starts_with_one(completion, problem) -> float:
+    """1 if the completion starts with the digit 1 (after whitespace), else 0."""
+    del problem
+    return float(completion.strip().startswith("1"))
+
+
+def main(argv):
+    from absl import flags
+    from ml_collections import config_flags
+
+    from rlscale import rl
+
+    config = config_flags.DEFINE_config_file(
+        "config",
+        os.path.join(ROOT, "configs", "quickstart.py"),
+        "RL config file, optionally with a :variant suffix.",
+        lock_config=True,
     )
-    args = p.parse_args()
-
-    original = tasks.get
-
-    def trivial_task(name, difficulty, seed=0):
-        task = original(name, difficulty, seed)
-        task.verify = lambda text, problem: float(text.strip().startswith("1"))
-        return task
-
-    rl.tasks.get = trivial_task
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "quickstart", os.path.join(root, "configs", "quickstart.py")
+    workdir = flags.DEFINE_string("workdir", None, "Directory for the run's outputs.")
+    warm_from = flags.DEFINE_string(
+        "warm_from", None, "A quickstart workdir whose data, tokenizer and SFT warm start to reuse."
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    config.steps, config.optim.lr, config.eval.every = args.steps, args.lr, 10
-    os.makedirs(args.workdir, exist_ok=True)
-    if args.warm_from:
+    flags.mark_flag_as_required("workdir")
+    flags.FLAGS(argv)
+
+    # The reward workers fork from a server started with this process's sys.path; running as
+    # `python tools/rl_sanity.py` puts this directory first, but say so rather than rely on it.
+    if TOOLS_DIR not in sys.path:
+        sys.path.insert(0, TOOLS_DIR)
+    cfg = config.value
+    cfg.reward.fn = REWARD_FN
+    os.makedirs(workdir.value, exist_ok=True)
+    if warm_from.value:
         for name in ("sft", "data", "tokenizer.model"):
-            src, dst = os.path.join(args.warm_from, name), os.path.join(args.workdir, name)
+            src, dst = os.path.join(warm_from.value, name), os.path.join(workdir.value, name)
             if not os.path.exists(dst):
                 (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
-    summary = rl.run(config, args.workdir)
+    summary = rl.run(cfg, workdir.value)
     print(json.dumps({"start": summary["start/eval_pass@1"], "end": summary["end/eval_pass@1"]}))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)

@@ -1,21 +1,22 @@
-"""Rollout shaping: zero-variance filtering, DAPO dynamic sampling, no-positive-resampling,
-DAPO's soft overlong penalty, and the resumable prompt stream they act on.
+"""Rollout shaping pieces: the zero-variance test, no-positive-resampling, DAPO's soft
+overlong penalty, and the resumable prompt stream they act on. `rl.rollouts.RolloutSource`
+puts them together (with DAPO's dynamic sampling).
 
-Rewards arrive as [P, G] (prompts x samples). Everything here runs on the host, between the
-sampler and the learner, and its state is plain Python (checkpointed as JSON).
+Rewards arrive as [B, G] (B prompts x G samples per prompt). Everything here runs on the host,
+between the sampler and the learner, and its state is plain Python (checkpointed as JSON).
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def zero_variance_keep(reward_PG: np.ndarray) -> np.ndarray:
-    """[P] True for prompts whose G rewards are not all equal: the others carry no
+def zero_variance_keep(reward_BG: np.ndarray) -> np.ndarray:
+    """[B] True for prompts whose G rewards are not all equal: the others carry no
     group-relative signal (all advantages 0) and are dropped without resampling (ScaleRL)."""
-    reward_PG = np.asarray(reward_PG)
-    return np.ptp(reward_PG, axis=1) > 0
+    reward_BG = np.asarray(reward_BG)
+    return np.ptp(reward_BG, axis=1) > 0
 
 
 def overlong_penalty(lengths: np.ndarray, max_len: int, cache_len: int) -> np.ndarray:
@@ -47,9 +48,9 @@ class PassRateHistory:
     last: dict[int, float] = dataclasses.field(default_factory=dict)
     retired: set[int] = dataclasses.field(default_factory=set)
 
-    def update(self, prompt_ids: Sequence[int], reward_PG: np.ndarray) -> list[int]:
+    def update(self, prompt_ids: Sequence[int], reward_BG: np.ndarray) -> list[int]:
         """Records one group per prompt; returns the newly retired ids."""
-        rates = np.mean(np.asarray(reward_PG) > 0, axis=1)
+        rates = np.mean(np.asarray(reward_BG) > 0, axis=1)
         newly = []
         for pid, rate in zip(prompt_ids, rates):
             pid = int(pid)
@@ -113,39 +114,3 @@ class PromptStream:
     @classmethod
     def from_state(cls, d: dict) -> "PromptStream":
         return cls(**d)
-
-
-def dynamic_sampling(
-    draw: Callable[[int], tuple[list[int], np.ndarray, object]],
-    batch_prompts: int,
-    max_rounds: int = 8,
-):
-    """DAPO dynamic sampling (Yu et al. 2025): keep drawing groups and keep those with reward
-    variance until `batch_prompts` are collected or `max_rounds` draws are spent.
-
-    Args:
-      draw: n -> (prompt_ids [n], reward_PG [n, G], rollouts) for n fresh prompts, where
-        `rollouts` can be indexed by a boolean [n] mask.
-      batch_prompts: prompts wanted.
-      max_rounds: upper bound on draws (a batch may come back short; the caller pads).
-
-    Returns:
-      (list of (prompt_ids, reward_PG, rollouts) kept per round, number of rounds, number of
-      prompts drawn).
-    """
-    kept, have, rounds, drawn = [], 0, 0, 0
-    while have < batch_prompts and rounds < max_rounds:
-        ids, reward, rollouts = draw(batch_prompts - have)
-        rounds += 1
-        drawn += len(ids)
-        keep = zero_variance_keep(reward)
-        if keep.any():
-            kept.append(
-                (
-                    [i for i, k in zip(ids, keep) if k],
-                    np.asarray(reward)[keep],
-                    rollouts[keep] if hasattr(rollouts, "__getitem__") else rollouts,
-                )
-            )
-            have += int(keep.sum())
-    return kept, rounds, drawn

@@ -380,24 +380,18 @@ def load(
 class MathTask:
     """The verifier side of a math dataset, with the interface of `tasks.Task`.
 
-    `verify(completion, problem)` is `rewards.math.score` against `problem.answer` (1.0 or
-    0.0, run in the verifier's worker processes with a timeout); `verify_batch` checks many in
-    parallel. `extract_answer` is the verifier's answer extraction (for majority voting).
+    `verify(completion, problem)` is `rewards.math.grade` against `problem.answer` (1.0 or
+    0.0): the whole check, in the calling process and with no deadline, so that the RL loop's
+    reward pool (`rewards.isolation.verifier_pool`) runs it in parallel worker processes with
+    its per-sample timeout. Run untrusted completions through such a pool, never in the
+    trainer's process: a hostile answer can keep math-verify busy for minutes.
+    `extract_answer` is the verifier's answer extraction (for majority voting).
     """
 
     name = "math"
 
-    def __init__(self, timeout: float = math_reward.DEFAULT_TIMEOUT):
-        self.timeout = timeout
-
     def verify(self, completion: str, problem: tasks.Problem) -> float:
-        return math_reward.score(completion, problem.answer, self.timeout)
-
-    def verify_batch(
-        self, completions: Sequence[str], problems: Sequence[tasks.Problem]
-    ) -> np.ndarray:
-        golds = [p.answer for p in problems]
-        return np.asarray(math_reward.score_batch(completions, golds, self.timeout), np.float64)
+        return math_reward.grade(completion, problem.answer)
 
     @staticmethod
     def extract_answer(completion: str) -> str | None:

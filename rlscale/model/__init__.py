@@ -10,6 +10,7 @@ from rlscale.model.decoder import (
     hidden,
     init_cache,
     init_params,
+    init_sharded,
     logits,
     positions_from_mask,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "hidden",
     "init_cache",
     "init_params",
+    "init_sharded",
     "logits",
     "positions_from_mask",
 ]

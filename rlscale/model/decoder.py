@@ -3,8 +3,8 @@
 The module tree is split once (`nnx.split`) into a static `GraphDef` and a params pytree; every
 jitted function takes the params pytree explicitly (`forward(graphdef, params, ...)`).
 
-Dimension letters: B batch, T tokens of this call, S KV-cache slots, D d_model, H query heads,
-K kv heads, E head dim, F mlp hidden, V vocab.
+Dimension letters: B batch, T tokens of this call, S KV-cache slots, D model width, H query
+heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP width, V vocab.
 
 Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
 (their RoPE positions). With a KV cache, the T new tokens are written at cache slots
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlscale import sharding
 from rlscale.model.config import ModelConfig
 
 Array = jax.Array
@@ -38,29 +39,30 @@ def _kernel_init(in_axis, out_axis):
 
 
 @jax.custom_vjp
-def dense(x_ND, w_DF):
+def dense(x_TD, w_DF):
     """x @ w for 2-D operands, with a backward pass that feeds XLA standard-layout matmuls.
 
-    The weight gradient x^T @ g contracts over the N tokens. Left to itself, XLA:CPU picks a
-    transposed layout for g and writes it with a strided copy fused into the activation's
-    gradient (14% of a train step for `small`); transposing the smaller x explicitly instead
-    keeps every matmul in the layout the CPU kernels run at full speed. The barrier stops XLA
-    from folding the transpose back into the matmul. GPU and TPU matmuls take transposed
-    operands natively, so there the gradient is the plain x^T @ g.
+    The rows of x are the T tokens of a call, flattened over its batch. The weight gradient
+    x^T @ g contracts over the T tokens. Left to itself, XLA:CPU picks a transposed layout for
+    g and writes it with a strided copy fused into the activation's gradient (14% of a train
+    step for `small`); transposing the smaller x explicitly instead keeps every matmul in the
+    layout the CPU kernels run at full speed. The barrier stops XLA from folding the transpose
+    back into the matmul. GPU and TPU matmuls take transposed operands natively, so there the
+    gradient is the plain x^T @ g.
     """
-    return x_ND @ w_DF
+    return x_TD @ w_DF
 
 
-def _dense_fwd(x_ND, w_DF):
-    return x_ND @ w_DF, (x_ND, w_DF)
+def _dense_fwd(x_TD, w_DF):
+    return x_TD @ w_DF, (x_TD, w_DF)
 
 
-def _dense_bwd(res, g_NF):
-    x_ND, w_DF = res
-    x_DN = x_ND.T
+def _dense_bwd(res, g_TF):
+    x_TD, w_DF = res
+    x_DT = x_TD.T
     if jax.default_backend() == "cpu":
-        x_DN = jax.lax.optimization_barrier(x_DN)
-    return g_NF @ w_DF.T, (x_DN @ g_NF).astype(w_DF.dtype)
+        x_DT = jax.lax.optimization_barrier(x_DT)
+    return g_TF @ w_DF.T, (x_DT @ g_TF).astype(w_DF.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
@@ -133,15 +135,16 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq, 1.0
 
 
-def apply_rope(x_BTNE, positions_BT, inv_freq, attention_factor):
-    """Rotates the two halves of each head (the Hugging Face `rotate_half` layout)."""
+def apply_rope(x_BTHE, positions_BT, inv_freq, attention_factor):
+    """Rotates the two halves of each head (the Hugging Face `rotate_half` layout); the heads
+    are query (H) or kv (K) heads."""
     angles = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
     sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
-    x = x_BTNE.astype(jnp.float32)
+    x = x_BTHE.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNE.dtype)
+    return out.astype(x_BTHE.dtype)
 
 
 class KVCache(NamedTuple):
@@ -188,19 +191,20 @@ def cache_logical_axes(cfg: ModelConfig) -> KVCache:
 def attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale: float):
     """Softmax attention with grouped query heads; scores and softmax in float32.
 
-    Both contractions are written as 4-D batched matmuls over (B, K) with the T x G queries of
-    a kv head folded into one dimension: XLA:CPU runs the equivalent 5-D einsums 5x slower.
+    Both contractions are written as 4-D batched matmuls over (B, K) with the T x Q queries of
+    a kv head folded into one dimension (R = T * Q): XLA:CPU runs the equivalent 5-D einsums
+    5x slower.
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKES.shape[1]
-    G = H // K
-    q_BKME = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
-    s = jnp.einsum("bkme,bkes->bkms", q_BKME, k_BKES, preferred_element_type=jnp.float32)
-    s = s.reshape(B, K, T, G, -1)
+    Q = H // K
+    q_BKRE = q_BTHE.reshape(B, T, K, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * Q, E)
+    s = jnp.einsum("bkre,bkes->bkrs", q_BKRE, k_BKES, preferred_element_type=jnp.float32)
+    s = s.reshape(B, K, T, Q, -1)
     s = jnp.where(mask_BTS[:, None, :, None], s * scale, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BKSE.dtype).reshape(B, K, T * G, -1)
-    o_BKME = jnp.einsum("bkms,bkse->bkme", p, v_BKSE)
-    return o_BKME.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BKSE.dtype).reshape(B, K, T * Q, -1)
+    o_BKRE = jnp.einsum("bkrs,bkse->bkre", p, v_BKSE)
+    return o_BKRE.reshape(B, K, T, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
 
 
 def causal_attention(q_BTHE, k_BKET, v_BKTE, mask_BTT, scale: float, chunk: int = 128):
@@ -389,8 +393,20 @@ def abstract_model(cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, rng: Array):
-    """Initializes params on the default device (see `rlscale.sharding.init_sharded`)."""
+    """Initializes params on the default device (see `init_sharded`)."""
     return nnx.split(Decoder(cfg, rngs=nnx.Rngs(params=rng)))[1]
+
+
+def init_sharded(cfg: ModelConfig, rng: Array, mesh, rules=sharding.TRAIN_RULES):
+    """(graphdef, params) with every parameter created directly on its shards.
+
+    The shapes come from `nnx.eval_shape` and the init is jitted with `out_shardings`, so a
+    large model is never materialized on one device.
+    """
+    graphdef, abstract = abstract_model(cfg)
+    shardings = sharding.param_shardings(abstract, mesh, rules)
+    params = jax.jit(lambda r: init_params(cfg, r), out_shardings=shardings)(rng)
+    return graphdef, params
 
 
 def forward(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):

@@ -1,20 +1,27 @@
-"""Loss objectives as optax-style transforms over per-token terms; a recipe is a `chain`.
+"""Loss objectives as optax-style transforms over per-token terms, registered by name; an
+objective is one chain string a config names (`config.objective.chain`):
 
-scalerl = chain(
-    group_advantages(G, baseline="group_mean", scale="batch_std"),
-    token_ratio(),
-    cispo(eps_max=4.0),
-    aggregate("prompt_mean", group_size=G),
-)
+  objective = build(
+      "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
+      " | aggregate(mode=prompt_mean)",
+      group_size=G, max_len=M,
+  )
+  objective.batch   # once per sampled batch: advantages
+  objective.loss    # per micro-batch, inside the differentiated loss: (loss_sum, denominator)
+  objective.model_terms   # {"logp", "old_logp"}: the model passes the learner runs
+
+Importing the package registers every transform (`registry.names()`).
 """
 
-from rlscale.objectives.advantages import gae, group_advantages, value_loss
+from rlscale.objectives.advantages import gae, group_advantages, reinforce_pp_baseline, value_loss
 from rlscale.objectives.aggregate import aggregate
 from rlscale.objectives.core import EmptyState, Terms, Transform, chain, stateless
 from rlscale.objectives.policy import (
     cispo,
     entropy_bonus,
+    high_entropy_tokens,
     kl_estimate,
+    kl_in_reward,
     kl_penalty,
     policy_gradient,
     ppo_clip,
@@ -22,23 +29,50 @@ from rlscale.objectives.policy import (
     token_ratio,
     truncated_is,
 )
+from rlscale.objectives.registry import (
+    MODEL_TERMS,
+    Entry,
+    Objective,
+    build,
+    check,
+    entries,
+    names,
+    parse,
+    register,
+    resolve,
+    table,
+)
 
 __all__ = [
+    "MODEL_TERMS",
     "EmptyState",
+    "Entry",
+    "Objective",
     "Terms",
     "Transform",
     "aggregate",
+    "build",
     "chain",
+    "check",
     "cispo",
+    "entries",
     "entropy_bonus",
     "gae",
     "group_advantages",
+    "high_entropy_tokens",
     "kl_estimate",
+    "kl_in_reward",
     "kl_penalty",
+    "names",
+    "parse",
     "policy_gradient",
     "ppo_clip",
+    "register",
+    "reinforce_pp_baseline",
+    "resolve",
     "sequence_ratio",
     "stateless",
+    "table",
     "token_ratio",
     "truncated_is",
     "value_loss",

@@ -8,17 +8,21 @@ for "prompt_mean").
 import jax.numpy as jnp
 
 from rlscale.objectives.core import Transform, require, stateless
+from rlscale.objectives.registry import register
 
 MODES = ("token_mean", "seq_mean_token_mean", "seq_sum", "prompt_mean")
 
 
+@register(
+    "aggregate", stage="loss", requires=("loss", "mask"), provides=("loss_sum", "denominator")
+)
 def aggregate(mode: str, group_size: int | None = None, max_len: int | None = None) -> Transform:
     """Reduces the per-token `loss` with `mask`:
 
     token_mean           sum_it l / sum_it 1                       (DAPO: Yu et al. 2025)
     seq_mean_token_mean  sum_i (sum_t l / |o_i|) / #rows            (GRPO: Shao et al. 2024)
     seq_sum              sum_it l / (#rows * max_len)               (Dr.GRPO: Liu et al. 2025;
-                                                                    max_len defaults to T)
+                                                                    max_len defaults to M)
     prompt_mean          sum_p (sum_{i in p, t} l / #tokens_p) / #prompts
                                                                     (ScaleRL: Khatri et al. 2025)
 

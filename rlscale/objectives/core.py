@@ -1,18 +1,23 @@
 """The objective-transform contract: `Transform(init, update)` and `chain`, as in optax.
 
-A transform acts on `terms`, a dict of arrays for one (micro-)batch of N sampled rows laid out
-prompt-major (row = prompt * G + sample) with T completion tokens each:
+A transform acts on `terms`, a dict of arrays for one (micro-)batch of N = B * G sampled rows
+laid out prompt-major (row = prompt * G + sample) with M completion tokens each:
 
-  inputs   logp [N, T] (differentiable), old_logp [N, T], sampler_logp [N, T],
-           ref_logp [N, T], mask [N, T], reward [N], entropy [N, T], value [N, T],
-           old_value [N, T]  (each transform reads only what it needs)
-  outputs  advantage [N, T], ratio [N, T], loss [N, T] (per-token loss, transforms add to
-           it), loss_sum and denominator (scalars, from `aggregate`), metrics (dict)
+  inputs   reward [N], correct [N], mask [N, M], row_weight [N], sampler_logp [N, M],
+           old_logp [N, M], old_value [N, M], ref_logp [N, M]; in the loss stage also
+           logp [N, M] (differentiable), entropy [N, M], value [N, M] (differentiable) and
+           update (scalar int32: optimizer updates applied so far)
+  outputs  advantage [N, M], returns [N, M], ratio [N, M], loss [N, M] (per-token loss,
+           transforms add to it), loss_sum and denominator (scalars, from `aggregate`),
+           metrics (dict)
 
-`update(terms, state) -> (terms, state)` returns a new dict; `init() -> state`. A loss is a
-chain ending in an aggregation, whose (loss_sum, denominator) are both additive over
-micro-batches holding whole groups, so accumulation normalizes once per optimizer step:
-loss = sum(loss_sum) / sum(denominator).
+Each transform reads only what it declares (`registry.register`). `update(terms, state) ->
+(terms, state)` returns a new dict; `init() -> state`. A loss is a chain ending in an
+aggregation, whose (loss_sum, denominator) are both additive over micro-batches holding whole
+groups, so accumulation normalizes once per optimizer step: loss = sum(loss_sum) /
+sum(denominator).
+
+Dimension letters: B prompts, G samples per prompt, N = B * G rows, M completion tokens.
 """
 
 from collections.abc import Callable
@@ -68,5 +73,14 @@ def add_metrics(terms: Terms, **metrics) -> Terms:
     return {**terms, "metrics": {**terms.get("metrics", {}), **metrics}}
 
 
-def add_loss(terms: Terms, loss_NT) -> Terms:
-    return {**terms, "loss": terms.get("loss", 0.0) + loss_NT}
+def add_loss(terms: Terms, loss_NM) -> Terms:
+    return {**terms, "loss": terms.get("loss", 0.0) + loss_NM}
+
+
+def schedule_value(coef: float | Callable, terms: Terms, by: str):
+    """A coefficient given as a number, or as a schedule of the `update` term (optimizer
+    updates applied so far, optax-style)."""
+    if not callable(coef):
+        return coef
+    require(terms, "update", by=by)
+    return coef(terms["update"])

@@ -1,5 +1,9 @@
 """Policy-gradient terms: importance ratios, PPO clipping, CISPO, truncated importance
-sampling, the plain policy gradient, KL to a reference and the entropy bonus."""
+sampling, the plain policy gradient, KL to a reference (in the loss or in the reward), the
+entropy bonus and high-entropy token selection.
+
+Arrays are [N, M]: N sampled rows, M completion tokens.
+"""
 
 from collections.abc import Callable
 
@@ -12,12 +16,15 @@ from rlscale.objectives.core import (
     add_metrics,
     masked_mean,
     require,
+    schedule_value,
     stateless,
 )
+from rlscale.objectives.registry import register
 
 sg = jax.lax.stop_gradient
 
 
+@register("token_ratio", stage="loss", requires=("logp", "old_logp"), provides=("ratio",))
 def token_ratio() -> Transform:
     """ratio_t = exp(logp_t - old_logp_t) (PPO: Schulman et al. 2017)."""
 
@@ -29,6 +36,9 @@ def token_ratio() -> Transform:
     return stateless(fn)
 
 
+@register(
+    "sequence_ratio", stage="loss", requires=("logp", "old_logp", "mask"), provides=("ratio",)
+)
 def sequence_ratio() -> Transform:
     """GSPO's sequence ratio s_i = exp(mean_t (logp_t - old_logp_t)), the geometric mean of the
     token ratios (Zheng et al. 2025), broadcast over the row's tokens. Aggregate per sequence
@@ -44,6 +54,7 @@ def sequence_ratio() -> Transform:
     return stateless(fn)
 
 
+@register("ppo_clip", stage="loss", requires=("ratio", "advantage", "mask"), provides=("loss",))
 def ppo_clip(
     eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None
 ) -> Transform:
@@ -75,6 +86,9 @@ def ppo_clip(
     return stateless(fn)
 
 
+@register(
+    "cispo", stage="loss", requires=("ratio", "advantage", "logp", "mask"), provides=("loss",)
+)
 def cispo(
     eps_max: float | None = 4.0, eps_low: float | None = None, eps_high: float | None = None
 ) -> Transform:
@@ -109,6 +123,7 @@ def cispo(
     return stateless(fn)
 
 
+@register("policy_gradient", stage="loss", requires=("advantage", "logp"), provides=("loss",))
 def policy_gradient() -> Transform:
     """REINFORCE: loss = -A * logp (Williams 1992); with RLOO advantages, RLOO."""
 
@@ -119,6 +134,12 @@ def policy_gradient() -> Transform:
     return stateless(fn)
 
 
+@register(
+    "truncated_is",
+    stage="loss",
+    requires=("loss", "old_logp", "sampler_logp", "mask"),
+    provides=("loss",),
+)
 def truncated_is(cap: float = 2.0, level: str = "token") -> Transform:
     """Truncated importance sampling against the sampler (Yao et al. 2025, "Your efficient RL
     framework secretly brings you off-policy RL training"): multiplies the per-token loss by
@@ -161,47 +182,101 @@ def kl_estimate(logp, ref_logp, estimator: str):
     raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
 
 
-def _schedule(coef: float | Callable) -> Callable:
-    return coef if callable(coef) else (lambda step: coef)
-
-
-def kl_penalty(
-    coef: float | Callable = 0.001, estimator: str = "k3", where: str = "loss"
-) -> Transform:
-    """KL to the reference policy, in the loss (GRPO: + coef * KL per token) or subtracted from
-    the reward before advantages (`where="reward"`: r_i -= coef * sum_t k1_t, as in RLHF PPO;
-    put it before the advantage transform in the chain). `coef` may be a schedule of the
-    update count (optax-style)."""
+@register(
+    "kl_penalty", stage="loss", requires=("logp", "ref_logp", "mask", "update"), provides=("loss",)
+)
+def kl_penalty(coef: float | Callable = 0.001, estimator: str = "k3") -> Transform:
+    """KL to the reference policy in the loss (GRPO): + coef * k_t per token, k the configured
+    estimator of KL(pi || pi_ref) (`kl_estimate`). `coef` may be a schedule of the `update`
+    term (optimizer updates applied so far, optax-style)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
-    if where not in ("loss", "reward"):
-        raise ValueError(f"kl_penalty where={where!r}: 'loss' or 'reward'")
-    schedule = _schedule(coef)
 
-    def update(terms, count):
+    def fn(terms):
         require(terms, "logp", "ref_logp", "mask", by="kl_penalty")
-        c = schedule(count)
+        c = schedule_value(coef, terms, by="kl_penalty")
         m = terms["mask"].astype(jnp.float32)
         kl = kl_estimate(terms["logp"], sg(terms["ref_logp"]), estimator)
-        if where == "loss":
-            terms = add_loss(terms, c * kl)
-        else:
-            require(terms, "reward", by="kl_penalty(where='reward')")
-            kl_seq = jnp.sum(sg(kl) * m, axis=1)
-            terms = {**terms, "reward": terms["reward"] - c * kl_seq}
-        return add_metrics(terms, kl=masked_mean(kl, m), kl_coef=jnp.asarray(c)), count + 1
+        terms = add_loss(terms, c * kl)
+        return add_metrics(terms, kl=masked_mean(kl, m), kl_coef=jnp.asarray(c))
 
-    return Transform(lambda: jnp.zeros((), jnp.int32), update)
+    return stateless(fn)
 
 
+@register(
+    "kl_in_reward",
+    stage="batch",
+    requires=("old_logp", "ref_logp", "reward", "mask"),
+    provides=("reward",),
+)
+def kl_in_reward(coef: float = 0.001, estimator: str = "k3") -> Transform:
+    """KL to the reference policy subtracted from the reward before advantages (as in RLHF
+    PPO): r_i -= coef * sum_t k_t over the row's tokens, k the configured estimator
+    (`kl_estimate`) of the sampling policy (`old_logp`) against the reference. Put it before
+    the advantage transform in the chain."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
+
+    def fn(terms):
+        require(terms, "old_logp", "ref_logp", "reward", "mask", by="kl_in_reward")
+        m = terms["mask"].astype(jnp.float32)
+        kl = kl_estimate(terms["old_logp"], sg(terms["ref_logp"]), estimator)
+        kl_seq = jnp.sum(sg(kl) * m, axis=1)
+        terms = {**terms, "reward": terms["reward"] - coef * kl_seq}
+        return add_metrics(terms, kl=masked_mean(kl, m), kl_coef=jnp.asarray(coef))
+
+    return stateless(fn)
+
+
+@register("entropy_bonus", stage="loss", requires=("entropy", "mask", "update"), provides=("loss",))
 def entropy_bonus(coef: float | Callable = 0.001) -> Transform:
-    """Adds -coef * entropy_t to the per-token loss (needs the `entropy` term)."""
-    schedule = _schedule(coef)
+    """Adds -coef * entropy_t to the per-token loss. `coef` may be a schedule of the `update`
+    term (optimizer updates applied so far)."""
 
-    def update(terms, count):
+    def fn(terms):
         require(terms, "entropy", "mask", by="entropy_bonus")
-        c = schedule(count)
+        c = schedule_value(coef, terms, by="entropy_bonus")
         terms = add_loss(terms, -c * terms["entropy"])
-        return add_metrics(terms, entropy=masked_mean(terms["entropy"], terms["mask"])), count + 1
+        return add_metrics(terms, entropy=masked_mean(terms["entropy"], terms["mask"]))
 
-    return Transform(lambda: jnp.zeros((), jnp.int32), update)
+    return stateless(fn)
+
+
+@register("high_entropy_tokens", stage="loss", requires=("entropy", "mask"), provides=("mask",))
+def high_entropy_tokens(rho: float = 0.2) -> Transform:
+    """Keeps the loss only on the micro-batch's top-rho fraction of tokens by the current
+    policy's entropy (Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens
+    Drive Effective Reinforcement Learning for LLM Reasoning", arXiv 2506.01939):
+
+      mask_t <- mask_t * 1[H_t >= tau],  tau = the k-th largest entropy over the masked
+                                         tokens, k = max(1, ceil(rho * #tokens)),
+
+    so tokens tied with tau are all kept. It narrows `mask` for everything after it: place it
+    before the policy loss. The aggregation then normalizes by the kept tokens, as the
+    paper's objective (its Eq. 6 puts the indicator on the token-count normaliser too) and
+    the authors' code do: the loss stays a mean over the tokens trained on, and rho = 1 is
+    the plain objective. The aggregation applies the narrowed mask to the whole per-token
+    loss, so a KL or entropy term in the same chain also counts only the kept tokens (the
+    paper, on DAPO, has neither). The entropy is data (no gradient); the selection is per
+    micro-batch, as in the authors' code, so it depends on `learner.micro_batches`.
+    """
+    if not 0.0 < rho <= 1.0:
+        raise ValueError(f"rho={rho} must be in (0, 1]")
+
+    def fn(terms):
+        require(terms, "entropy", "mask", by="high_entropy_tokens")
+        mask = terms["mask"]
+        h = sg(terms["entropy"]).astype(jnp.float32)
+        n = jnp.sum(mask.astype(jnp.int32))
+        # ceil as the authors' code writes it, robust to rho * n landing just above an integer.
+        k = jnp.maximum(jnp.floor(n * rho + 0.9999).astype(jnp.int32), 1)
+        ranked = -jnp.sort(-jnp.where(mask > 0, h, -jnp.inf).reshape(-1))  # Descending.
+        tau = ranked[k - 1]
+        keep = (mask > 0) & (h >= tau)
+        return add_metrics(
+            {**terms, "mask": keep.astype(mask.dtype)},
+            high_entropy_frac=jnp.sum(keep) / jnp.maximum(n, 1),
+            high_entropy_threshold=jnp.where(n > 0, tau, 0.0),
+        )
+
+    return stateless(fn)

@@ -1,14 +1,21 @@
-"""Math answer verifier for RL rewards: `score(completion, gold) -> 1.0 or 0.0`.
+"""Math answer verifier for RL rewards: `verify(completion, gold) -> 1.0 or 0.0`.
 
 Parsing and symbolic equivalence come from `math-verify` (`math_verify.parse` / `verify`); this
 module adds what RL at scale needs around it:
 
-* **A timeout that works anywhere.** math-verify's own timeout uses `signal.alarm`, which raises
-  outside the main thread and cannot interrupt a long C call. It is disabled here
-  (`parsing_timeout=None`, `timeout_seconds=None`) and every check runs in a persistent worker
-  process instead (`rlscale.rewards.sandbox.WorkerPool`): past its deadline a check scores 0.0
-  and its worker is killed and replaced; a check that raises, or whose worker dies, scores 0.0
-  for that sample only.
+* **One grading function, run where a deadline can stop it.** `grade(completion, gold)` is the
+  whole check (the extraction, length guard, math-verify and numeric guard below) as a plain,
+  picklable function with no deadline of its own: math-verify's timeout uses `signal.alarm`,
+  which raises outside the main thread and cannot interrupt a long C call, so it is disabled
+  (`parsing_timeout=None`, `timeout_seconds=None`) and the deadline comes from a persistent
+  worker process instead (`rlscale.rewards.sandbox.WorkerPool`): past its deadline a check
+  scores 0.0 and its worker is killed and replaced; a check that raises, or whose worker dies,
+  scores 0.0 for that sample only. Two ways to get one:
+    - the RL loop runs `MathTask.verify` (that is, `grade`) in its one reward pool,
+      `rewards.isolation.verifier_pool`, with `reward.timeout` per sample;
+    - `verify(completion, gold)` / `verify_batch` (this module's standalone API, for users and
+      other frameworks) extract in the caller's process and run the check in the workers of
+      a `MathVerifier`, which counts why samples fail (`stats()`).
 * **Fail-closed extraction** (`extract_answer`), with these exact rules:
     1. Reasoning format: if the completion contains `</think>`, only the text after the last
        `</think>` is considered; a completion with `<think>` and no `</think>` has no answer.
@@ -28,7 +35,7 @@ module adds what RL at scale needs around it:
   `1.5\\times 10^{3}`.
 * **Asymmetry kept**: the gold answer is parsed with math-verify's gold configuration (LaTeX and
   plain expressions), the prediction with LaTeX only (after the extraction above), and the call
-  is `verify(gold, prediction)` in math-verify's order.
+  is `math_verify.verify(gold, prediction)` in math-verify's order.
 * **A numeric guard on math-verify's numeric comparison.** math-verify compares values with
   `evalf(chop=True)` and by rounding to 6 decimal places, so any two tiny numbers compare equal
   (`1/2004!` == `1/2006!`, `10^{-20}` == `2\\cdot 10^{-20}`). Its `sympy_numeric_eq` is wrapped
@@ -54,7 +61,7 @@ They are cumulative over the verifier's life; log their differences between RL s
 
 Example:
     from rlscale.rewards import math as math_reward
-    rewards = math_reward.score_batch(completions, golds, timeout=5.0)
+    rewards = math_reward.verify_batch(completions, golds, timeout=5.0)
     metrics.update({f"reward/{k}": v for k, v in math_reward.stats().items()})
 """
 
@@ -245,7 +252,21 @@ def extract_gold(gold: str) -> str:
     return _clean(gold)
 
 
-# -- checking (runs in the worker processes) ----------------------------------------------------
+def _to_check(completion: str, gold: str) -> tuple[tuple[str, str] | None, str | None]:
+    """((prediction, gold answer), None) when there is something to check, else (None, the
+    counter that says why not: "invalid_gold", "no_answer" or "too_long")."""
+    pred_answer = extract_answer(completion)
+    gold_answer = extract_gold(gold)
+    if not gold_answer:
+        return None, "invalid_gold"
+    if pred_answer is None:
+        return None, "no_answer"
+    if len(pred_answer) > MAX_ANSWER_CHARS and pred_answer.strip() != gold_answer.strip():
+        return None, "too_long"  # No real answer is this long: do not spend a parse on it.
+    return (pred_answer, gold_answer), None
+
+
+# -- checking (runs in worker processes) --------------------------------------------------------
 
 _guard_lock = threading.Lock()
 
@@ -275,7 +296,8 @@ def _install_numeric_guard():
     """Wraps `math_verify.grader.sympy_numeric_eq` with `_values_agree` (idempotent).
 
     `sympy_expr_eq` looks the function up as a module global at each call, so scalars, set and
-    tuple elements, interval ends and matrix entries all go through the wrapper.
+    tuple elements, interval ends and matrix entries all go through the wrapper. Also silences
+    math-verify's "timeout is disabled" warning: the deadline is the worker pool's.
     """
     from math_verify import grader
 
@@ -283,6 +305,7 @@ def _install_numeric_guard():
         upstream = grader.sympy_numeric_eq
         if getattr(upstream, "rlscale_guard", False):
             return
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
 
         def guarded(a, b, float_rounding, numeric_precision):
             return upstream(a, b, float_rounding, numeric_precision) and _values_agree(a, b)
@@ -298,8 +321,8 @@ def _as_math(answer: str) -> str:
 def check_answer(pred_answer: str, gold_answer: str) -> bool:
     """Whether an extracted answer equals the gold answer, by math-verify (plus the guard).
 
-    Runs in the current process with no timeout: the verifier calls it in its worker processes;
-    call it directly only on trusted input (debugging, tests).
+    Runs in the current process with no timeout: `MathVerifier` calls it in its worker
+    processes; call it directly only on trusted input (debugging, tests).
 
     Args:
         pred_answer: The prediction, as returned by `extract_answer`.
@@ -323,10 +346,25 @@ def check_answer(pred_answer: str, gold_answer: str) -> bool:
     return bool(math_verify.verify(gold, pred, timeout_seconds=None))
 
 
+def grade(completion: str, gold: str) -> float:
+    """1.0 if the completion's final answer equals the gold answer, else 0.0, in this process.
+
+    The whole check: `extract_answer`, `extract_gold`, the `MAX_ANSWER_CHARS` guard, then
+    `check_answer` (math-verify with the numeric guard). It has no deadline: a hostile answer
+    (a power tower) can run for minutes, so untrusted completions go through a worker pool that
+    kills a check past its deadline, `rewards.isolation.verifier_pool` (with
+    `isolation.score_isolated`) or `verify`. A module-level function, picklable by reference.
+
+    Args:
+        completion: The model's full completion.
+        gold: The reference answer (or a MATH / GSM8K solution holding it).
+    """
+    answers, _ = _to_check(completion, gold)
+    return float(answers is not None and check_answer(*answers))
+
+
 def _warm_up():
     """Worker initializer: imports, the guard, and one check to build the LaTeX parser."""
-    # The worker supplies the timeout; math-verify's "timeout is disabled" warning is noise.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
     check_answer(r"\frac{1}{2}", "0.5")
 
 
@@ -393,14 +431,15 @@ class MathVerifier:
         self._lock = threading.Lock()
         self._counts = _Counts()
 
-    def score(self, completion: str, gold: str, timeout: float | None = None) -> float:
+    def verify(self, completion: str, gold: str, timeout: float | None = None) -> float:
         """1.0 if the completion's final answer equals the gold answer, else 0.0."""
-        return self.score_batch([completion], [gold], timeout)[0]
+        return self.verify_batch([completion], [gold], timeout)[0]
 
-    def score_batch(
+    def verify_batch(
         self, completions: Sequence[str], golds: Sequence[str], timeout: float | None = None
     ) -> list[float]:
-        """Scores `completions[i]` against `golds[i]`, checking in parallel over the workers.
+        """`grade(completions[i], golds[i])` for each i: the extraction here, the checks in
+        parallel over the workers.
 
         Args:
             completions: Model completions.
@@ -415,18 +454,13 @@ class MathVerifier:
             raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
         scores = [0.0] * len(completions)
         jobs, job_index = [], []
-        no_answer = invalid_gold = too_long = 0
+        skipped = dict.fromkeys(("invalid_gold", "no_answer", "too_long"), 0)
         for i, (completion, gold) in enumerate(zip(completions, golds)):
-            pred_answer = extract_answer(completion)
-            gold_answer = extract_gold(gold)
-            if not gold_answer:
-                invalid_gold += 1
-            elif pred_answer is None:
-                no_answer += 1
-            elif len(pred_answer) > MAX_ANSWER_CHARS and pred_answer.strip() != gold_answer.strip():
-                too_long += 1  # No real answer is this long: do not spend a parse on it.
+            answers, reason = _to_check(completion, gold)
+            if answers is None:
+                skipped[reason] += 1
             else:
-                jobs.append((pred_answer, gold_answer))
+                jobs.append(answers)
                 job_index.append(i)
         results = self._pool.map(jobs, timeout or self.timeout) if jobs else []
         for i, result in zip(job_index, results):
@@ -435,9 +469,9 @@ class MathVerifier:
         with self._lock:
             self._counts.samples += len(completions)
             self._counts.correct += int(sum(scores))
-            self._counts.no_answer += no_answer
-            self._counts.too_long += too_long
-            self._counts.invalid_gold += invalid_gold
+            self._counts.no_answer += skipped["no_answer"]
+            self._counts.too_long += skipped["too_long"]
+            self._counts.invalid_gold += skipped["invalid_gold"]
         return scores
 
     def stats(self) -> dict[str, int]:
@@ -470,7 +504,7 @@ _default_lock = threading.Lock()
 
 
 def default_verifier() -> MathVerifier:
-    """The process-wide verifier behind `score` and `score_batch`, built on first use."""
+    """The process-wide verifier behind `verify` and `verify_batch`, built on first use."""
     global _default
     with _default_lock:
         if _default is None:
@@ -478,7 +512,7 @@ def default_verifier() -> MathVerifier:
         return _default
 
 
-def score(completion: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float:
+def verify(completion: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float:
     """1.0 if the completion's final answer equals the gold answer, else 0.0.
 
     Safe to call from any thread. The check runs in a worker process and counts as wrong if it
@@ -489,19 +523,19 @@ def score(completion: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float
         gold: The reference answer (or a MATH / GSM8K solution holding it).
         timeout: Seconds the check may take.
     """
-    return default_verifier().score(completion, gold, timeout)
+    return default_verifier().verify(completion, gold, timeout)
 
 
-def score_batch(
+def verify_batch(
     completions: Sequence[str], golds: Sequence[str], timeout: float = DEFAULT_TIMEOUT
 ) -> list[float]:
-    """`score` over a batch, in parallel over the default verifier's workers."""
-    return default_verifier().score_batch(completions, golds, timeout)
+    """`verify` over a batch, in parallel over the default verifier's workers."""
+    return default_verifier().verify_batch(completions, golds, timeout)
 
 
 def stats() -> dict[str, int]:
     """The default verifier's cumulative counters (see `MathVerifier.stats`); zeros before the
-    first `score` call."""
+    first `verify` call."""
     verifier = _default
     if verifier is not None:
         return verifier.stats()
@@ -509,7 +543,7 @@ def stats() -> dict[str, int]:
 
 
 def shutdown():
-    """Stops the default verifier's workers; the next `score` starts new ones."""
+    """Stops the default verifier's workers; the next `verify` starts new ones."""
     global _default
     with _default_lock:
         verifier, _default = _default, None

@@ -7,8 +7,9 @@ the compiled program. Each sampled token comes with its logprob under the distri
 actually drawn from (after temperature, top-k and top-p): what importance-sampling corrections
 against the sampler need.
 
-Dimension letters: B prompts, N = B * num_samples rows, P padded prompt length, M max new
-tokens, S cache slots, V vocab.
+Dimension letters: B prompts, G samples per prompt (`num_samples`), N = B * G rows, P padded
+prompt length, M max new tokens, S cache slots, V vocab (C, k: chunks of the vocab and ids
+within a chunk, in `categorical`).
 """
 
 import dataclasses
@@ -24,6 +25,20 @@ from jax.sharding import Mesh
 from rlscale import sharding
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
+
+
+def think_budget_problems(
+    think_budget: int, interrupt_tokens: int, max_new_tokens: int, prefix: str = ""
+) -> list[str]:
+    """The forced-interruption rule: the budget plus the written phrase must leave at least
+    one token to answer in. `prefix` names the config section in the message."""
+    if think_budget and think_budget + interrupt_tokens >= max_new_tokens:
+        return [
+            f"{prefix}think_budget={think_budget} leaves no room to answer within "
+            f"{prefix}max_new_tokens={max_new_tokens} (after {interrupt_tokens} interruption "
+            "token(s))"
+        ]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +87,9 @@ class SamplingConfig:
             problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
         if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):
             problems.append("think_budget > 0 needs interrupt_ids and think_end_tokens")
-        if self.think_budget and self.think_budget + len(self.interrupt_ids) >= self.max_new_tokens:
-            problems.append(
-                f"think_budget={self.think_budget} + {len(self.interrupt_ids)} interruption "
-                f"tokens leaves no room to answer within max_new_tokens={self.max_new_tokens}"
-            )
+        problems += think_budget_problems(
+            self.think_budget, len(self.interrupt_ids), self.max_new_tokens
+        )
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature < 0:
@@ -117,6 +130,7 @@ class SampleOutput(NamedTuple):
         (logprob 0; a learner masks them out of the loss).
       interrupted: [N] True when the completion was interrupted.
       prompt_index: [N] which prompt each row continues.
+      prompt_BP, prompt_mask_BP: the prompts as the sampler padded them (host arrays).
     """
 
     tokens: jax.Array
@@ -127,15 +141,18 @@ class SampleOutput(NamedTuple):
     forced: jax.Array
     interrupted: jax.Array
     prompt_index: np.ndarray
+    prompt_BP: np.ndarray | None = None
+    prompt_mask_BP: np.ndarray | None = None
 
 
-def transform_logits(logits_BV, cfg: SamplingConfig):
-    """Temperature, then top-k, then top-p (the usual order); removed tokens get -inf.
+def transform_logits(logits, cfg: SamplingConfig):
+    """Temperature, then top-k, then top-p (the usual order) on [..., V] logits; removed tokens
+    get -inf.
 
     `jax.nn.log_softmax` of the result is the distribution `sample_tokens` draws from, so the
     trainer can recompute sampler logprobs exactly.
     """
-    logits = logits_BV.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
     if cfg.greedy:
         return logits
     if cfg.temperature != 1.0:
@@ -155,42 +172,43 @@ def transform_logits(logits_BV, cfg: SamplingConfig):
     return logits
 
 
-def _last_positive(x_BN):
-    n = x_BN.shape[-1]
-    return n - 1 - jnp.argmax((x_BN > 0)[:, ::-1], axis=-1)
+def _last_positive(x):
+    """[rows, n] -> [rows]: the index of each row's last positive entry."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)
 
 
-def categorical(rng, probs_BV, chunk: int = 128):
+def categorical(rng, probs_NV, chunk: int = 128):
     """Draws one index per row from unnormalized probabilities, by inverse CDF in two levels.
 
     One uniform per row picks a chunk of `chunk` ids from the chunks' cumulative mass, then an
-    id inside it. Compared with `jax.random.categorical` (Gumbel noise for all B x V logits)
-    this draws B random numbers instead of B x V and avoids a full-vocab cumsum, which XLA:CPU
+    id inside it. Compared with `jax.random.categorical` (Gumbel noise for all N x V logits)
+    this draws N random numbers instead of N x V and avoids a full-vocab cumsum, which XLA:CPU
     runs slowly. Ids with zero probability are never drawn: an id is chosen only where the
     cumulative sum strictly increases, and clamping to the last positive id guards the top
     edge against rounding.
     """
-    B, V = probs_BV.shape
+    N, V = probs_NV.shape
     C = -(-V // chunk)
-    p_BCk = jnp.pad(probs_BV, ((0, 0), (0, C * chunk - V))).reshape(B, C, chunk)
-    mass_BC = jnp.sum(p_BCk, axis=-1)
-    cum_BC = jnp.cumsum(mass_BC, axis=-1)
-    u_B = jax.random.uniform(rng, (B,), jnp.float32) * cum_BC[:, -1]
-    c_B = jnp.minimum(jnp.sum(cum_BC <= u_B[:, None], axis=-1), _last_positive(mass_BC))
-    before_B = jnp.where(c_B > 0, jnp.take_along_axis(cum_BC, c_B[:, None] - 1, -1)[:, 0], 0.0)
-    p_Bk = jnp.take_along_axis(p_BCk, c_B[:, None, None], axis=1)[:, 0]
-    cum_Bk = jnp.cumsum(p_Bk, axis=-1)
-    j_B = jnp.sum(cum_Bk <= (u_B - before_B)[:, None], axis=-1)
-    j_B = jnp.minimum(j_B, _last_positive(p_Bk))
-    return (c_B * chunk + j_B).astype(jnp.int32)
+    p_NCk = jnp.pad(probs_NV, ((0, 0), (0, C * chunk - V))).reshape(N, C, chunk)
+    mass_NC = jnp.sum(p_NCk, axis=-1)
+    cum_NC = jnp.cumsum(mass_NC, axis=-1)
+    u_N = jax.random.uniform(rng, (N,), jnp.float32) * cum_NC[:, -1]
+    c_N = jnp.minimum(jnp.sum(cum_NC <= u_N[:, None], axis=-1), _last_positive(mass_NC))
+    before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NC, c_N[:, None] - 1, -1)[:, 0], 0.0)
+    p_Nk = jnp.take_along_axis(p_NCk, c_N[:, None, None], axis=1)[:, 0]
+    cum_Nk = jnp.cumsum(p_Nk, axis=-1)
+    j_N = jnp.sum(cum_Nk <= (u_N - before_N)[:, None], axis=-1)
+    j_N = jnp.minimum(j_N, _last_positive(p_Nk))
+    return (c_N * chunk + j_N).astype(jnp.int32)
 
 
-def sample_tokens(logits_BV, rng, cfg: SamplingConfig):
-    """Draws one token per row; returns (tokens [B], logprobs [B])."""
+def sample_tokens(logits_NV, rng, cfg: SamplingConfig):
+    """Draws one token per row; returns (tokens [N], logprobs [N])."""
     if cfg.greedy:
-        greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        return greedy_B, jnp.zeros(logits_BV.shape[:1], jnp.float32)
-    logits = transform_logits(logits_BV, cfg)
+        greedy_N = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
+        return greedy_N, jnp.zeros(logits_NV.shape[:1], jnp.float32)
+    logits = transform_logits(logits_NV, cfg)
     # One exp pass serves both the draw and the logprob.
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     probs = jnp.exp(shifted)
@@ -225,12 +243,12 @@ def grow_cache(cache: decoder.KVCache, size: int) -> decoder.KVCache:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"))
 def generate(
-    graphdef,
     params,
     tokens_BP,
     mask_BP,
     rng,
     *,
+    graphdef,
     model_cfg: ModelConfig,
     cfg: SamplingConfig,
     layout: _Layout | None = None,
@@ -339,10 +357,12 @@ class Sampler:
         model_cfg: ModelConfig,
         mesh: Mesh | None = None,
         rules: sharding.Rules = sharding.SAMPLE_RULES,
+        programs=None,
     ):
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.layout = None if mesh is None else _Layout(mesh, rules)
+        self.programs = programs  # A `programs.Programs` recording the compiled sampler.
 
     def bucket(self, length: int, cfg: SamplingConfig) -> int:
         for b in cfg.buckets:
@@ -396,19 +416,14 @@ class Sampler:
     def __call__(
         self, params, prompts: Sequence[Sequence[int]], rng, cfg: SamplingConfig
     ) -> SampleOutput:
-        tokens, mask = self.prepare(prompts, cfg)
+        prompt_BP, prompt_mask_BP = self.prepare(prompts, cfg)
+        tokens, mask = prompt_BP, prompt_mask_BP
         if self.layout is not None:
-            batch = sharding.batch_sharding(self.layout.mesh, 2, self.layout.rules)
-            tokens, mask = jax.device_put((tokens, mask), batch)
-        out = generate(
-            self.graphdef,
-            params,
-            tokens,
-            mask,
-            rng,
-            model_cfg=self.model_cfg,
-            cfg=cfg,
-            layout=self.layout,
-        )
+            tokens, mask = sharding.put_batch((tokens, mask), self.layout.mesh, self.layout.rules)
+        static = dict(graphdef=self.graphdef, model_cfg=self.model_cfg, cfg=cfg, layout=self.layout)
+        if self.programs is not None:
+            out = self.programs.run("sampler", generate, (params, tokens, mask, rng), static)
+        else:
+            out = generate(params, tokens, mask, rng, **static)
         prompt_index = np.repeat(np.arange(len(prompts)), cfg.num_samples)
-        return SampleOutput(*out, prompt_index=prompt_index)
+        return SampleOutput(*out, prompt_index, prompt_BP, prompt_mask_BP)

@@ -1,5 +1,9 @@
 """Supervised warm start: train a policy from scratch on task demonstrations until it solves
-a minority of held-out problems, so RL has something to improve. Cached in WORKDIR/sft."""
+a minority of held-out problems, so RL has something to improve. Cached in WORKDIR/sft.
+
+`train_or_load` returns the cached warm start, or trains and caches it; `reuse` copies another
+run's. Dimension letters: B problems (one SFT batch).
+"""
 
 import dataclasses
 import json
@@ -11,10 +15,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from rlscale import checkpoint, evaluation, sharding, supervised
+from rlscale import checkpoint, model, next_token
 from rlscale.data import tasks
-from rlscale.model import decoder
-from rlscale.sampling import Sampler, SamplingConfig
+from rlscale.sampling import Sampler, SamplingConfig, scoring
 
 
 def _batch(tokenizer, problems, length, bare_B=None):
@@ -54,17 +57,6 @@ def _inputs(config) -> dict:
     }
 
 
-def _differences(saved: dict, wanted: dict, prefix="") -> list[str]:
-    out = []
-    for k in sorted(set(saved) | set(wanted)):
-        a, b = saved.get(k), wanted.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
-
-
 def reuse(config, workdir) -> None:
     """Copies the data, tokenizer and warm start of `config.sft.reuse_from` (another run's
     workdir) into `workdir`, so runs that differ only after the warm start (a sweep over RL
@@ -77,7 +69,7 @@ def reuse(config, workdir) -> None:
     if not os.path.exists(inputs_path):
         raise ValueError(f"sft.reuse_from={src!r}: {inputs_path} does not exist (no warm start)")
     with open(inputs_path) as f:
-        diff = _differences(json.load(f), json.loads(json.dumps(_inputs(config))))
+        diff = checkpoint.config_diff(json.load(f), _inputs(config))
     if diff:
         raise ValueError(
             f"sft.reuse_from={src!r} was trained with different settings:\n  " + "\n  ".join(diff)
@@ -92,11 +84,11 @@ def reuse(config, workdir) -> None:
     logging.info("copied the warm start, data and tokenizer of %s", src)
 
 
-def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
+def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
     """(graphdef, params, summary): from the cache, or trained now and cached."""
     path = os.path.join(workdir, "sft")
     summary_path = os.path.join(path, "sft.json")
-    inputs = json.loads(json.dumps(_inputs(config)))  # Tuples as lists, as read back.
+    inputs = _inputs(config)
     if os.path.exists(summary_path):
         inputs_path = os.path.join(path, "inputs.json")
         if not os.path.exists(inputs_path):
@@ -105,7 +97,7 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
                 "(an older rlscale); delete it or use another workdir"
             )
         with open(inputs_path) as f:
-            diff = _differences(json.load(f), inputs)
+            diff = checkpoint.config_diff(json.load(f), inputs)
         if diff:
             raise ValueError(
                 f"{path} holds a warm start made with different settings; delete it or use "
@@ -121,12 +113,12 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
         with open(summary_path) as f:
             summary = json.load(f)
         logging.info("reusing the SFT warm start in %s: %s", path, summary)
-        graphdef, _ = decoder.abstract_model(model_cfg)  # This run's compute settings.
+        graphdef, _ = model.abstract_model(model_cfg)  # This run's compute settings.
         return graphdef, params, summary
 
     c = config.sft
     rng = jax.random.key(c.seed)
-    graphdef, params = sharding.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
+    graphdef, params = model.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
     summary = {"steps": 0, "pass@1": None}
     if c.max_steps > 0:
         optimizer = optax.chain(
@@ -137,8 +129,8 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
                 )
             ),
         )
-        step_fn = supervised.make_train_step(graphdef, optimizer)
-        state = supervised.init_state(params, optimizer)
+        step_fn = next_token.make_train_step(graphdef, optimizer)
+        state = next_token.init_state(params, optimizer)
         lengths = [
             len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2
             for p in train_problems
@@ -163,14 +155,14 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
             )
             state, mets = step_fn(state, tokens, mask, target)
             if step % c.eval_every == 0 or step == c.max_steps:
-                ev = evaluation.evaluate(
+                ev = scoring.evaluate(
                     sampler,
                     state.params,
                     tokenizer,
-                    task,
                     test_problems[: config.eval.prompts],
                     jax.random.fold_in(rng, step),
                     scfg,
+                    scoring.Scorer(task.verify),
                 )
                 pass_at_1 = ev["eval/pass@1"]
                 logging.info(
@@ -183,8 +175,8 @@ def warm_start(config, workdir, model_cfg, mesh, tokenizer, task, train_problems
                     break
         params = state.params
         summary = {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}
+    checkpoint.save_params(path, model_cfg, params)  # Every process writes its shards.
     if jax.process_index() == 0:
-        checkpoint.save_params(path, model_cfg, params)
         with open(os.path.join(path, "inputs.json"), "w") as f:
             json.dump(inputs, f, indent=2)
         with open(summary_path, "w") as f:  # Written last: its presence marks a complete cache.

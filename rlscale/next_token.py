@@ -1,7 +1,7 @@
-"""Supervised next-token training: the loss, the train state and a jitted train step.
+"""Next-token training: the loss, the train state and a jitted train step.
 
-Used by the benchmarks and by supervised warm starts. Dimension letters: B batch, T tokens,
-V vocab.
+Used by the benchmarks and by the supervised warm start (`warm_start`). Dimension letters:
+B batch, T tokens, V vocab.
 """
 
 from typing import NamedTuple
@@ -23,7 +23,7 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def next_token_loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT=None):
+def loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT=None):
     """Mean cross-entropy of token t+1 given tokens <= t, over positions where both are real
     (and, with `target_mask_BT`, where token t+1 is a target: e.g. only completions in SFT).
 
@@ -50,13 +50,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: b
 
     def train_step(state: TrainState, tokens_BT, mask_BT, target_mask_BT=None):
         def loss_fn(params):
-            total, count = next_token_loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT)
+            total, count = loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT)
             return total / jnp.maximum(count, 1.0), count
 
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        (mean_loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": mean_loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())

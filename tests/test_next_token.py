@@ -1,11 +1,11 @@
-"""Supervised step tests: the loss against NumPy, learning, and no recompilation."""
+"""Next-token training tests: the loss against NumPy, learning, and no recompilation."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlscale import model, supervised
+from rlscale import model, next_token
 
 
 def _setup():
@@ -18,9 +18,9 @@ def _setup():
     return cfg, graphdef, params, tokens, mask
 
 
-def test_next_token_loss_matches_numpy():
+def test_loss_matches_numpy():
     cfg, graphdef, params, tokens, mask = _setup()
-    total, count = supervised.next_token_loss(graphdef, params, tokens, mask)
+    total, count = next_token.loss(graphdef, params, tokens, mask)
     logits, _ = model.forward(graphdef, params, tokens, model.positions_from_mask(mask), mask)
     logits = np.asarray(logits, np.float64)
     expected, n = 0.0, 0
@@ -39,8 +39,8 @@ def test_next_token_loss_matches_numpy():
 def test_train_step_learns_and_does_not_recompile(count_compiles):
     cfg, graphdef, params, tokens, mask = _setup()
     optimizer = optax.adamw(3e-3)
-    step = supervised.make_train_step(graphdef, optimizer)
-    state = supervised.init_state(params, optimizer)
+    step = next_token.make_train_step(graphdef, optimizer)
+    state = next_token.init_state(params, optimizer)
     state, first = step(state, tokens, mask)
     with count_compiles() as c:
         for _ in range(30):

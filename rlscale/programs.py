@@ -1,0 +1,85 @@
+"""Compiled programs and what they cost: each jitted function is compiled ahead of time once
+per input signature, and its compiled cost (`cost_analysis`, `memory_analysis`: per device for
+a sharded program) is recorded, so the work a mesh divides is read from the program itself.
+
+`Programs.run(name, fn, args, static)` replaces `fn(*args, **static)`: it lowers and compiles
+on a new signature (shapes, dtypes, shardings of `args`; the values of `static`), keeps the
+executable and calls it; `write(path)` saves one JSON entry per compiled program.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+
+def _signature(args, static) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+
+    def leaf(x):
+        if isinstance(x, jax.Array):  # Equivalent shardings (P() vs P(None)) share a program.
+            return (
+                x.shape,
+                str(x.dtype),
+                x.sharding._to_xla_hlo_sharding(x.ndim),
+                x.sharding._device_assignment,
+            )
+        if isinstance(x, np.ndarray):
+            return (x.shape, str(x.dtype))
+        return (type(x).__name__,)
+
+    return (treedef, tuple(map(leaf, leaves)), tuple(sorted(static.items(), key=lambda kv: kv[0])))
+
+
+def cost(compiled) -> dict:
+    """Per-device FLOPs, bytes accessed and memory of a compiled program."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # Older JAX: one dict per module.
+        analysis = analysis[0] if analysis else {}
+    analysis = analysis or {}
+    memory = compiled.memory_analysis()
+    return {
+        "flops_per_device": float(analysis.get("flops", 0.0)),
+        "bytes_accessed_per_device": float(analysis.get("bytes accessed", 0.0)),
+        "argument_bytes": int(getattr(memory, "argument_size_in_bytes", 0)),
+        "output_bytes": int(getattr(memory, "output_size_in_bytes", 0)),
+        "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0)),
+    }
+
+
+class Programs:
+    """The compiled programs of a run, with their costs.
+
+    Args:
+      mesh: recorded with each entry (its shape and device count).
+    """
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._executables = {}
+        self.entries: list[dict] = []
+
+    def run(self, name: str, fn, args: tuple, static: dict | None = None):
+        """`fn(*args, **static)` through an executable compiled for this signature."""
+        static = static or {}
+        key = (name, _signature(args, static))
+        executable = self._executables.get(key)
+        if executable is None:
+            executable = fn.lower(*args, **static).compile()
+            self._executables[key] = executable
+            self.entries.append(
+                {
+                    "name": name,
+                    "variant": sum(e["name"] == name for e in self.entries),  # Nth signature.
+                    **cost(executable),
+                    "mesh_shape": dict(self.mesh.shape),
+                    "devices": int(self.mesh.devices.size),
+                }
+            )
+        return executable(*args)
+
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.entries, f, indent=2)

@@ -1,0 +1,142 @@
+"""Start-up checks of an RL config: every problem at once, each naming its key, before any
+work (data, tokenizer, compilation) is done."""
+
+import importlib
+import os
+
+import jax
+import numpy as np
+
+from rlscale import objectives, sharding
+from rlscale.data import tasks
+from rlscale.sampling.sampler import think_budget_problems
+
+# Config keys that may change between a run and its resumption: they do not change what the
+# run computes up to the checkpoint.
+RESUMABLE_CHANGES = (
+    "steps",
+    "eval.every",
+    "checkpoint",
+    "sft.reuse_from",
+    "faults",
+    "reward.workers",
+    "reward.timeout",
+)
+
+
+def import_function(spec: str):
+    """The object named by "module:function"."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def resolved_mesh_shape(shape) -> tuple[int, ...] | str:
+    """`mesh.shape` with its -1 filled from the device count, or why it cannot be."""
+    shape = [int(s) for s in shape]
+    if len(shape) != len(sharding.MESH_AXES) or shape.count(-1) > 1 or 0 in shape:
+        return f"must be {len(sharding.MESH_AXES)} sizes {sharding.MESH_AXES}, at most one -1"
+    known = int(np.prod([s for s in shape if s != -1]))
+    n = jax.device_count()
+    if n % known:
+        return f"does not fit {n} devices"
+    if -1 in shape:
+        shape[shape.index(-1)] = n // known
+    if jax.process_count() > 1 and int(np.prod(shape)) != n:
+        return f"uses {int(np.prod(shape))} of the {n} devices of {jax.process_count()} processes"
+    return tuple(shape)
+
+
+def _mesh_problems(config) -> list[str]:
+    mesh = resolved_mesh_shape(config.mesh.shape)
+    if isinstance(mesh, str):
+        return [f"mesh.shape={tuple(config.mesh.shape)} {mesh}"]
+    div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
+    where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
+    b, u = config.batch, config.learner
+    problems = []
+    if b.prompts % div:
+        problems.append(f"batch.prompts={b.prompts} is not divisible by {where}")
+    if u.minibatches >= 1 and u.micro_batches >= 1:
+        rows = b.prompts // max(u.minibatches * u.micro_batches, 1) * b.group_size
+        if rows % div:
+            problems.append(
+                f"a micro-batch of {rows} rows (batch.prompts / learner.minibatches / "
+                f"learner.micro_batches x batch.group_size) is not divisible by {where}"
+            )
+    return problems
+
+
+def validate(config) -> None:
+    """Raises ValueError listing every problem with the config."""
+    b, u = config.batch, config.learner
+    problems = objectives.check(
+        config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
+    )
+    if b.prompts < 1:
+        problems.append(f"batch.prompts={b.prompts} must be >= 1")
+    if b.group_size < 1:
+        problems.append(f"batch.group_size={b.group_size} must be >= 1")
+    if u.minibatches < 1 or b.prompts % u.minibatches:
+        problems.append(
+            f"batch.prompts={b.prompts} is not divisible by learner.minibatches={u.minibatches}"
+        )
+    elif (b.prompts // u.minibatches) % u.micro_batches:
+        problems.append(
+            f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
+            f"by learner.micro_batches={u.micro_batches}"
+        )
+    problems += _mesh_problems(config)
+    if config.task.name not in (*tasks.TASKS, "math"):
+        problems.append(
+            f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)} or 'math'"
+        )
+    if config.task.name == "math":
+        for split in ("train", "test"):
+            path = config.task.files.get(split, "")
+            if not path or not os.path.exists(path):
+                problems.append(f"task.files.{split}={path!r}: no such file")
+        if not config.init.hf_checkpoint:
+            problems.append("task.name='math' needs init.hf_checkpoint (a pretrained policy)")
+    if config.init.hf_checkpoint and not os.path.isfile(
+        os.path.join(config.init.hf_checkpoint, "config.json")
+    ):
+        problems.append(
+            f"init.hf_checkpoint={config.init.hf_checkpoint!r} has no config.json: not a "
+            "Hugging Face model directory"
+        )
+    if (
+        config.filters.overlong_cache
+        and config.filters.overlong_cache > config.sampling.max_new_tokens
+    ):
+        problems.append(
+            f"filters.overlong_cache={config.filters.overlong_cache} exceeds "
+            f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
+        )
+    if config.reward.fn:
+        try:
+            if not callable(import_function(config.reward.fn)):
+                raise TypeError("not callable")
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            problems.append(f"reward.fn={config.reward.fn!r} ('module:function') fails: {e}")
+    if config.reward.workers and config.reward.timeout <= 0:
+        problems.append(f"reward.timeout={config.reward.timeout} must be > 0 with worker processes")
+    for key, value, low in (
+        ("steps", config.steps, 1),
+        ("eval.every", config.eval.every, 1),
+        ("checkpoint.every", config.checkpoint.every, 1),
+        ("checkpoint.keep", config.checkpoint.keep, 1),
+        ("faults.max_consecutive_skips", config.faults.max_consecutive_skips, 1),
+        ("reward.workers", config.reward.workers, 0),
+        ("sampling.max_new_tokens", config.sampling.max_new_tokens, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            problems.append(f"{key}={value!r} must be an integer >= {low}")
+    numbers = (("optim.lr", config.optim.lr), ("sampling.temperature", config.sampling.temperature))
+    for key, value in numbers:
+        if not isinstance(value, (int, float)) or value < 0:
+            problems.append(f"{key}={value!r} must be a number >= 0")
+    # The phrase is at least one token; the exact count is checked once it is encoded.
+    s = config.sampling
+    problems += think_budget_problems(s.think_budget, 1, s.max_new_tokens, prefix="sampling.")
+    if problems:
+        raise ValueError("Invalid config:\n  " + "\n  ".join(problems))

@@ -1,0 +1,102 @@
+"""What a run reports: compute accounting (model FLOPs by the 2N-per-token forward convention,
+device-seconds), the per-step metrics record, and the files a finished run leaves."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+
+from rlscale import checkpoint
+from rlscale.model import hf
+from rlscale.scaling import compute
+
+
+class Compute:
+    """The run's compute counters (checkpointed as host state)."""
+
+    KEYS = ("compute/sample_flops", "compute/train_flops", "compute/device_seconds")
+
+    def __init__(self, counters: dict | None = None, *, max_new_tokens=0, epochs=1):
+        self.counters = counters if counters is not None else dict.fromkeys(self.KEYS, 0.0)
+        self.max_new_tokens, self.epochs = max_new_tokens, epochs
+
+    def add_step(self, model_cfg, stats, prompt_len, seq_tokens, passes):
+        """One step's FLOPs: sampling (prompts + generated tokens), the learner's `passes`
+        no-grad forward passes (behaviour and reference terms) and its training passes."""
+        ctx = prompt_len + self.max_new_tokens / 2
+        generated = float(stats["lengths"].sum())
+        self.counters["compute/sample_flops"] += compute.forward_flops(
+            model_cfg, stats["prompt_tokens"] + generated, ctx
+        )
+        self.counters["compute/train_flops"] += (
+            compute.forward_flops(model_cfg, seq_tokens, ctx) * passes
+            + compute.train_flops(model_cfg, seq_tokens, ctx) * self.epochs
+        )
+
+    def add_seconds(self, seconds: float, devices: int):
+        self.counters["compute/device_seconds"] += seconds * devices
+
+    def metrics(self) -> dict:
+        c = self.counters
+        return {**c, "compute/flops": c["compute/sample_flops"] + c["compute/train_flops"]}
+
+
+def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
+    """The metrics line of one RL step (before evaluation and compute counters)."""
+    mets = dict(learner_metrics)
+    loss_sum = float(np.sum(mets.pop("train/loss_sum")))
+    denom = float(np.sum(mets.pop("train/denominator")))
+    failures = stats["failures"]
+    return {
+        "train/reward_mean": float(stats["reward"].mean()),
+        "train/pass_rate": float(stats["correct"].mean()),
+        "train/loss": loss_sum / max(denom, 1.0),
+        "train/response_length": float(stats["lengths"].mean()),
+        "train/truncated_frac": float(np.mean(stats["truncated"])),
+        "train/interrupted_frac": float(np.mean(stats["interrupted"])),
+        "train/kept_prompts": stats["kept_prompts"],
+        "train/filtered_prompts": stats["filtered_prompts"],
+        "train/sampling_rounds": stats["rounds"],
+        "train/retired_prompts": retired,
+        "train/newly_retired": stats["newly_retired"],
+        "train/skipped_updates": skipped,
+        "reward/failures": sum(failures.values()),
+        **{f"reward/failures_{kind}": n for kind, n in failures.items()},
+        **times,
+        **{
+            k: float(np.mean([float(x) for x in v])) if isinstance(v, list) else float(v)
+            for k, v in mets.items()
+        },
+    }
+
+
+def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict:
+    """The run's summary; writes the final params (and, for a run from a Hugging Face
+    checkpoint, a Hugging Face export with the tokenizer files), `summary.json` and
+    `programs.json` (every compiled program's per-device cost)."""
+    evals = run_state.evals
+    summary = {
+        "start/eval_pass@1": evals[0]["eval/pass@1"],
+        "end/eval_pass@1": evals[-1]["eval/pass@1"],
+        "start/eval_reward_mean": evals[0]["eval/reward_mean"],
+        "end/eval_reward_mean": evals[-1]["eval/reward_mean"],
+        **{f"sft/{k}": v for k, v in setup.warm_start_summary.items()},
+        **comp.metrics(),
+        "wall_s": wall_s,
+    }
+    params = run_state.train.params
+    checkpoint.save_params(os.path.join(workdir, "final"), setup.model_cfg, params)  # Every host.
+    hf_init = setup.config.init.hf_checkpoint
+    if jax.process_index() == 0:
+        if hf_init:  # Also as a Hugging Face checkpoint, with the tokenizer: servable as is.
+            export = os.path.join(workdir, "hf")
+            hf.save_hf(export, setup.model_cfg, params)
+            for name in os.listdir(hf_init):
+                if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                    shutil.copy2(os.path.join(hf_init, name), export)
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        setup.programs.write(os.path.join(workdir, "programs.json"))
+    return summary

@@ -1,0 +1,162 @@
+"""Rollouts: prompts in, scored and filtered completions out.
+
+`RolloutSource` turns the prompt stream into the learner's `Rollouts` (sampled and scored by
+`sampling.scoring.sample_and_score`):
+sampling rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling
+(all judged on correctness, before reward shaping), the soft overlong penalty, assembly into
+static shapes. Every process runs the same host logic on the same data, so host state (stream,
+history) stays identical across processes without being exchanged.
+
+Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length,
+M new tokens, L = P + M.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from rlscale.data import filters
+from rlscale.sampling.scoring import Samples, sample_and_score
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One learner batch, on the host (every process holds all of it). Rows are prompt-major
+    groups."""
+
+    tokens_NL: np.ndarray
+    attn_mask_NL: np.ndarray
+    mask_NM: np.ndarray  # Completion tokens that are trained on.
+    sampler_logp_NM: np.ndarray
+    reward_N: np.ndarray  # After reward shaping (overlong penalty).
+    correct_N: np.ndarray  # The verifier's verdict, before shaping.
+    row_weight_N: np.ndarray  # 0 for rows of filtered prompts.
+    version_NM: np.ndarray  # Policy version (updates applied) that sampled each token.
+    prompt_len: int
+
+
+class RolloutSource:
+    """The training prompt stream turned into the learner's batches.
+
+    Each call draws `batch.prompts` prompts (skipping retired ones), samples
+    `batch.group_size` completions each and scores them; with DAPO's dynamic sampling it draws
+    more rounds until `batch.prompts` groups have mixed correctness (at most
+    `filters.dynamic_max_rounds` rounds). Groups whose samples are all correct or all wrong are
+    kept with weight 0 (zero-variance filtering) so shapes stay static; the kept groups come
+    first. The stream and the pass-rate history are the host state a checkpoint saves.
+    """
+
+    def __init__(self, config, sampler, scfg, tokenizer, problems, scorer, stream, history):
+        self.sampler, self.scfg, self.tokenizer = sampler, scfg, tokenizer
+        self.problems, self.scorer = problems, scorer
+        self.stream, self.history = stream, history
+        self.B, self.G = config.batch.prompts, config.batch.group_size
+        self.filters = config.filters
+        self.max_new_tokens = config.sampling.max_new_tokens
+
+    def _sample(self, params, problems, rng) -> Samples:
+        return sample_and_score(
+            self.sampler, params, self.tokenizer, problems, rng, self.scfg, self.scorer
+        )
+
+    def _round(self, params, rng) -> dict:
+        f, G = self.filters, self.G
+        ids = self.stream.next(self.B, self.history.retired)
+        s = self._sample(params, [self.problems[i] for i in ids], rng)
+        correct_N = s.reward_N > 0
+        reward_N = s.reward_N
+        if f.overlong_cache:
+            reward_N = reward_N + filters.overlong_penalty(
+                s.lengths_N, self.max_new_tokens, f.overlong_cache
+            )
+        newly = self.history.update(ids, correct_N.reshape(-1, G)) if f.retire else []
+        # Judged on correctness: a shaped reward (the overlong penalty) can give a group of
+        # all-correct answers spread that carries no signal about correctness.
+        keep_B = np.ones(len(ids), bool)
+        if f.zero_variance or f.dynamic_sampling:
+            keep_B = filters.zero_variance_keep(correct_N.reshape(-1, G).astype(np.float32))
+        return {
+            "samples": s,
+            "reward": reward_N,
+            "correct": correct_N,
+            "keep": keep_B,
+            "newly": newly,
+        }
+
+    def next(self, params, rng, version: int) -> tuple[Rollouts, dict]:
+        """(Rollouts, stats of every round sampled) for one learner batch."""
+        rounds = [self._round(params, jax.random.fold_in(rng, 0))]
+        if self.filters.dynamic_sampling:  # DAPO: refill filtered groups with fresh ones.
+            while (
+                sum(int(r["keep"].sum()) for r in rounds) < self.B
+                and len(rounds) < self.filters.dynamic_max_rounds
+            ):
+                rounds.append(self._round(params, jax.random.fold_in(rng, len(rounds))))
+        roll, keep_B = self._assemble(rounds, version)
+
+        def cat(f):
+            return np.concatenate([f(r) for r in rounds])
+
+        stats = {
+            "reward": cat(lambda r: r["reward"]),
+            "correct": cat(lambda r: r["correct"]),
+            "lengths": cat(lambda r: r["samples"].lengths_N),
+            "truncated": cat(lambda r: r["samples"].truncated_N),
+            "interrupted": cat(lambda r: r["samples"].interrupted_N),
+            "prompt_tokens": sum(r["samples"].prompt_tokens for r in rounds),
+            "kept_prompts": int(keep_B.sum()),
+            "filtered_prompts": sum(int((~r["keep"]).sum()) for r in rounds),
+            "rounds": len(rounds),
+            "newly_retired": sum(len(r["newly"]) for r in rounds),
+            "failures": {
+                k: sum(r["samples"].failures[k] for r in rounds)
+                for k in rounds[0]["samples"].failures
+            },
+        }
+        return roll, stats
+
+    def _assemble(self, rounds, version) -> tuple[Rollouts, np.ndarray]:
+        """The kept groups first, then (weight 0, for static shapes) dropped ones, `B` groups
+        in all; prompts re-padded on the left to the longest round's bucket."""
+        G = self.G
+        P = max(r["samples"].prompt_BP.shape[1] for r in rounds)
+        picks = [(i, b) for i, r in enumerate(rounds) for b in np.flatnonzero(r["keep"])]
+        picks += [(i, b) for i, r in enumerate(rounds) for b in np.flatnonzero(~r["keep"])]
+        picks = picks[: self.B]
+
+        def rows(get, pad_value=None):
+            out = []
+            for i, b in picks:
+                x = get(rounds[i])[b * G : (b + 1) * G]
+                if pad_value is not None and x.shape[1] < P:
+                    x = np.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=pad_value)
+                out.append(x)
+            return np.concatenate(out)
+
+        def prompt(field):
+            return lambda r: np.repeat(getattr(r["samples"], field), G, axis=0)
+
+        def keep_N(r):
+            return np.repeat(r["keep"], G)
+
+        s_ = lambda field: lambda r: getattr(r["samples"], field)  # noqa: E731
+        tokens = np.concatenate(
+            [rows(prompt("prompt_BP"), self.scfg.pad_id), rows(s_("tokens_NM"))], axis=1
+        )
+        attn = np.concatenate([rows(prompt("prompt_mask_BP"), False), rows(s_("mask_NM"))], axis=1)
+        # Tokens written by forced interruption are context, not actions: out of the loss.
+        mask = rows(lambda r: r["samples"].mask_NM & ~r["samples"].forced_NM & keep_N(r)[:, None])
+        keep_B = np.array([bool(rounds[i]["keep"][b]) for i, b in picks])
+        roll = Rollouts(
+            tokens_NL=tokens.astype(np.int32),
+            attn_mask_NL=attn,
+            mask_NM=mask,
+            sampler_logp_NM=rows(s_("logprobs_NM")).astype(np.float32),
+            reward_N=rows(lambda r: r["reward"]).astype(np.float32),
+            correct_N=rows(lambda r: r["correct"]),
+            row_weight_N=rows(keep_N).astype(np.float32),
+            version_NM=np.full(mask.shape, version, np.int32),
+            prompt_len=P,
+        )
+        return roll, keep_B

@@ -1,0 +1,220 @@
+"""Builds the parts of an RL run from its config: the mesh and each role's layout, the
+tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint) and
+its frozen reference, the sampler, the learner, the rollout source, the verifier pool.
+
+One mesh serves both roles in the synchronous driver; the learner keeps params in the
+training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`, tensor parallel over `tensor`) and
+the sampler receives them resharded to the sampling layout (`sharding.SAMPLE_RULES`: whole
+weights on each data replica) before each rollout.
+"""
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rlscale import chat, model, objectives, programs, sharding, warm_start
+from rlscale import tokenizer as tokenizer_lib
+from rlscale.data import filters
+from rlscale.data import load as data_load
+from rlscale.model import hf
+from rlscale.rewards import isolation
+from rlscale.rl import checks, learner, rollouts
+from rlscale.sampling import Sampler, SamplingConfig, scoring
+
+
+@dataclasses.dataclass
+class Setup:
+    config: Any
+    mesh: Any
+    tokenizer: Any
+    task: Any
+    train_problems: list
+    test_problems: list
+    model_cfg: Any
+    graphdef: Any
+    params: Any  # The initial policy, training layout.
+    ref_params: Any  # Frozen reference (None unless the objective reads `ref_logp`).
+    warm_start_summary: dict
+    scfg: SamplingConfig
+    eval_scfg: SamplingConfig
+    sampler: Sampler
+    sample_shardings: Any
+    learner: learner.Learner
+    pool: Any  # The run's one verifier pool (None: rewards scored in-process).
+    train_scorer: scoring.Scorer
+    eval_scorer: scoring.Scorer
+    programs: programs.Programs
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+
+    def sampler_params(self, params) -> tuple[Any, float]:
+        """The params in the sampling layout, and the seconds the reshard took."""
+        t = time.time()
+        out = jax.block_until_ready(sharding.reshard(params, self.sample_shardings))
+        return out, time.time() - t
+
+    def rollout_source(self, stream, history) -> rollouts.RolloutSource:
+        return rollouts.RolloutSource(
+            self.config,
+            self.sampler,
+            self.scfg,
+            self.tokenizer,
+            self.train_problems,
+            self.train_scorer,
+            stream,
+            history,
+        )
+
+    def evaluate(self, params, rng) -> dict:
+        c = self.config.eval
+        return scoring.evaluate(
+            self.sampler,
+            params,
+            self.tokenizer,
+            self.test_problems[: c.prompts],
+            rng,
+            self.eval_scfg,
+            self.eval_scorer,
+        )
+
+    def initial_state(self):
+        """(TrainState, PromptStream, PassRateHistory) of a fresh run."""
+        value_params = {"w": jnp.zeros((self.model_cfg.d_model,)), "b": jnp.zeros(())}
+        value_params = sharding.replicate(value_params, self.mesh)
+        c = self.config
+        return (
+            self.learner.init(self.params, value_params),
+            filters.PromptStream(len(self.train_problems), seed=c.seed),
+            filters.PassRateHistory(c.filters.retire_threshold),
+        )
+
+
+def sampling_config(config, tokenizer) -> SamplingConfig:
+    """The run's `SamplingConfig`: `config.sampling` with its texts (the forced-interruption
+    phrase and end-of-thinking marker) encoded by the run's tokenizer.
+
+    Completions stop at the EOS and, for a chat-formatted task, at the template's end-of-turn
+    token. Tokenizers without a pad token (Llama 3) left-pad with the EOS (padding is masked).
+    """
+    s = config.sampling
+    stop = (tokenizer.eos_id,)
+    if config.task.name == "math" and config.task.chat_template:
+        stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))
+    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+    interrupt_ids, think_end = (), ()
+    if s.think_budget:
+        interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
+        think_end = tuple(tokenizer.encode(s.think_end))
+        if len(think_end) != 1:
+            raise ValueError(
+                f"sampling.think_end={s.think_end!r} is {len(think_end)} tokens "
+                f"({list(think_end)}); it must be exactly one token of the tokenizer"
+            )
+    try:
+        return SamplingConfig(
+            think_budget=s.think_budget,
+            interrupt_ids=interrupt_ids,
+            think_end_tokens=think_end,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            num_samples=config.batch.group_size,
+            stop_tokens=stop,
+            pad_id=pad_id,
+            buckets=tuple(s.buckets),
+        )
+    except ValueError as e:  # The one set of sampling rules, reported under the config key.
+        raise ValueError(f"Invalid config: sampling: {e}") from None
+
+
+def _tokenizer(config, workdir, problems):
+    path = os.path.join(workdir, "tokenizer.model")
+    if os.path.exists(path):
+        return tokenizer_lib.SentencePieceTokenizer(path)
+    corpus = [p.prompt + p.demo for p in problems]
+    # A small task corpus may support fewer pieces than asked: accept the smaller vocabulary.
+    return tokenizer_lib.train_sentencepiece(
+        corpus, config.tokenizer.vocab_size, model_type="bpe", path=path, hard_vocab_limit=False
+    )
+
+
+def build(config, workdir: str) -> Setup:
+    """Every part of the run, from its config (already validated by `checks.validate`)."""
+    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    warm_start.reuse(config, workdir)
+    task, splits = data_load.load_task(config, workdir)
+    hf_init = config.init.hf_checkpoint
+    if hf_init:  # A pretrained policy brings its own tokenizer.
+        tokenizer = tokenizer_lib.load(hf_init)
+    else:
+        tokenizer = _tokenizer(config, workdir, splits["train"])
+    scfg = sampling_config(config, tokenizer)
+    G, M = config.batch.group_size, config.sampling.max_new_tokens
+    objective = objectives.build(config.objective.chain, group_size=G, max_len=M)
+    progs = programs.Programs(mesh)
+    reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
+    pool = None
+    if config.reward.workers:  # Workers start with the verifiers' modules already imported.
+        modules = sorted({reward_fn.__module__, task.verify.__module__})
+        pool = isolation.verifier_pool(config.reward.workers, preload=modules)
+    timeout = config.reward.timeout if pool is not None else None
+
+    if hf_init:  # Start from a Hugging Face checkpoint, placed directly on the mesh.
+        model_cfg, graphdef, params = hf.load_hf(hf_init, mesh, dtype=config.model.dtype)
+        summary = {}
+    else:  # Start from the SFT warm start (trained now, or cached in WORKDIR/sft).
+        model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
+        graphdef, params, summary = warm_start.train_or_load(
+            config, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
+        )
+    # The reference is the same function with frozen params; copied because the train
+    # state's buffers are donated to each update.
+    ref = jax.tree.map(jnp.copy, params) if "ref_logp" in objective.model_terms else None
+    sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
+    logits_cfg = SamplingConfig(
+        temperature=config.sampling.temperature,
+        top_k=config.sampling.top_k,
+        top_p=config.sampling.top_p,
+    )
+    learn = learner.Learner(
+        graphdef=graphdef,
+        objective=objective,
+        optimizer=learner.make_optimizer(config.optim),
+        mesh=mesh,
+        logits_cfg=logits_cfg,
+        epochs=config.learner.epochs,
+        minibatches=config.learner.minibatches,
+        micro_batches=config.learner.micro_batches,
+        group_size=G,
+        seed=config.seed,
+        programs=progs,
+    )
+    return Setup(
+        config=config,
+        mesh=mesh,
+        tokenizer=tokenizer,
+        task=task,
+        train_problems=splits["train"],
+        test_problems=splits["test"],
+        model_cfg=model_cfg,
+        graphdef=graphdef,
+        params=params,
+        ref_params=ref,
+        warm_start_summary=summary,
+        scfg=scfg,
+        eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),
+        sampler=sampler,
+        sample_shardings=sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES),
+        learner=learn,
+        pool=pool,
+        train_scorer=scoring.Scorer(reward_fn, pool, timeout),
+        eval_scorer=scoring.Scorer(task.verify, pool, timeout),
+        programs=progs,
+    )

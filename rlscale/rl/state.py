@@ -1,0 +1,104 @@
+"""`RunState`: everything an interrupted run needs to continue as the same run, in one place.
+
+Device part: the learner's `TrainState` (policy and value params, optimizer state, the
+objective's transform states, the update count) and the run's RNG key. Host part (JSON): the
+prompt stream's epoch, cursor and shuffle seed, the pass-rate history and retired set, the
+compute counters, the earlier evaluations, the length of `metrics.jsonl` and the resolved
+config. The reference params are the warm start's, reloaded at start-up (never checkpointed).
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+from absl import logging
+
+from rlscale import checkpoint, sharding
+from rlscale.data import filters
+from rlscale.rl import checks, report
+
+
+@dataclasses.dataclass
+class RunState:
+    train: Any  # learner.TrainState
+    rng: jax.Array
+    stream: filters.PromptStream
+    history: filters.PassRateHistory
+    counters: dict
+    evals: list
+    config: dict
+    metrics_offset: int | None = None  # Set when restored: where metrics.jsonl is cut back to.
+
+    def state(self, metrics_offset: int) -> tuple[dict, dict]:
+        """(device tree, host dict) to checkpoint."""
+        host = {
+            "stream": self.stream.state(),
+            "history": self.history.state(),
+            "counters": self.counters,
+            "evals": self.evals,
+            "metrics_offset": metrics_offset,
+            "config": self.config,
+        }
+        return {"train": self.train, "rng": self.rng}, host
+
+    @classmethod
+    def from_state(cls, device: dict, host: dict) -> "RunState":
+        return cls(
+            train=device["train"],
+            rng=device["rng"],
+            stream=filters.PromptStream.from_state(host["stream"]),
+            history=filters.PassRateHistory.from_state(host["history"]),
+            counters=host["counters"],
+            evals=host["evals"],
+            config=host["config"],
+            metrics_offset=host["metrics_offset"],
+        )
+
+
+def abstract(tree, mesh):
+    """Shape, dtype and sharding of each leaf: where a checkpoint restores onto. Leaves not on
+    the mesh (fresh scalars) are replicated over it."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def leaf(x):
+        s = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(leaf, tree)
+
+
+def open_checkpoints(setup, workdir: str, allow_config_change: bool):
+    """(checkpointer, run state, step to resume after): the latest readable checkpoint in
+    `WORKDIR/checkpoints`, or a fresh state at step 0. A checkpoint made with a different
+    config (beyond `checks.RESUMABLE_CHANGES`) is refused unless `allow_config_change`."""
+    config = setup.config
+    config_dict = json.loads(config.to_json_best_effort())
+    ckpt = checkpoint.RunCheckpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=config.checkpoint.keep,
+        keep_every=config.checkpoint.keep_every,
+    )
+    train, stream, history = setup.initial_state()
+    # Replicated over the mesh: every host checkpoints (and restores) the same key.
+    rng = sharding.replicate(jax.random.key(config.seed), setup.mesh)
+    fresh = RunState(train, rng, stream, history, report.Compute().counters, [], config_dict)
+    start = 0
+    if ckpt.latest_step() is not None:
+        device, _ = fresh.state(0)
+        start, device, host = ckpt.restore(abstract(device, setup.mesh))
+        diff = checkpoint.config_diff(host["config"], config_dict, ignore=checks.RESUMABLE_CHANGES)
+        if diff and not allow_config_change:
+            ckpt.close()
+            raise ValueError(
+                f"{workdir} holds a run with a different config; pass --allow_config_change to "
+                "resume it anyway, or use another workdir. Differences (saved -> now):\n  "
+                + "\n  ".join(diff)
+            )
+        fresh = RunState.from_state(device, {**host, "config": config_dict})
+        logging.info("resuming from the checkpoint at step %d in %s", start, workdir)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_dict, f, indent=2, sort_keys=True)
+    return ckpt, fresh, start

@@ -1,0 +1,168 @@
+"""Sample and score: the one way completions are sampled and scored (RL rollouts, in-loop
+evaluation, the warm start's evaluation, `python -m rlscale.evaluate`).
+
+Prompts go to the sampler in chunks padded to the mesh's batch axes; the outputs are fetched
+to every host; each process scores its share of rows (`sharding.process_share`) with the
+reward function, in the run's verifier pool or in-process; the rewards are gathered, so every
+process ends with the same scored samples.
+
+Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length,
+M new tokens.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from rlscale import chat, eval_metrics, sharding
+from rlscale.rewards import isolation
+from rlscale.sampling.sampler import Sampler, SamplingConfig
+
+
+@dataclasses.dataclass
+class Scorer:
+    """A reward function run on each process's share of rows, in the run's one verifier pool
+    (worker processes with a per-sample timeout) or in-process (`pool=None`)."""
+
+    fn: Callable
+    pool: object = None
+    timeout: float | None = None
+
+    def __call__(self, texts: Sequence[str], problems: Sequence) -> tuple[np.ndarray, dict]:
+        return isolation.score_isolated(
+            self.fn, texts, problems, pool=self.pool, timeout=self.timeout if self.pool else None
+        )
+
+
+@dataclasses.dataclass
+class Samples:
+    """Completions of B prompts x G samples, scored; host arrays, rows prompt-major."""
+
+    prompt_BP: np.ndarray
+    prompt_mask_BP: np.ndarray
+    tokens_NM: np.ndarray
+    mask_NM: np.ndarray
+    logprobs_NM: np.ndarray
+    forced_NM: np.ndarray
+    lengths_N: np.ndarray
+    truncated_N: np.ndarray
+    interrupted_N: np.ndarray
+    texts: list
+    reward_N: np.ndarray
+    failures: dict
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.prompt_mask_BP.sum())
+
+
+def encode_prompts(tokenizer, problems) -> list[list[int]]:
+    """Prompt ids, with the BOS when the tokenizer has one (Qwen tokenizers have none)."""
+    return [chat.encode_prompt(tokenizer, p.prompt) for p in problems]
+
+
+def completions_text(tokenizer, tokens_NM, lengths_N) -> list[str]:
+    eos = tokenizer.eos_id
+    return [
+        tokenizer.decode([t for t in tokens_NM[i, : lengths_N[i]] if t != eos])
+        for i in range(tokens_NM.shape[0])
+    ]
+
+
+def _concat(parts: list[Samples], pad_id: int) -> Samples:
+    """One `Samples` from chunks whose prompts may be padded to different buckets."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(s.prompt_BP.shape[1] for s in parts)
+
+    def left_pad(x, value):
+        return np.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=value)
+
+    fields = {}
+    for f in dataclasses.fields(Samples):
+        values = [getattr(s, f.name) for s in parts]
+        if f.name in ("prompt_BP", "prompt_mask_BP"):
+            values = [left_pad(v, pad_id if f.name == "prompt_BP" else False) for v in values]
+        if f.name == "texts":
+            fields[f.name] = [t for v in values for t in v]
+        elif f.name == "failures":
+            fields[f.name] = {k: sum(v[k] for v in values) for k in values[0]}
+        else:
+            fields[f.name] = np.concatenate(values)
+    return Samples(**fields)
+
+
+def sample_and_score(
+    sampler: Sampler,
+    params,
+    tokenizer,
+    problems: Sequence,
+    rng,
+    cfg: SamplingConfig,
+    scorer: Scorer,
+    chunk: int | None = None,
+) -> Samples:
+    """Samples `cfg.num_samples` completions per problem and scores them.
+
+    Prompts go to the sampler `chunk` at a time (all at once by default; chunk i > 0 samples
+    with the key folded with i); a chunk the mesh's batch axes do not divide is topped up
+    with repeats of its first prompt, whose rows are dropped. Every process decodes every row
+    but scores only its share (`sharding.process_share`); the rewards are then gathered.
+    """
+    div = 1
+    if sampler.layout is not None:
+        div = sharding.batch_divisor(sampler.layout.mesh, sampler.layout.rules)
+    chunk = max(div, (chunk or len(problems)) // div * div)
+    parts = []
+    for call, start in enumerate(range(0, len(problems), chunk)):
+        real = list(problems[start : start + chunk])
+        padded = real + [real[0]] * (-len(real) % div)
+        out = sampler(
+            params,
+            encode_prompts(tokenizer, padded),
+            jax.random.fold_in(rng, call) if call else rng,
+            cfg,
+        )
+        N = len(real) * cfg.num_samples  # Rows are prompt-major: the padding rows come last.
+        host = sharding.fetch(
+            {
+                "tokens_NM": out.tokens,
+                "mask_NM": out.mask,
+                "logprobs_NM": out.logprobs,
+                "forced_NM": out.forced,
+                "lengths_N": out.lengths,
+                "truncated_N": out.truncated,
+                "interrupted_N": out.interrupted,
+            }
+        )
+        host = {k: v[:N] for k, v in host.items()}
+        texts = completions_text(tokenizer, host["tokens_NM"], host["lengths_N"])
+        share = sharding.process_share(N)
+        rows = [real[i] for i in out.prompt_index[:N][share]]
+        reward, failures = scorer(texts[share], rows)
+        counts = sharding.sum_over_processes(np.array(list(failures.values())))
+        parts.append(
+            Samples(
+                prompt_BP=out.prompt_BP[: len(real)],
+                prompt_mask_BP=out.prompt_mask_BP[: len(real)],
+                texts=texts,
+                reward_N=sharding.gather_host(reward, N),
+                failures=dict(zip(failures, counts.tolist())),
+                **host,
+            )
+        )
+    return _concat(parts, cfg.pad_id)
+
+
+def evaluate(sampler, params, tokenizer, problems, rng, cfg: SamplingConfig, scorer) -> dict:
+    """Held-out metrics: mean reward, pass@1 (the mean correctness) and, with n > 1 samples
+    per prompt, the unbiased pass@n."""
+    r = sample_and_score(sampler, params, tokenizer, problems, rng, cfg, scorer, chunk=64).reward_N
+    out = {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
+    n = cfg.num_samples
+    if n > 1:  # Rows are prompt-major: each prompt's n samples give an unbiased pass@n.
+        correct_B = (r > 0).reshape(-1, n).sum(axis=1)
+        out[f"eval/pass@{n}"] = float(eval_metrics.pass_at_k(n, correct_B, n).mean())
+    return out
