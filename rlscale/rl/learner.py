@@ -186,6 +186,8 @@ class Learner:
         need = self.objective.model_terms
         self.train_terms = tuple(t for t in FORWARD_TERMS if t in need or t == "logp")
         self.old_terms = tuple(t for t in ("logp", "value") if f"old_{t}" in need)
+        # No-gradient forward passes per batch: behaviour terms, reference logprobs.
+        self.forward_passes = int(bool(self.old_terms)) + int("ref_logp" in need)
         self._batch_update = jax.jit(self.objective.batch.update)
 
     def init(self, params, value_params) -> TrainState:

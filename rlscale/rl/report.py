@@ -22,10 +22,11 @@ class Compute:
         self.counters = counters if counters is not None else dict.fromkeys(self.KEYS, 0.0)
         self.max_new_tokens, self.epochs = max_new_tokens, epochs
 
-    def add_step(self, model_cfg, stats, prompt_len, seq_tokens, passes):
+    def add_step(self, model_cfg, stats, rollouts, passes):
         """One step's FLOPs: sampling (prompts + generated tokens), the learner's `passes`
         no-grad forward passes (behaviour and reference terms) and its training passes."""
-        ctx = prompt_len + self.max_new_tokens / 2
+        ctx = rollouts.prompt_len + self.max_new_tokens / 2
+        seq_tokens = float(rollouts.attn_mask_NL.sum())
         generated = float(stats["lengths"].sum())
         self.counters["compute/sample_flops"] += compute.forward_flops(
             model_cfg, stats["prompt_tokens"] + generated, ctx

@@ -121,42 +121,34 @@ class RolloutSource:
         in all; prompts re-padded on the left to the longest round's bucket."""
         G = self.G
         P = max(r["samples"].prompt_BP.shape[1] for r in rounds)
+
+        def learner_rows(r):
+            s, keep_N = r["samples"], np.repeat(r["keep"], G)
+            pad = ((0, 0), (P - s.prompt_BP.shape[1], 0))
+            prompt_NP = np.pad(np.repeat(s.prompt_BP, G, 0), pad, constant_values=self.scfg.pad_id)
+            prompt_mask_NP = np.pad(np.repeat(s.prompt_mask_BP, G, 0), pad)
+            return {
+                "tokens_NL": np.concatenate([prompt_NP, s.tokens_NM], 1).astype(np.int32),
+                "attn_mask_NL": np.concatenate([prompt_mask_NP, s.mask_NM], 1),
+                # Tokens written by forced interruption are context, not actions: out of the loss.
+                "mask_NM": s.mask_NM & ~s.forced_NM & keep_N[:, None],
+                "sampler_logp_NM": s.logprobs_NM.astype(np.float32),
+                "reward_N": r["reward"].astype(np.float32),
+                "correct_N": r["correct"],
+                "row_weight_N": keep_N.astype(np.float32),
+            }
+
+        per_round = [learner_rows(r) for r in rounds]
         picks = [(i, b) for i, r in enumerate(rounds) for b in np.flatnonzero(r["keep"])]
         picks += [(i, b) for i, r in enumerate(rounds) for b in np.flatnonzero(~r["keep"])]
         picks = picks[: self.B]
-
-        def rows(get, pad_value=None):
-            out = []
-            for i, b in picks:
-                x = get(rounds[i])[b * G : (b + 1) * G]
-                if pad_value is not None and x.shape[1] < P:
-                    x = np.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=pad_value)
-                out.append(x)
-            return np.concatenate(out)
-
-        def prompt(field):
-            return lambda r: np.repeat(getattr(r["samples"], field), G, axis=0)
-
-        def keep_N(r):
-            return np.repeat(r["keep"], G)
-
-        s_ = lambda field: lambda r: getattr(r["samples"], field)  # noqa: E731
-        tokens = np.concatenate(
-            [rows(prompt("prompt_BP"), self.scfg.pad_id), rows(s_("tokens_NM"))], axis=1
-        )
-        attn = np.concatenate([rows(prompt("prompt_mask_BP"), False), rows(s_("mask_NM"))], axis=1)
-        # Tokens written by forced interruption are context, not actions: out of the loss.
-        mask = rows(lambda r: r["samples"].mask_NM & ~r["samples"].forced_NM & keep_N(r)[:, None])
-        keep_B = np.array([bool(rounds[i]["keep"][b]) for i, b in picks])
+        fields = {
+            k: np.concatenate([per_round[i][k][b * G : (b + 1) * G] for i, b in picks])
+            for k in per_round[0]
+        }
         roll = Rollouts(
-            tokens_NL=tokens.astype(np.int32),
-            attn_mask_NL=attn,
-            mask_NM=mask,
-            sampler_logp_NM=rows(s_("logprobs_NM")).astype(np.float32),
-            reward_N=rows(lambda r: r["reward"]).astype(np.float32),
-            correct_N=rows(lambda r: r["correct"]),
-            row_weight_N=rows(keep_N).astype(np.float32),
-            version_NM=np.full(mask.shape, version, np.int32),
+            **fields,
+            version_NM=np.full(fields["mask_NM"].shape, version, np.int32),
             prompt_len=P,
         )
-        return roll, keep_B
+        return roll, np.array([bool(rounds[i]["keep"][b]) for i, b in picks])

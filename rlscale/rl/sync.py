@@ -31,7 +31,6 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     writer = metrics.MetricWriter(workdir, config.steps, is_main, run.metrics_offset)
     skips = faults.SkipCounter(config.faults.max_consecutive_skips)
     devices = s.mesh.devices.size
-    passes = int(bool(s.learner.old_terms)) + int(s.ref_params is not None)
 
     def evaluate(step):
         t = time.time()
@@ -62,8 +61,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
             t_done = time.time()
             for ok in map(bool, applied):  # Skipped non-finite updates; too many in a row stop.
                 skips.update(ok, step, last_checkpoint=ckpt.latest_step())
-            seq_tokens = float(roll.attn_mask_NL.sum())
-            comp.add_step(s.model_cfg, stats, roll.prompt_len, seq_tokens, passes)
+            comp.add_step(s.model_cfg, stats, roll, s.learner.forward_passes)
             comp.add_seconds(t_done - t_sample, devices)
             times = {"time/sample_s": t_update - t_sample, "time/update_s": t_done - t_update}
             record = report.step_record(
