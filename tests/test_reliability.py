@@ -22,7 +22,7 @@ from rlscale import config_lib, rl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-STEPS = 4
+STEPS = 6
 # Wall-clock measurements differ between any two runs, resumed or not; everything else
 # (rewards, losses, gradient norms, evals, FLOP counters, filter counts) must not.
 TIMING = ("time/", "compute/device_seconds")
@@ -108,7 +108,7 @@ def test_straight_run_retires_and_checkpoints(straight):
     assert [x["step"] for x in lines] == list(range(STEPS + 1))
     host = _host(straight, STEPS)
     assert host["history"]["retired"], "the easy reward should retire some prompts"
-    assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4]
+    assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4, 6]
 
 
 def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
