@@ -119,6 +119,7 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
     out = _run(tmp_path, f"--config.sft.reuse_from={straight}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from the checkpoint at step" in out.stderr
+    assert "reusing the SFT warm start" in out.stderr  # The workdir's cached warm start.
     assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
     ours, theirs = _host(tmp_path, STEPS), _host(straight, STEPS)
     assert ours["stream"] == theirs["stream"]  # Data position and shuffle.
