@@ -13,6 +13,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_compilation_cache(tmp_path_factory):
+    """Runs started as subprocesses (kill/resume, the CLI, several processes) share one
+    persistent compilation cache, so each compiles a program the first time only. This process
+    read its JAX config at import and keeps no persistent cache: its compile counts stay real."""
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    assert jax.config.jax_compilation_cache_dir is None
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from rlscale import model

@@ -18,6 +18,9 @@ from rlscale.sampling import scoring
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart"]
 # The two transforms added as one function and one config line each.
 VARIANTS = ["grpo:baseline=reinforce_pp", "quickstart:entropy_rho=0.2"]
+# The cispo run samples under a logits transform: the learner's logprobs must follow it (ratio
+# exactly 1 before the update), where they used to ignore temperature, top-k and top-p.
+SAMPLING = {"cispo": dict(temperature=0.7, top_k=20, top_p=0.9)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -50,6 +53,7 @@ def recipe_runs(warm, tmp_path_factory):
         if name not in cache:
             base, _, variant = name.partition(":")
             config = load_config(base, ",".join(filter(None, ["smoke", variant])))
+            config.sampling.update(SAMPLING.get(name, {}))
             config.sft.reuse_from = str(warm)
             workdir = tmp_path_factory.mktemp(name.replace(":", "_").replace("=", "_"))
             cache[name] = (config, rl.run(config, str(workdir)), workdir)
@@ -69,6 +73,9 @@ def test_recipe_runs(name, recipe_runs):
     assert summary["compute/flops"] > 0
     if name == "ppo":
         assert "train/value_loss" in train[0]
+    if name in SAMPLING:
+        assert all(x["train/sampler_logp_gap"] < 1e-5 for x in train)
+        assert abs(train[0]["train/ratio_mean"] - 1.0) < 1e-5  # One minibatch: on policy.
     if name == "quickstart:entropy_rho=0.2":
         assert "high_entropy_tokens(rho=0.2)" in config.objective.chain
     if name == "grpo:baseline=reinforce_pp":
@@ -286,22 +293,6 @@ def test_dynamic_sampling_draws_until_the_batch_is_full():
     assert stats["rounds"] == 2 and stats["kept_prompts"] == 2
     assert roll.row_weight_N.tolist() == [1.0] * 4
     assert roll.reward_N.tolist() == [0.0, 1.0, 1.0, 0.0]  # Round 1's kept, then round 2's.
-
-
-# ------------------------------------------------------------------------------------------
-# The learner's logprobs are the sampler's: temperature, top-k, top-p included.
-# ------------------------------------------------------------------------------------------
-
-
-def test_ratio_is_one_at_step_zero_with_temperature(warm, tmp_path):
-    config = golden_config("quickstart")
-    config.sft.reuse_from = str(warm)
-    config.steps, config.eval.every = 1, 1
-    config.sampling.temperature, config.sampling.top_k, config.sampling.top_p = 0.7, 20, 0.9
-    rl.run(config, str(tmp_path))
-    line = metric_lines(tmp_path)[1]
-    assert line["train/sampler_logp_gap"] < 1e-5  # Before the fix: ~0.3.
-    assert abs(line["train/ratio_mean"] - 1.0) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------
