@@ -5,7 +5,6 @@ import importlib
 import os
 
 import jax
-import numpy as np
 
 from rlscale import objectives, sharding
 from rlscale.data import tasks
@@ -30,26 +29,13 @@ def import_function(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def resolved_mesh_shape(shape) -> tuple[int, ...] | str:
-    """`mesh.shape` with its -1 filled from the device count, or why it cannot be."""
-    shape = [int(s) for s in shape]
-    if len(shape) != len(sharding.MESH_AXES) or shape.count(-1) > 1 or 0 in shape:
-        return f"must be {len(sharding.MESH_AXES)} sizes {sharding.MESH_AXES}, at most one -1"
-    known = int(np.prod([s for s in shape if s != -1]))
-    n = jax.device_count()
-    if n % known:
-        return f"does not fit {n} devices"
-    if -1 in shape:
-        shape[shape.index(-1)] = n // known
-    if jax.process_count() > 1 and int(np.prod(shape)) != n:
-        return f"uses {int(np.prod(shape))} of the {n} devices of {jax.process_count()} processes"
-    return tuple(shape)
-
-
 def _mesh_problems(config) -> list[str]:
-    mesh = resolved_mesh_shape(config.mesh.shape)
-    if isinstance(mesh, str):
-        return [f"mesh.shape={tuple(config.mesh.shape)} {mesh}"]
+    try:  # The mesh builder's own rules (fill, device count, processes).
+        mesh = tuple(sharding.make_mesh(tuple(config.mesh.shape)).shape.values())
+    except ValueError as e:
+        return [
+            f"mesh.shape={tuple(config.mesh.shape)} does not fit {jax.device_count()} devices: {e}"
+        ]
     div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
     where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
     b, u = config.batch, config.learner

@@ -269,20 +269,20 @@ class Learner:
         G = self.group_size
         N = batch["mask"].shape[0]
         step_metrics, applied = {}, []
+        static = dict(
+            graphdef=self.graphdef,
+            P=P,
+            logits_cfg=self.logits_cfg,
+            terms=self.train_terms,
+            loss_tx=self.objective.loss,
+            mesh=self.mesh,
+        )
         for epoch in range(self.epochs):
             order = np.random.default_rng([self.seed, step, epoch]).permutation(N // G)
             for mb in np.array_split(order, self.minibatches):
                 grads_acc, denom_acc, loss_acc = None, 0.0, 0.0
                 for micro in np.array_split(mb, self.micro_batches):
                     rows = (micro[:, None] * G + np.arange(G)).reshape(-1)
-                    static = dict(
-                        graphdef=self.graphdef,
-                        P=P,
-                        logits_cfg=self.logits_cfg,
-                        terms=self.train_terms,
-                        loss_tx=self.objective.loss,
-                        mesh=self.mesh,
-                    )
                     args = (
                         state.params,
                         state.value_params,

@@ -164,7 +164,6 @@ def build(config, workdir: str) -> Setup:
     if config.reward.workers:  # Workers start with the verifiers' modules already imported.
         modules = sorted({reward_fn.__module__, task.verify.__module__})
         pool = isolation.verifier_pool(config.reward.workers, preload=modules)
-    timeout = config.reward.timeout if pool is not None else None
 
     if hf_init:  # Start from a Hugging Face checkpoint, placed directly on the mesh.
         model_cfg, graphdef, params = hf.load_hf(hf_init, mesh, dtype=config.model.dtype)
@@ -214,7 +213,7 @@ def build(config, workdir: str) -> Setup:
         sample_shardings=sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES),
         learner=learn,
         pool=pool,
-        train_scorer=scoring.Scorer(reward_fn, pool, timeout),
-        eval_scorer=scoring.Scorer(task.verify, pool, timeout),
+        train_scorer=scoring.Scorer(reward_fn, pool, config.reward.timeout),
+        eval_scorer=scoring.Scorer(task.verify, pool, config.reward.timeout),
         programs=progs,
     )
