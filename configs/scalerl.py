@@ -43,16 +43,18 @@ COMPONENTS = (
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, loss="cispo", drop="", bf16=False)
+    arg = config_lib.parse_arg(arg, smoke=False, loss="cispo", drop="", bf16=False, sync=False)
     c = config_lib.rl_config()
     c.recipe = "scalerl"
     c.steps = 80
     c.eval.every = 5
-    # Four optimizer steps per sampled batch: the later minibatches update a policy that has
-    # moved since sampling, standing in for the paper's off-policy (PipelineRL) updates, so
-    # the importance weights and their clipping act. With one step per batch every clipped
-    # loss has the plain policy gradient (tested), and CISPO, DAPO and GSPO coincide.
-    c.learner.minibatches = 4
+    # The system half (README, "PipelineRL"): a generator that takes new weights between
+    # decode steps, no token trained more than 8 updates after the policy that sampled it
+    # (the paper's k = 8), one optimizer step per batch. `:sync` runs the synchronous loop.
+    if arg.sync:
+        c.learner.minibatches = 4  # Off-policy minibatches stand in for the pipeline's lag.
+    else:
+        c.pipeline.mode, c.pipeline.max_staleness = "pipeline", 8
     c.model.fp32_lm_head = True
     c.filters.zero_variance = True
     c.filters.retire = True

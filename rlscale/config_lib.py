@@ -117,6 +117,15 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         think_end=" Answer",
     )
     c.learner = dict(epochs=1, minibatches=1, micro_batches=1)  # Optimizer steps per batch.
+    # Generation and training (README, "PipelineRL"): "sync" samples each batch with the
+    # current policy, then trains on it; "pipeline" generates continuously and takes new
+    # weights between decode steps (in-flight updates, sequences keep their KV cache);
+    # "async_ppo" generates each batch with one policy version. No token is trained more than
+    # `max_staleness` optimizer updates after the version that sampled it (admission control).
+    # The generator gets the first `generator_devices` devices (0: it time-slices the
+    # trainer's), `slots` decode slots (0: batch.prompts x group_size) and runs
+    # `decode_chunk` tokens per call between weight and admission checks.
+    c.pipeline = dict(mode="sync", max_staleness=0, generator_devices=0, slots=0, decode_chunk=8)
     c.optim = dict(
         lr=1e-4,
         warmup_steps=5,

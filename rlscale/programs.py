@@ -7,6 +7,7 @@ on a new signature (shapes, dtypes, shardings of `args`; the values of `static`)
 executable and calls it; `write(path)` saves one JSON entry per compiled program.
 """
 
+import copy
 import json
 import os
 
@@ -59,6 +60,12 @@ class Programs:
         self.mesh = mesh
         self._executables = {}
         self.entries: list[dict] = []
+
+    def on(self, mesh) -> "Programs":
+        """The same record, for programs that run on another mesh (the generator's)."""
+        view = copy.copy(self)
+        view.mesh = mesh
+        return view
 
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
         """`fn(*args, **static)` through an executable compiled for this signature."""

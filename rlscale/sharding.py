@@ -78,6 +78,22 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
     return jax.make_mesh(tuple(shape), MESH_AXES, auto, devices=list(devices.flat))
 
 
+def role_meshes(shape: Sequence[int], generator_devices: int) -> tuple[Mesh, Mesh]:
+    """(trainer mesh, generator mesh). The generator takes the first `generator_devices`
+    devices, data parallel over its decode slots; the trainer the rest, in `shape`. With 0,
+    both roles share one mesh of every device (they time-slice it)."""
+    if not generator_devices:
+        mesh = make_mesh(shape)
+        return mesh, mesh
+    devices = jax.devices()
+    if not 0 < generator_devices < len(devices):
+        raise ValueError(
+            f"{generator_devices} generator devices leave no trainer devices of {len(devices)}"
+        )
+    gen = make_mesh((generator_devices, 1, 1), devices[:generator_devices])
+    return make_mesh(shape, devices[generator_devices:]), gen
+
+
 def logical_to_spec(
     axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
 ) -> PartitionSpec:
@@ -136,9 +152,11 @@ def param_shardings(params, mesh: Mesh, rules: Rules):
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def reshard(tree, shardings):
-    """Moves a pytree to new shardings (e.g. train layout -> sample layout)."""
-    return jax.device_put(tree, shardings)
+def reshard(tree, shardings, copy: bool = False):
+    """Moves a pytree to new shardings (e.g. train layout -> sample layout). Leaves already
+    in place are returned as they are unless `copy`: a consumer that keeps them while their
+    owner donates its buffers (the pipeline's generator, during updates) needs copies."""
+    return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = SAMPLE_RULES) -> NamedSharding:

@@ -99,7 +99,8 @@ def test_rl_on_a_hf_checkpoint_and_gsm8k_file_then_export(inputs, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(np.isfinite(x["train/loss"]) for x in lines[1:])
-    assert all(x["train/sampler_logp_gap"] < 1e-4 for x in lines[1:])
+    gaps = [x["train/logp_gap_abs"] for x in lines[1:] if x["train/logp_gap_abs"] is not None]
+    assert gaps and max(gaps) < 1e-4
     assert summary["compute/flops"] > 0
     # The export loads in transformers and computes what rlscale's final params compute.
     export = tmp_path / "hf"

@@ -27,7 +27,9 @@ def _terms(**extra):
         "mask": jnp.asarray(MASK),
         "reward": jnp.asarray(REWARD),
         "logp": jnp.asarray(logp, jnp.float32),
+        # The trainer's recomputation and the generator's logprobs differ, as after policy lag.
         "old_logp": jnp.asarray(logp + rng.normal(0, 0.3, MASK.shape), jnp.float32),
+        "sampler_logp": jnp.asarray(logp + rng.normal(0, 0.3, MASK.shape), jnp.float32),
         **extra,
     }
 
@@ -64,15 +66,54 @@ def test_batch_std_ignores_dropped_rows():
     )
 
 
-def test_ratios():
+@pytest.mark.parametrize("behaviour,term", [("generator", "sampler_logp"), ("trainer", "old_logp")])
+def test_ratios(behaviour, term):
     t = _terms()
-    out = _run(obj.token_ratio(), t)
-    np.testing.assert_allclose(out["ratio"], np.exp(t["logp"] - t["old_logp"]), rtol=1e-6)
-    seq = _run(obj.sequence_ratio(), t)["ratio"]
-    d = np.asarray((t["logp"] - t["old_logp"]) * MASK)
+    other = {"generator": "old_logp", "trainer": "sampler_logp"}[behaviour]
+    t_read = {k: v for k, v in t.items() if k != other}  # Reads only its behaviour's term.
+    out = _run(obj.token_ratio(behaviour=behaviour), t_read)
+    np.testing.assert_allclose(out["ratio"], np.exp(t["logp"] - t[term]), rtol=1e-6)
+    seq = _run(obj.sequence_ratio(behaviour=behaviour), t_read)["ratio"]
+    d = np.asarray((t["logp"] - t[term]) * MASK)
     expected = np.exp(d.sum(1) / MASK.sum(1))
     np.testing.assert_allclose(seq[:, 0], expected, rtol=1e-6)
     np.testing.assert_allclose(seq[:, -1], expected, rtol=1e-6)
+
+
+# logp, the generator's logprobs and the trainer's recomputation all differ: a ratio against
+# the wrong behaviour policy gets other values.
+ONE_ROW = {
+    "mask": jnp.asarray([[1, 1, 0]], bool),
+    "logp": jnp.asarray([[-1.0, -2.0, -3.0]]),
+    "sampler_logp": jnp.asarray([[-1.5, -1.0, -9.0]]),
+    "old_logp": jnp.asarray([[-0.5, -2.5, -1.0]]),
+}
+
+
+def test_ratios_hand_values_generator_by_default():
+    tok = _run(obj.token_ratio(), ONE_ROW)["ratio"][0, :2]
+    np.testing.assert_allclose(tok, [np.exp(0.5), np.exp(-1.0)], rtol=1e-6)
+    tok = _run(obj.token_ratio(behaviour="trainer"), ONE_ROW)["ratio"][0, :2]
+    np.testing.assert_allclose(tok, [np.exp(-0.5), np.exp(0.5)], rtol=1e-6)
+    # Geometric mean over the two real tokens: exp((0.5 - 1) / 2); the trainer's: exp(0).
+    seq = _run(obj.sequence_ratio(), ONE_ROW)["ratio"][0]
+    np.testing.assert_allclose(seq, [np.exp(-0.25)] * 3, rtol=1e-6)
+    seq = _run(obj.sequence_ratio(behaviour="trainer"), ONE_ROW)["ratio"][0]
+    np.testing.assert_allclose(seq, [1.0] * 3, rtol=1e-6)
+
+
+def test_scalerl_cispo_weight_is_against_the_generator():
+    """ScaleRL's CISPO: d loss / d logp_t = -sg(min(pi / pi_gen, eps_max)) A_t / #tokens."""
+    tx = obj.chain(obj.token_ratio(), obj.cispo(eps_max=1.5), obj.aggregate("token_mean"))
+    adv = jnp.asarray([[1.0, 2.0, 5.0]])
+
+    def loss(logp):
+        out = _run(tx, {**ONE_ROW, "logp": logp, "advantage": adv})
+        return out["loss_sum"] / out["denominator"]
+
+    g = jax.grad(loss)(ONE_ROW["logp"])[0]
+    # Ratios e^0.5 = 1.65 (capped at 1.5) and e^-1 (against old_logp: e^-0.5 and 1.5).
+    np.testing.assert_allclose(g, [-1.5 * 1 / 2, -np.exp(-1.0) * 2 / 2, 0.0], rtol=1e-6)
 
 
 def test_ppo_clip_hand_values():
@@ -95,7 +136,7 @@ def test_cispo_gradient_is_detached_weight_times_advantage():
     t = _run(obj.chain(obj.group_advantages(2, "group_mean", "none"), obj.token_ratio()), _terms())
 
     def loss(logp, form):
-        terms = {**t, "logp": logp, "ratio": jnp.exp(logp - t["old_logp"])}
+        terms = {**t, "logp": logp, "ratio": jnp.exp(logp - t["sampler_logp"])}
         out = _run(obj.chain(form, obj.aggregate("token_mean")), terms)
         return out["loss_sum"]
 
@@ -104,7 +145,7 @@ def test_cispo_gradient_is_detached_weight_times_advantage():
         (obj.cispo(eps_max=None, eps_low=0.1, eps_high=0.2), lambda r: np.clip(r, 0.9, 1.2)),
     ]:
         g = jax.grad(loss)(t["logp"], form)
-        r = np.exp(np.asarray(t["logp"] - t["old_logp"]))
+        r = np.exp(np.asarray(t["logp"] - t["sampler_logp"]))
         expected = -weight(r) * np.asarray(t["advantage"]) * MASK
         np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-7)
 
@@ -125,7 +166,7 @@ def _toy(n_rows=4, seed=0):
 def test_clipped_objectives_equal_plain_policy_gradient_on_policy():
     theta, tokens = _toy()
     base = obj.group_advantages(2, "group_mean", "group_std")
-    old_logp = jax.lax.stop_gradient(_policy(theta, tokens))
+    sampler_logp = jax.lax.stop_gradient(_policy(theta, tokens))  # Sampled by this policy.
 
     def grad(transform, agg="seq_mean_token_mean"):
         def loss(theta):
@@ -133,7 +174,7 @@ def test_clipped_objectives_equal_plain_policy_gradient_on_policy():
                 "mask": jnp.asarray(MASK),
                 "reward": jnp.asarray(REWARD),
                 "logp": _policy(theta, tokens),
-                "old_logp": old_logp,
+                "sampler_logp": sampler_logp,
             }
             out = _run(obj.chain(base, transform, obj.aggregate(agg)), terms)
             return out["loss_sum"] / out["denominator"]
@@ -185,7 +226,7 @@ def test_accumulation_over_micro_batches_gives_the_same_gradient(agg):
     rng = np.random.default_rng(2)
     mask = jnp.asarray(np.arange(4)[None] < rng.integers(1, 5, (8, 1)))
     reward = jnp.asarray(rng.integers(0, 2, 8).astype(np.float32))
-    old_logp = jax.lax.stop_gradient(_policy(theta, tokens)) + 0.05
+    sampler_logp = jax.lax.stop_gradient(_policy(theta, tokens)) + 0.05
     chain = obj.chain(
         obj.group_advantages(2, "group_mean", "batch_std"),
         obj.token_ratio(),
@@ -193,9 +234,8 @@ def test_accumulation_over_micro_batches_gives_the_same_gradient(agg):
         obj.aggregate(agg, group_size=2, max_len=4),
     )
     # Advantages use batch statistics: compute them once on the full batch, as the loop does.
-    adv = _run(chain, {"mask": mask, "reward": reward, "logp": old_logp, "old_logp": old_logp})[
-        "advantage"
-    ]
+    terms = {"mask": mask, "reward": reward, "logp": sampler_logp, "sampler_logp": sampler_logp}
+    adv = _run(chain, terms)["advantage"]
     loss_chain = obj.chain(
         obj.token_ratio(), obj.cispo(eps_max=1.02), obj.aggregate(agg, group_size=2, max_len=4)
     )
@@ -204,7 +244,7 @@ def test_accumulation_over_micro_batches_gives_the_same_gradient(agg):
         terms = {
             "mask": mask[rows],
             "advantage": adv[rows],
-            "old_logp": old_logp[rows],
+            "sampler_logp": sampler_logp[rows],
             "logp": _policy(theta[rows], tokens[rows]),
         }
         out = _run(loss_chain, terms)
@@ -293,6 +333,8 @@ def test_bad_arguments_name_the_problem():
         obj.aggregate("prompt_mean")
     with pytest.raises(ValueError, match="cispo: pass eps_max alone"):
         obj.cispo(eps_max=4.0, eps_low=0.2, eps_high=0.2)
+    with pytest.raises(ValueError, match=r"^behaviour='sampler' is not one of \('generator', "):
+        obj.sequence_ratio(behaviour="sampler")
     with pytest.raises(KeyError, match=r"ppo_clip needs term\(s\) \['ratio'\]"):
         _run(obj.ppo_clip(), {"advantage": 1.0, "mask": jnp.ones((1, 1))})
     with pytest.raises(ValueError, match="5 rows are not whole groups of 2"):
@@ -559,6 +601,14 @@ def test_check_unparseable(spec, message):
             "objective.chain: gae reads the value head (old_value), which nothing in the chain "
             "trains (add one of: value_loss)",
         ),
+        (
+            "group_advantages | token_ratio(behaviour=sampler) | cispo"
+            " | aggregate(mode=token_mean)",
+            "objective.chain: token_ratio: behaviour='sampler' is not one of ('generator', "
+            "'trainer'): 'generator' divides by the logprobs the tokens were sampled with "
+            "(sampler_logp), 'trainer' by the trainer's recomputation at the start of the update "
+            "(old_logp)",
+        ),
     ],
 )
 def test_check_names_each_problem(spec, message):
@@ -623,6 +673,81 @@ def test_registered_names_are_the_factories():
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory
+
+
+@pytest.mark.parametrize(
+    "spec,model_terms",
+    [
+        (SCALERL, {"logp"}),  # The ratio reads the generator's sampler_logp: no extra pass.
+        (SCALERL.replace("token_ratio", "token_ratio(behaviour=trainer)"), {"logp", "old_logp"}),
+        (SCALERL.replace("token_ratio", "token_ratio(behaviour=generator)"), {"logp"}),
+        (SCALERL.replace("token_ratio", "sequence_ratio"), {"logp"}),
+        (SCALERL.replace("token_ratio", "sequence_ratio(behaviour=trainer)"), {"logp", "old_logp"}),
+        (SCALERL.replace("cispo(eps_max=4.0)", "ppo_clip | truncated_is"), {"logp", "old_logp"}),
+        ("kl_in_reward | " + SCALERL, {"logp", "old_logp", "ref_logp"}),
+    ],
+)
+def test_model_terms_follow_the_arguments(spec, model_terms):
+    assert registry.build(spec, group_size=2, max_len=4).model_terms == model_terms
+
+
+RUN = dict(group_size=2, max_len=4)
+
+
+@pytest.fixture
+def probe():
+    """Registers a batch-stage transform whose required term follows its argument (the
+    batch stage has no `logp`), and removes it afterwards."""
+
+    @registry.register(
+        "_probe",
+        stage="batch",
+        requires=("reward", registry.ByArg("source", {"old": "old_logp", "new": ("logp", "mask")})),
+        provides=("reward",),
+    )
+    def _probe(source: str = "old") -> obj.Transform:
+        if source not in ("old", "new", "unlisted"):  # "unlisted": a registration bug.
+            raise ValueError(f"source={source!r}")
+        return obj.stateless(lambda terms: terms)
+
+    yield registry._REGISTRY["_probe"]
+    del registry._REGISTRY["_probe"]
+
+
+def test_requirements_chosen_by_an_argument(probe):
+    assert probe.required() == ("reward", "old_logp")
+    assert probe.required({"source": "new"}) == ("reward", "logp", "mask")
+    assert probe.required({"source": "bad"}) == ("reward", "old_logp")  # The factory rejects it.
+    assert "| `_probe` | batch | reward, old_logp (logp + mask if source=new) | reward |" in (
+        registry.table()
+    )
+    tail = " | group_advantages | token_ratio | cispo | aggregate(mode=token_mean)"
+    assert registry.check("_probe" + tail, **RUN) == []
+    assert registry.check("_probe(source=new)" + tail, **RUN) == [
+        "objective.chain: _probe needs term 'logp', which the run supplies only to the loss "
+        "stage (in the differentiated loss, per micro-batch)"
+    ]
+    assert registry.check("_probe(source=unlisted)" + tail, **RUN) == [
+        "objective.chain: _probe(source='unlisted'): the factory accepts it but its registration "
+        "lists no terms for it"
+    ]
+    # A value the factory rejects, or of the wrong type (unhashable), is reported once.
+    assert registry.check("_probe(source=bad) | _probe(source=[1])" + tail, **RUN) == [
+        "objective.chain: _probe: source='bad'",
+        "objective.chain: _probe(source=[1]): expected str",
+    ]
+
+
+def test_register_rejects_a_choice_without_a_listed_default():
+    with pytest.raises(ValueError, match=r"ByArg\('mode'\) needs an argument 'mode' whose default"):
+        registry.register(
+            "_bad", stage="loss", requires=(registry.ByArg("mode", {"a": "logp"}),), provides=()
+        )(lambda mode="b": None)
+    with pytest.raises(ValueError, match=r"ByArg\('mode'\) needs an argument 'mode' whose default"):
+        registry.register(
+            "_bad", stage="loss", requires=(registry.ByArg("mode", {"a": "logp"}),), provides=()
+        )(lambda: None)
+    assert "_bad" not in registry.names()
 
 
 def test_readme_lists_the_registry():
@@ -691,10 +816,10 @@ def test_every_config_chain_checks_and_runs(name, arg):
 @pytest.mark.parametrize(
     "name,arg,model_terms",
     [
-        ("grpo", None, {"logp", "old_logp", "ref_logp"}),
-        ("ppo", None, {"logp", "old_logp", "value", "old_value"}),
-        ("scalerl", None, {"logp", "old_logp"}),
-        ("quickstart", "entropy_rho=0.2", {"logp", "old_logp", "entropy"}),
+        ("grpo", None, {"logp", "ref_logp"}),
+        ("ppo", None, {"logp", "value", "old_value"}),
+        ("scalerl", None, {"logp"}),
+        ("quickstart", "entropy_rho=0.2", {"logp", "entropy"}),
     ],
 )
 def test_model_terms(name, arg, model_terms):

@@ -1,10 +1,11 @@
 """Reliability of whole runs: exact resume after SIGKILL, SIGTERM checkpoints, damaged
 checkpoints, non-finite updates, misbehaving verifiers.
 
-The runs are `configs/scalerl.py:smoke` (checkpoints every 2 steps, no-positive-resampling,
-zero-variance filtering, forced interruption) with an easy reward (`reward_fixtures.digits`)
-so prompts do get retired and filtered. Runs that must be killed run as subprocesses on one
-CPU device; the straight run's workdir provides the others' warm start (`sft.reuse_from`).
+The runs are `configs/scalerl.py:smoke,sync` (checkpoints every 2 steps,
+no-positive-resampling, zero-variance filtering, forced interruption) with an easy reward
+(`reward_fixtures.digits`) so prompts do get retired and filtered; one is killed in the
+recipe's pipeline mode. Runs that must be killed run as subprocesses on one CPU device;
+the straight run's workdir provides the others' warm start (`sft.reuse_from`).
 """
 
 import glob
@@ -19,6 +20,7 @@ import time
 import pytest
 
 from rlscale import config_lib, rl
+from rlscale.data import filters
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -28,13 +30,13 @@ STEPS = 6
 TIMING = ("time/", "compute/device_seconds")
 
 
-def _command(workdir, *overrides, steps=STEPS):
+def _command(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     return [
         sys.executable,
         "-m",
         "rlscale.main",
         "--config",
-        os.path.join(ROOT, "configs", "scalerl.py") + ":smoke",
+        os.path.join(ROOT, "configs", "scalerl.py") + ":" + variant,
         "--workdir",
         str(workdir),
         f"--config.steps={steps}",
@@ -49,9 +51,9 @@ def _env():
     return env
 
 
-def _run(workdir, *overrides, steps=STEPS):
+def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     out = subprocess.run(
-        _command(workdir, *overrides, steps=steps),
+        _command(workdir, *overrides, steps=steps, variant=variant),
         env=_env(),
         capture_output=True,
         text=True,
@@ -74,10 +76,10 @@ def _host(workdir, step):
         return json.load(f)
 
 
-def _start_and_signal(workdir, sig, after_step, *overrides):
+def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync"):
     """Starts a run, sends `sig` once `after_step` is in metrics.jsonl; returns (proc, t_sig)."""
     proc = subprocess.Popen(
-        _command(workdir, *overrides),
+        _command(workdir, *overrides, variant=variant),
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -125,6 +127,32 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
     assert ours["stream"] == theirs["stream"]  # Data position and shuffle.
     assert ours["history"] == theirs["history"]  # Pass rates and the retired set.
     assert ours["counters"]["compute/train_flops"] == theirs["counters"]["compute/train_flops"]
+
+
+def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_path):
+    """The recipe's pipeline mode (k = 2 here; the generator runs ahead on the one device),
+    killed after step 3 and resumed from the step-2 checkpoint: the prompts trained, step by
+    step, are exactly the stream's draws (none lost, none trained twice: the sequences in
+    flight at the kill were generated again by the restored policy), and the staleness bound
+    holds on every step, the first after the restart included."""
+    args = (
+        f"--config.sft.reuse_from={straight}",
+        "--config.filters.retire=False",  # The stream alone then decides the prompts.
+        "--config.pipeline.max_staleness=2",
+    )
+    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, *args, variant="smoke")
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(_lines(tmp_path)) < STEPS + 1
+    out = _run(tmp_path, *args, variant="smoke")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from the checkpoint at step" in out.stderr
+    lines = _lines(tmp_path)
+    assert [x["step"] for x in lines] == list(range(STEPS + 1))
+    stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
+    assert [x["data/prompt_ids"] for x in lines[1:]] == [stream.next(8) for _ in range(STEPS)]
+    assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
+    assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
 
 
 def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path):
@@ -187,7 +215,7 @@ def _config(**overrides):
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config("smoke")
+    c = module.get_config("smoke,sync")
     c.steps = 4
     c.learner.minibatches = 1  # One optimizer step per RL step: the NaN schedules count them.
     for k, v in overrides.items():

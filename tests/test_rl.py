@@ -5,15 +5,18 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines
 
-from rlscale import rl
-from rlscale.rl import rollouts
-from rlscale.sampling import scoring
+from rlscale import objectives, programs, rl, sharding
+from rlscale.rl import learner, rollouts
+from rlscale.sampling import SamplingConfig, scoring
 
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart"]
 # The two transforms added as one function and one config line each.
@@ -28,15 +31,28 @@ SAMPLING = {"cispo": dict(temperature=0.7, top_k=20, top_p=0.9)}
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def golden_runs(warm, tmp_path_factory):
+    """Each golden run's workdir (run on first use, on one device); the warm fixture is the
+    quickstart's golden run itself."""
+    cache = {"quickstart": warm}
+
+    def get(name):
+        if name not in cache:
+            config = golden_config(name)
+            config.sft.reuse_from = str(warm)
+            workdir = tmp_path_factory.mktemp(f"golden_{name}")
+            rl.run(config, str(workdir))
+            cache[name] = workdir
+        return cache[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", ["quickstart", "grpo", "ppo"])
-def test_golden_metrics(name, warm, tmp_path):
-    workdir = warm
-    if name != "quickstart":  # The warm fixture is the quickstart's golden run itself.
-        config = golden_config(name)
-        config.sft.reuse_from = str(warm)
-        rl.run(config, str(tmp_path))
-        workdir = tmp_path
-    assert metric_lines(workdir) == metric_lines(os.path.join(GOLDEN, f"{name}_smoke.jsonl"))
+def test_golden_metrics(name, golden_runs):
+    expected = metric_lines(os.path.join(GOLDEN, f"{name}_smoke.jsonl"))
+    assert metric_lines(golden_runs(name)) == expected
 
 
 # ------------------------------------------------------------------------------------------
@@ -69,12 +85,16 @@ def test_recipe_runs(name, recipe_runs):
     assert [x["step"] for x in lines] == list(range(config.steps + 1))
     train = lines[1:]
     assert all(np.isfinite(x["train/loss"]) for x in train if x["train/loss"] is not None)
-    assert all(x["train/sampler_logp_gap"] < 1e-4 for x in train)  # Sampler == learner.
+    # Sampler == learner on the first minibatch's trained tokens; null where it has none (the
+    # zero-variance filter can drop every group there).
+    gaps = [x["train/logp_gap_abs"] for x in train if x["train/logp_gap_abs"] is not None]
+    assert max(gaps, default=0.0) < 1e-4
     assert summary["compute/flops"] > 0
     if name == "ppo":
         assert "train/value_loss" in train[0]
-    if name in SAMPLING:
-        assert all(x["train/sampler_logp_gap"] < 1e-5 for x in train)
+    if name in SAMPLING:  # No filter: every step reports.
+        assert len(gaps) == len(train) and max(gaps) < 1e-5
+        assert all(abs(x["train/prob_pearson"] - 1.0) < 1e-5 for x in train)
         assert abs(train[0]["train/ratio_mean"] - 1.0) < 1e-5  # One minibatch: on policy.
     if name == "quickstart:entropy_rho=0.2":
         assert "high_entropy_tokens(rho=0.2)" in config.objective.chain
@@ -91,11 +111,12 @@ def _program(workdir, name):
     return entries[0]
 
 
-def test_learner_is_data_parallel(warm, recipe_runs):
-    """The same config on 8 devices: each does an eighth of the 1-device learner's work."""
-    _, _, workdir = recipe_runs("quickstart")
-    for name in ("micro_grads", "forward_terms"):
-        one, eight = _program(warm, name), _program(workdir, name)
+def test_learner_is_data_parallel(golden_runs, recipe_runs):
+    """The same config on 8 devices: each does an eighth of the 1-device learner's work (the
+    gradient step, and GRPO's no-gradient reference pass)."""
+    for recipe, name in (("quickstart", "micro_grads"), ("grpo", "forward_terms")):
+        workdir = recipe_runs(recipe)[2]
+        one, eight = _program(golden_runs(recipe), name), _program(workdir, name)
         assert one["devices"] == 1 and eight["devices"] == 8
         assert eight["mesh_shape"] == {"data": 8, "fsdp": 1, "tensor": 1}
         ratio = eight["flops_per_device"] / (one["flops_per_device"] / 8)
@@ -107,11 +128,14 @@ def test_learner_is_data_parallel(warm, recipe_runs):
 
 def test_one_program_per_shape(recipe_runs):
     """Three steps and two evaluations compile each learner program once: the state the
-    optimizer step returns is laid out as the one it was given."""
-    _, _, workdir = recipe_runs("quickstart")
-    names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
-    for name in ("forward_terms", "micro_grads", "apply_grads"):
-        assert names.count(name) == 1, names
+    optimizer step returns is laid out as the one it was given. The quickstart's ratio reads
+    the generator's logprobs: no no-gradient pass; GRPO's KL reads the reference's."""
+    for recipe, counts in (
+        ("quickstart", {"forward_terms": 0, "micro_grads": 1, "apply_grads": 1}),
+        ("grpo", {"forward_terms": 1, "micro_grads": 1, "apply_grads": 1}),
+    ):
+        names = [e["name"] for e in json.load(open(recipe_runs(recipe)[2] / "programs.json"))]
+        assert {name: names.count(name) for name in counts} == counts, (recipe, names)
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,8 +266,10 @@ class _Source(rollouts.RolloutSource):
         )  # fmt: skip
         self._samples = list(samples)
 
-    def _sample(self, params, problems, rng):
-        return self._samples.pop(0)
+    def _sample(self, params, ids, rng, version):
+        s = self._samples.pop(0)
+        s.versions_NM = np.full(s.tokens_NM.shape, version)
+        return s
 
 
 def scoring_cfg():
@@ -293,6 +319,115 @@ def test_dynamic_sampling_draws_until_the_batch_is_full():
     assert stats["rounds"] == 2 and stats["kept_prompts"] == 2
     assert roll.row_weight_N.tolist() == [1.0] * 4
     assert roll.reward_N.tolist() == [0.0, 1.0, 1.0, 0.0]  # Round 1's kept, then round 2's.
+
+
+# ------------------------------------------------------------------------------------------
+# The learner: ratios against the generator, and its logprob match with the generator.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scale,noise,tol",
+    [
+        (1.0, 0.3, 1e-5),
+        # Probabilities near 0.99: raw float32 sums of x^2 lose the variance (r off by ~1e-3).
+        (0.01, 1e-4, 1e-6),
+    ],
+)
+def test_logp_match_over_chunks_equals_numpy(scale, noise, tol):
+    rng = np.random.default_rng(0)
+    logp = -rng.exponential(scale, (64, 32)).astype(np.float32)
+    sampler_logp = (logp + rng.normal(0, noise, logp.shape)).astype(np.float32)
+    mask = rng.random(logp.shape) < 0.7
+    mask[10:12] = False  # A chunk without tokens.
+    sampler_logp[~mask] = -np.inf  # What padding holds must not reach the statistics.
+    x, y = np.exp(logp[mask].astype(np.float64)), np.exp(sampler_logp[mask].astype(np.float64))
+    expected = {
+        "train/logp_gap_abs": np.abs(logp - sampler_logp)[mask].astype(np.float64).mean(),
+        "train/prob_pearson": np.corrcoef(x, y)[0, 1],
+    }
+    for cuts in ([], [3, 10, 12, 40]):  # One chunk, and five uneven ones.
+        chunks = [
+            learner.logp_match_stats(logp[r], sampler_logp[r], mask[r])
+            for r in np.split(np.arange(64), cuts)
+        ]
+        got = learner.logp_match(chunks)
+        assert got.keys() == expected.keys()
+        assert got["train/logp_gap_abs"] == pytest.approx(expected["train/logp_gap_abs"], rel=1e-5)
+        assert got["train/prob_pearson"] == pytest.approx(expected["train/prob_pearson"], abs=tol)
+    none = learner.logp_match([learner.logp_match_stats(logp, sampler_logp, mask & False)])
+    assert all(np.isnan(v) for v in none.values())  # Undefined without tokens: null.
+
+
+def _learner(chain, mesh, graphdef, G, M):
+    return learner.Learner(
+        graphdef=graphdef,
+        objective=objectives.build(chain, group_size=G, max_len=M),
+        optimizer=optax.sgd(0.5),
+        mesh=mesh,
+        logits_cfg=SamplingConfig(temperature=0.7),
+        epochs=1,
+        minibatches=2,
+        micro_batches=2,
+        group_size=G,
+        seed=0,
+        programs=programs.Programs(mesh),
+    )
+
+
+def test_learner_ratio_is_against_the_generator_and_match_is_the_first_minibatch(
+    tiny_cfg, tiny_model
+):
+    """The generator's logprobs are the trainer's plus noise: the first micro-batch's CISPO
+    ratio is exp(-noise), with no old_logp pass, and the logprob match is the noise over the
+    first minibatch's tokens (the second minibatch runs after an optimizer step). With
+    behaviour=trainer, the old_logp pass runs and reports its gap over the batch."""
+    graphdef, params = tiny_model
+    mesh = sharding.make_mesh((2, 1, 1))
+    G, N, P, M = 2, 16, 3, 5
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, tiny_cfg.vocab_size, (N, P + M)).astype(np.int32)
+    attn = np.ones((N, P + M), bool)
+    mask = np.arange(M)[None] < rng.integers(1, M + 1, (N, 1))
+    value_params = {"w": jnp.zeros(tiny_cfg.d_model), "b": jnp.zeros(())}
+    static = dict(graphdef=graphdef, P=P, logits_cfg=SamplingConfig(temperature=0.7))
+    logp = learner.forward_terms(params, value_params, tokens, attn, terms=("logp",), **static)
+    logp = np.asarray(logp["logp"])
+    noise = rng.normal(0, 0.3, (N, M)).astype(np.float32)
+    roll = types.SimpleNamespace(
+        tokens_NL=tokens,
+        attn_mask_NL=attn,
+        mask_NM=mask,
+        reward_N=rng.integers(0, 2, N).astype(np.float32),
+        correct_N=np.zeros(N, bool),
+        row_weight_N=np.ones(N, np.float32),
+        sampler_logp_NM=logp + noise,
+        prompt_len=P,
+    )
+    chain = "group_advantages | token_ratio{} | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
+
+    learn = _learner(chain.format(""), mesh, graphdef, G, M)
+    state, batch, prep = learn.prepare(learn.init(params, value_params), None, roll)
+    state, mets, _ = learn.update(state, batch, P, step=1)
+    assert learn.forward_passes == 0 and not prep and "old_logp" not in batch
+    assert "forward_terms" not in {e["name"] for e in learn.programs.entries}
+    first = np.array_split(np.random.default_rng([0, 1, 0]).permutation(N // G), 2)[0]
+    rows = (first[:, None] * G + np.arange(G)).reshape(-1)  # The first minibatch's rows.
+    micro = rows[: len(rows) // 2]  # Its first micro-batch's.
+    ratio = np.exp(-noise[micro])[mask[micro]].mean()
+    assert float(mets["train/ratio_mean"][0]) == pytest.approx(ratio, rel=1e-4)
+    assert len(mets["train/logp_match_stats"]) == 2  # The first minibatch's micro-batches.
+    match = learner.logp_match(mets["train/logp_match_stats"])
+    m = mask[rows]
+    x, y = np.exp(logp[rows][m]), np.exp(logp[rows][m] + noise[rows][m])
+    assert match["train/logp_gap_abs"] == pytest.approx(np.abs(noise[rows][m]).mean(), rel=1e-4)
+    assert match["train/prob_pearson"] == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-4)
+
+    learn = _learner(chain.format("(behaviour=trainer)"), mesh, graphdef, G, M)
+    _, batch, prep = learn.prepare(learn.init(params, value_params), None, roll)
+    assert learn.forward_passes == 1 and "old_logp" in batch
+    gap = float(prep["train/trainer_logp_gap"])
+    assert gap == pytest.approx(np.abs(noise[mask]).mean(), rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------

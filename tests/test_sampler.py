@@ -89,7 +89,9 @@ def test_categorical_matches_probabilities_and_never_draws_zero():
     probs = np.array([0.0, 0.1, 0.0, 0.25, 0.05, 0.0, 0.6, 0.0, 0.0], np.float32)
     n = 40_000
     draws = np.asarray(
-        jax.jit(lambda k: sampler.categorical(k, jnp.tile(probs, (n, 1)), 4))(jax.random.key(0))
+        jax.jit(
+            lambda k: sampler.categorical(jax.random.uniform(k, (n,)), jnp.tile(probs, (n, 1)), 4)
+        )(jax.random.key(0))
     )
     counts = np.bincount(draws, minlength=len(probs))
     assert counts[probs == 0].sum() == 0
@@ -120,7 +122,7 @@ def test_stop_tokens_mask_lengths_and_truncation(setup):
     base = smp(params, PROMPTS, jax.random.key(5), SamplingConfig(max_new_tokens=12, num_samples=4))
     stop = int(np.bincount(np.asarray(base.tokens).ravel()).argmax())
     scfg = SamplingConfig(max_new_tokens=12, num_samples=4, stop_tokens=(stop,))
-    out = smp(params, PROMPTS, jax.random.key(5), scfg)
+    out = smp(params, PROMPTS, jax.random.key(6), scfg)
     tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
     lengths, truncated = np.asarray(out.lengths), np.asarray(out.truncated)
     assert truncated.any() and not truncated.all()
@@ -247,7 +249,7 @@ def test_forced_interruption(setup):
         think_end_tokens=(think_end,),
     )
     base = SamplingConfig(max_new_tokens=14, num_samples=16, temperature=1.5, stop_tokens=(3,))
-    out = smp(params, PROMPTS, jax.random.key(5), scfg)
+    out = smp(params, PROMPTS, jax.random.key(6), scfg)
     tokens, mask, forced = map(np.asarray, (out.tokens, out.mask, out.forced))
     logprobs, interrupted = np.asarray(out.logprobs), np.asarray(out.interrupted)
     closed = [think_end in tokens[n, :budget] for n in range(len(tokens))]

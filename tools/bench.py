@@ -1,6 +1,7 @@
 """Benchmarks: sampler and train-step throughput against this machine's measured roofline.
 
-    python tools/bench.py --model small [--batch 128] [--out bench.json]
+    python tools/bench.py --model small [--batch 128] [--only decode,train,generator]
+        [--out bench.json]
 
 In one run it measures the peak matmul FLOP/s (large square matmuls in the model's compute
 dtype) and the memory bandwidth (a large reduction: reads only, which is what decode does),
@@ -12,11 +13,22 @@ then times:
     K/V written. Achieved fraction = sum of bounds / measured decode time.
   * train: forward + backward of the next-token loss + AdamW, FLOPs = 6 x (matmul params) x
     tokens + 12 x layers x heads x head_dim x T per token (attention), fraction of peak.
+  * generator: continuous batching (`engine.Generator`, --slots slots, `step(--steps_per_call)`)
+    against static batching (`Sampler` on batches of --slots requests in the same order) on
+    --requests requests whose completion lengths are long-tailed (see `completion_lengths`;
+    no stop tokens, so each request's budget is its length). A static batch decodes until its
+    longest row is done (max_new_tokens = that row's length), so both sides produce the same
+    useful tokens. Utilization = useful tokens / slot-steps; tokens/s over wall time, prefill
+    included, compilation excluded (every program is compiled by an untimed first pass). The
+    bound is the utilization of an ideal engine (a slot refilled the step it frees, no host
+    time) on the same workload: what the drain at the end of a finite workload leaves.
 Prints a table; `--out` writes the same numbers as JSON.
 """
 
 import argparse
+import heapq
 import json
+import statistics
 import time
 
 import jax
@@ -25,6 +37,7 @@ import numpy as np
 import optax
 
 from rlscale import model, next_token
+from rlscale.sampling import engine
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
 
@@ -136,6 +149,125 @@ def bench_train(cfg, params, graphdef, batch, seq_len, peak, repeats):
     }
 
 
+def completion_lengths(n, longest, seed):
+    """n long-tailed completion lengths: the n quantiles (i + 1/2) / n of a log-normal with
+    median longest / 8 whose top quantile is `longest` (so the longest is exactly 8x the
+    median, for any n), in an order shuffled with `seed`."""
+    z = np.array([statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    x = longest / 8 * np.exp(np.log(8) / z[-1] * z)
+    return np.random.default_rng(seed).permutation(np.maximum(np.round(x), 1).astype(int))
+
+
+def ideal_utilization(lengths, slots):
+    """Utilization of FIFO continuous batching that refills a slot the step it frees, with no
+    host time: below 1 only by the drain (slots idle while the last requests finish)."""
+    free = [0] * slots
+    end = 0
+    for n in lengths:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + int(n))
+        end = max(end, start + int(n))
+    return int(np.sum(lengths)) / (slots * end)
+
+
+def bench_generator(
+    cfg, params, graphdef, slots, requests, prompt_len, longest, k, repeats, seed=0
+):
+    if requests % slots:
+        raise ValueError(f"--requests={requests} must be a multiple of --slots={slots}")
+    lengths = completion_lengths(requests, longest, seed)
+    rng = np.random.default_rng(seed + 1)
+    prompts = [
+        rng.integers(4, cfg.vocab_size, int(n)).tolist()
+        for n in rng.integers(prompt_len // 2, prompt_len + 1, requests)
+    ]
+    batches = [slice(i, i + slots) for i in range(0, requests, slots)]
+    batch_keys = [jax.random.fold_in(jax.random.key(seed), b) for b in range(len(batches))]
+    useful = int(lengths.sum())
+
+    def scfg(max_new_tokens):
+        return sampling.SamplingConfig(
+            max_new_tokens=max_new_tokens, temperature=1.0, buckets=(prompt_len,)
+        )
+
+    # Request i = row j of batch b draws with fold_in(fold_in(key_b, j), 0) on both sides.
+    reqs = [
+        engine.Request(i, prompts[i], jax.random.fold_in(batch_keys[i // slots], i % slots), n)
+        for i, n in enumerate(lengths.tolist())
+    ]
+
+    def run_engine():
+        gen = engine.Generator(graphdef, cfg, scfg(longest), slots, prompt_len)
+        gen.set_params(params, 0)
+        t = time.perf_counter()
+        gen.submit(reqs)  # Timed, as the static side's checks and padding are.
+        done, calls = [], 0
+        while gen.busy:
+            done += gen.step(k)
+            calls += 1
+        return time.perf_counter() - t, gen.stats, calls, done
+
+    sampler = sampling.Sampler(graphdef, cfg)
+
+    def run_static():
+        t = time.perf_counter()
+        outs = [
+            sampler(params, prompts[b], key, scfg(int(lengths[b].max())))
+            for b, key in zip(batches, batch_keys)
+        ]
+        jax.block_until_ready(outs)
+        return time.perf_counter() - t, outs
+
+    # Untimed first passes compile every program: the engine's prefill sizes (its admissions
+    # repeat exactly) and decode loop, and one static program per distinct batch max. Timed
+    # passes alternate, so load from other processes falls on both sides alike; best of each.
+    run_engine()
+    run_static()
+    engine_runs, static_runs = [], []
+    for _ in range(repeats):
+        engine_runs.append(run_engine())
+        static_runs.append(run_static())
+    engine_s, stats, calls, done = min(engine_runs, key=lambda r: r[0])
+    static_s, outs = min(static_runs, key=lambda r: r[0])
+    assert stats.tokens == useful, (stats.tokens, useful)
+    static_steps = sum(int(np.asarray(o.lengths).max()) for o in outs)
+    # Same keys, same policy: the two sides should draw the same tokens (up to float noise).
+    by_id = {c.request.id: c for c in done}
+    same = sum(
+        int(np.sum(by_id[i].tokens_GM[0, :n] == np.asarray(outs[i // slots].tokens)[i % slots, :n]))
+        for i, n in enumerate(lengths.tolist())
+    )
+    return {
+        "slots": slots,
+        "requests": requests,
+        "prompt_len": prompt_len,
+        "max_new_tokens": longest,
+        "steps_per_call": k,
+        "length_median": float(np.median(lengths)),
+        "length_p90": float(np.percentile(lengths, 90)),
+        "length_max": int(lengths.max()),
+        "useful_tokens": useful,
+        "same_tokens_fraction": same / useful,
+        "ideal_utilization": ideal_utilization(lengths, slots),
+        "engine_s": engine_s,
+        "engine_decode_s": stats.decode_s,
+        "engine_prefill_s": stats.prefill_s,
+        "engine_steps": stats.steps,
+        "engine_step_calls": calls,
+        "engine_slot_steps": stats.slot_steps,
+        "engine_tokens_per_s": useful / engine_s,
+        "engine_utilization": stats.utilization,
+        "static_s": static_s,
+        "static_steps": static_steps,
+        "static_slot_steps": slots * static_steps,
+        "static_tokens_per_s": useful / static_s,
+        "static_utilization": useful / (slots * static_steps),
+    }
+
+
+PARTS = ("decode", "train", "generator")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", choices=model.config.NAMES)
@@ -146,10 +278,22 @@ def main():
     p.add_argument("--train_batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--dtype", default=None, help="override the model's compute/param dtype")
+    # 16 requests per slot: with fewer, the drain at the end (slots idle while the longest
+    # requests finish) caps any FIFO engine's utilization below 0.9 (`ideal_utilization`).
+    p.add_argument("--slots", type=int, default=4, help="generator: engine slots = static batch")
+    p.add_argument("--requests", type=int, default=64, help="generator: a multiple of --slots")
+    p.add_argument("--gen_tokens", type=int, default=192, help="generator: longest completion")
+    p.add_argument("--steps_per_call", type=int, default=4, help="generator: Generator.step(k)")
+    p.add_argument("--gen_prompt_len", type=int, default=16, help="generator: longest prompt")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: decode,train")
+    p.add_argument("--only", default=",".join(PARTS), help="comma list of parts to run")
+    p.add_argument("--skip", default="", help="comma list of parts to skip")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    parts = set(filter(None, args.only.split(","))) - set(filter(None, args.skip.split(",")))
+    unknown = parts - set(PARTS)
+    if unknown:
+        p.error(f"unknown part(s) {sorted(unknown)}; known: {', '.join(PARTS)}")
 
     overrides = {}
     if args.dtype:
@@ -158,23 +302,28 @@ def main():
     cfg = model.get(
         args.model,
         **overrides,
-        max_seq_len=max(cfg.max_seq_len, args.prompt_len + args.new_tokens, args.seq_len),
+        max_seq_len=max(
+            cfg.max_seq_len,
+            args.prompt_len + args.new_tokens,
+            args.gen_prompt_len + args.gen_tokens,
+            args.seq_len,
+        ),
     )
     graphdef, _ = model.abstract_model(cfg)
     params = model.init_params(cfg, jax.random.key(0))
-    peak = peak_matmul_flops(jnp.dtype(cfg.dtype))
-    bw = memory_bandwidth()
     results = {
         "device": str(jax.devices()[0].device_kind),
         "num_devices": jax.device_count(),
         "model": args.model,
         "params": cfg.num_params(),
         "dtype": cfg.dtype,
-        "peak_matmul_flops_per_s": peak,
-        "memory_bandwidth_bytes_per_s": bw,
     }
-    skip = set(filter(None, args.skip.split(",")))
-    if "decode" not in skip:
+    if parts & {"decode", "train"}:  # Their rooflines; the generator section needs neither.
+        peak = peak_matmul_flops(jnp.dtype(cfg.dtype))
+        bw = memory_bandwidth()
+        results["peak_matmul_flops_per_s"] = peak
+        results["memory_bandwidth_bytes_per_s"] = bw
+    if "decode" in parts:
         results["decode"] = bench_decode(
             cfg,
             params,
@@ -187,17 +336,32 @@ def main():
             bw,
             args.repeats,
         )
-    if "train" not in skip:
+    if "train" in parts:
         results["train"] = bench_train(
             cfg, params, graphdef, args.train_batch, args.seq_len, peak, args.repeats
         )
+    if "generator" in parts:
+        t = time.perf_counter()
+        results["generator"] = bench_generator(
+            cfg,
+            params,
+            graphdef,
+            args.slots,
+            args.requests,
+            args.gen_prompt_len,
+            args.gen_tokens,
+            args.steps_per_call,
+            args.repeats,
+        )
+        results["generator"]["section_s"] = time.perf_counter() - t
 
     print(
         f"device {results['device']} x{results['num_devices']}  model {args.model} "
         f"({cfg.num_params() / 1e6:.1f}M params, {cfg.dtype})"
     )
-    print(f"peak matmul {peak / 1e9:8.1f} GFLOP/s   memory bandwidth {bw / 1e9:6.1f} GB/s")
-    print(f"{'part':<8}{'shape':<22}{'tokens/s':>12}{'GFLOP/s':>10}{'roofline':>10}")
+    if parts & {"decode", "train"}:
+        print(f"peak matmul {peak / 1e9:8.1f} GFLOP/s   memory bandwidth {bw / 1e9:6.1f} GB/s")
+        print(f"{'part':<8}{'shape':<22}{'tokens/s':>12}{'GFLOP/s':>10}{'roofline':>10}")
     if "decode" in results:
         d = results["decode"]
         shape = f"B={d['batch']} P={d['prompt_len']} M={d['new_tokens']}/{d['decode_phases']}ph"
@@ -212,6 +376,30 @@ def main():
         print(
             f"{'train':<8}{shape:<22}{t['tokens_per_s']:>12.0f}"
             f"{t['flops_per_s'] / 1e9:>10.1f}{t['peak_fraction']:>10.1%}"
+        )
+    if "generator" in results:
+        g = results["generator"]
+        print(
+            f"generator S={g['slots']} requests={g['requests']} P<={g['prompt_len']} "
+            f"k={g['steps_per_call']}  completion lengths: median {g['length_median']:.0f} "
+            f"p90 {g['length_p90']:.0f} max {g['length_max']}  ({g['useful_tokens']} tokens)"
+        )
+        print(f"{'':<16}{'wall s':>8}{'slot-steps':>12}{'tokens/s':>10}{'util':>8}")
+        for side in ("engine", "static"):
+            print(
+                f"{side:<16}{g[side + '_s']:>8.1f}{g[side + '_slot_steps']:>12}"
+                f"{g[side + '_tokens_per_s']:>10.0f}{g[side + '_utilization']:>8.1%}"
+            )
+        ratio = g["engine_tokens_per_s"] / g["static_tokens_per_s"]
+        util_ratio = g["engine_utilization"] / g["static_utilization"]
+        print(f"{'engine/static':<16}{'':>20}{ratio:>9.2f}x{util_ratio:>7.2f}x")
+        host = g["engine_s"] - g["engine_decode_s"] - g["engine_prefill_s"]
+        print(
+            f"engine: {g['engine_steps']} steps in {g['engine_step_calls']} calls, decode "
+            f"{g['engine_decode_s']:.1f} s, prefill {g['engine_prefill_s']:.1f} s, host "
+            f"{host:.1f} s; ideal utilization (drain only) {g['ideal_utilization']:.1%}; "
+            f"same tokens as static {g['same_tokens_fraction']:.1%}; section "
+            f"{g['section_s']:.0f} s"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -9,7 +9,9 @@ heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP widt
 Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
 (their RoPE positions). With a KV cache, the T new tokens are written at cache slots
 `cache.index ... cache.index + T - 1` for every row (rows are aligned, prompts left-padded),
-and a token attends to the earlier slots of its row that hold real tokens.
+and a token attends to the earlier slots of its row that hold real tokens. A single decoded
+token (T = 1) attends to every real slot of its row, wherever it lies: the generator engine
+keeps its cache as a ring whose write index wraps around.
 """
 
 import math
@@ -354,9 +356,13 @@ class Decoder(nnx.Module):
         else:
             index = cache.index
             valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, index))
-            S = valid_BS.shape[1]
-            slot_T = index + jnp.arange(T)
-            mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & valid_BS[:, None, :]
+            if T == 1:  # Decoding: every real slot is in the past (the cache may be a ring).
+                mask_BTS = valid_BS[:, None, :]
+            else:
+                S = valid_BS.shape[1]
+                slot_T = index + jnp.arange(T)
+                causal_TS = jnp.arange(S)[None, :] <= slot_T[:, None]
+                mask_BTS = causal_TS[None] & valid_BS[:, None, :]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])

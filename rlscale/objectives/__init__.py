@@ -8,7 +8,8 @@ objective is one chain string a config names (`config.objective.chain`):
   )
   objective.batch   # once per sampled batch: advantages
   objective.loss    # per micro-batch, inside the differentiated loss: (loss_sum, denominator)
-  objective.model_terms   # {"logp", "old_logp"}: the model passes the learner runs
+  objective.model_terms   # {"logp"}: the model terms the learner computes (the ratio reads
+                          # the generator's sampler_logp, which the batch carries)
 
 Importing the package registers every transform (`registry.names()`).
 """
@@ -31,6 +32,7 @@ from rlscale.objectives.policy import (
 )
 from rlscale.objectives.registry import (
     MODEL_TERMS,
+    ByArg,
     Entry,
     Objective,
     build,
@@ -45,6 +47,7 @@ from rlscale.objectives.registry import (
 
 __all__ = [
     "MODEL_TERMS",
+    "ByArg",
     "EmptyState",
     "Entry",
     "Objective",

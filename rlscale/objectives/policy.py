@@ -19,35 +19,81 @@ from rlscale.objectives.core import (
     schedule_value,
     stateless,
 )
-from rlscale.objectives.registry import register
+from rlscale.objectives.registry import ByArg, register
 
 sg = jax.lax.stop_gradient
 
 
-@register("token_ratio", stage="loss", requires=("logp", "old_logp"), provides=("ratio",))
-def token_ratio() -> Transform:
-    """ratio_t = exp(logp_t - old_logp_t) (PPO: Schulman et al. 2017)."""
+# The behaviour policy mu of a ratio pi_theta / mu, and the term holding its logprobs.
+BEHAVIOURS = {"generator": "sampler_logp", "trainer": "old_logp"}
+_BEHAVIOUR = ByArg("behaviour", BEHAVIOURS)
+
+
+def _behaviour_term(behaviour: str) -> str:
+    if behaviour not in BEHAVIOURS:
+        raise ValueError(
+            f"behaviour={behaviour!r} is not one of {tuple(BEHAVIOURS)}: 'generator' divides by "
+            "the logprobs the tokens were sampled with (sampler_logp), 'trainer' by the "
+            "trainer's recomputation at the start of the update (old_logp)"
+        )
+    return BEHAVIOURS[behaviour]
+
+
+@register("token_ratio", stage="loss", requires=("logp", _BEHAVIOUR), provides=("ratio",))
+def token_ratio(behaviour: str = "generator") -> Transform:
+    """Per-token importance ratio of the trained policy to the behaviour policy mu:
+
+      ratio_t = pi_theta(y_t) / mu(y_t) = exp(logp_t - log mu_t),
+
+    both under the sampler's logits transform (temperature, top-k, top-p).
+
+    behaviour="generator" (default): mu is the policy that sampled the tokens, with the
+      logprob the generator computed for each (`sampler_logp`): PPO's pi_theta / pi_theta_old
+      with theta_old the policy that collected the data (Schulman et al. 2017), and ScaleRL's
+      CISPO weight sg(min(pi_train(theta) / pi_gen(theta_old), eps_max)) (Khatri et al. 2025,
+      arXiv 2510.13786). With asynchronous generation (PipelineRL: Piche et al. 2025, arXiv
+      2509.19128) a batch's tokens come from older and possibly several policy versions; this
+      is the ratio against the one that sampled each. The generator's numerics (precision,
+      kernels) enter the ratio too, which is what ScaleRL's FP32 LM head reduces.
+    behaviour="trainer": mu is the trainer's recomputation with the params at the start of
+      the batch's update (`old_logp`, one more no-gradient forward pass per batch): AReaL's
+      proximal policy (Fu et al. 2025, arXiv 2505.24298). The ratio is then a trust region
+      around the proximal policy that does not correct for how the tokens were sampled; add
+      `truncated_is` after the loss for that correction (Yao et al. 2025), which with
+      `ppo_clip` is AReaL's decoupled PPO objective with a truncated behaviour weight.
+    """
+    term = _behaviour_term(behaviour)
 
     def fn(terms):
-        require(terms, "logp", "old_logp", by="token_ratio")
-        ratio = jnp.exp(terms["logp"] - sg(terms["old_logp"]))
+        require(terms, "logp", term, by="token_ratio")
+        ratio = jnp.exp(terms["logp"] - sg(terms[term]))
         return {**terms, "ratio": ratio}
 
     return stateless(fn)
 
 
 @register(
-    "sequence_ratio", stage="loss", requires=("logp", "old_logp", "mask"), provides=("ratio",)
+    "sequence_ratio",
+    stage="loss",
+    requires=("logp", _BEHAVIOUR, "mask"),
+    provides=("ratio",),
 )
-def sequence_ratio() -> Transform:
-    """GSPO's sequence ratio s_i = exp(mean_t (logp_t - old_logp_t)), the geometric mean of the
-    token ratios (Zheng et al. 2025), broadcast over the row's tokens. Aggregate per sequence
-    ("seq_mean_token_mean") so each sequence counts once."""
+def sequence_ratio(behaviour: str = "generator") -> Transform:
+    """GSPO's sequence ratio, the geometric mean of the row's token ratios (Zheng et al. 2025),
+    broadcast over the row's tokens:
+
+      s_i = exp(mean_t (logp_t - log mu_t)),
+
+    mu the behaviour policy as in `token_ratio`: the generator's logprobs (`sampler_logp`,
+    default) or the trainer's recomputation at the start of the update (`old_logp`,
+    behaviour="trainer"). Aggregate per sequence ("seq_mean_token_mean") so each sequence
+    counts once."""
+    term = _behaviour_term(behaviour)
 
     def fn(terms):
-        require(terms, "logp", "old_logp", "mask", by="sequence_ratio")
+        require(terms, "logp", term, "mask", by="sequence_ratio")
         m = terms["mask"].astype(jnp.float32)
-        log_r = jnp.sum((terms["logp"] - sg(terms["old_logp"])) * m, axis=1)
+        log_r = jnp.sum((terms["logp"] - sg(terms[term])) * m, axis=1)
         s = jnp.exp(log_r / jnp.maximum(jnp.sum(m, axis=1), 1.0))
         return {**terms, "ratio": jnp.broadcast_to(s[:, None], m.shape)}
 
@@ -95,7 +141,9 @@ def cispo(
     """CISPO: loss = -sg(w) * A * logp, a REINFORCE step reweighted by a clipped, detached IS
     weight, so every token keeps a gradient (MiniMax-M1: Chen et al. 2025).
 
-    ScaleRL form (Khatri et al. 2025): w = min(ratio, eps_max), pass only `eps_max`.
+    ScaleRL form (Khatri et al. 2025, arXiv 2510.13786): w = min(ratio, eps_max), pass only
+    `eps_max`; with `token_ratio`'s default behaviour the ratio is pi_train(theta) /
+    pi_gen(theta_old), against the generator's logprobs, as the paper defines it.
     Two-sided form: w = clip(ratio, 1 - eps_low, 1 + eps_high), pass `eps_low` and `eps_high`
     (and `eps_max=None`).
     """
@@ -144,7 +192,13 @@ def truncated_is(cap: float = 2.0, level: str = "token") -> Transform:
     """Truncated importance sampling against the sampler (Yao et al. 2025, "Your efficient RL
     framework secretly brings you off-policy RL training"): multiplies the per-token loss by
     sg(min(pi_old / pi_sampler, cap)), per token or per sequence (product over tokens), to
-    correct for the mismatch between sampler and trainer numerics or policy lag.
+    correct for the mismatch between sampler and trainer numerics or policy lag. pi_old is
+    the trainer's recomputation at the start of the update (`old_logp`), pi_sampler the
+    generator's logprobs (`sampler_logp`).
+
+    Pair it with a ratio against the trainer (`token_ratio(behaviour=trainer)`) or with no
+    ratio (`policy_gradient`): a ratio against the generator (the default) already divides
+    by pi_sampler, and this weight would correct for the sampler a second time.
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"truncated_is level={level!r}: 'token' or 'sequence'")
@@ -212,8 +266,11 @@ def kl_penalty(coef: float | Callable = 0.001, estimator: str = "k3") -> Transfo
 def kl_in_reward(coef: float = 0.001, estimator: str = "k3") -> Transform:
     """KL to the reference policy subtracted from the reward before advantages (as in RLHF
     PPO): r_i -= coef * sum_t k_t over the row's tokens, k the configured estimator
-    (`kl_estimate`) of the sampling policy (`old_logp`) against the reference. Put it before
-    the advantage transform in the chain."""
+    (`kl_estimate`) of the trained policy against the reference. The policy's logprobs are
+    the trainer's at the start of the update (`old_logp`; in a synchronous run, the sampling
+    policy): the penalty is about the policy being trained, not an importance weight, so it
+    keeps the trainer's numerics rather than the generator's. Put it before the advantage
+    transform in the chain."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
 

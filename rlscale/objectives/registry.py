@@ -7,6 +7,17 @@ it reads and writes:
             provides=("loss",))
   def cispo(eps_max=4.0, ...): ...
 
+A term that depends on an argument is declared with `ByArg`: token_ratio reads `sampler_logp`
+unless built with behaviour=trainer, when it reads `old_logp` instead:
+
+  @register("token_ratio", stage="loss", provides=("ratio",), requires=(
+      "logp", ByArg("behaviour", {"generator": "sampler_logp", "trainer": "old_logp"})))
+  def token_ratio(behaviour="generator"): ...
+
+`check` and `build` resolve it with the chain's value (the factory's default when the chain
+does not set it), so the learner runs the `old_logp` pass only for chains that read it;
+`table` shows every choice ("sampler_logp (old_logp if behaviour=trainer)").
+
 A config names its objective as transforms separated by `|`, each `name` or
 `name(key=value, ...)` (values are Python literals; a bare word is a string):
 
@@ -53,12 +64,66 @@ RUN_ARGS = ("group_size", "max_len")
 AGGREGATION_TERMS = ("loss_sum", "denominator")
 
 
+class ByArg(NamedTuple):
+    """Required terms chosen by one argument of the factory: `terms[value]` for the value the
+    transform is built with (a term name or a tuple of them). `register` fills in `default`,
+    the factory's default for `arg`, which must be one of the listed values."""
+
+    arg: str
+    terms: dict[Any, str | tuple[str, ...]]
+    default: Any = None
+
+    def lists(self, value) -> bool:
+        try:
+            return value in self.terms
+        except TypeError:  # An unhashable value (a list) is not listed.
+            return False
+
+    def get(self, value) -> tuple[str, ...]:
+        """The terms for `value` (for one not listed, those of the default: the factory
+        rejects such a value, and `check` reports that)."""
+        return _as_terms(self.terms[value if self.lists(value) else self.default])
+
+    def text(self) -> str:
+        """E.g. `sampler_logp (old_logp if behaviour=trainer)`."""
+        others = "; ".join(
+            f"{' + '.join(_as_terms(t)) or 'nothing'} if {self.arg}={v}"
+            for v, t in self.terms.items()
+            if v != self.default
+        )
+        return f"{' + '.join(self.get(self.default)) or 'nothing'} ({others})"
+
+
 class Entry(NamedTuple):
     name: str
     factory: Callable[..., Transform]
     stage: str
-    requires: tuple[str, ...]
+    requires: tuple[str | ByArg, ...]  # As declared; `required(kwargs)` resolves them.
     provides: tuple[str, ...]
+
+    def required(self, kwargs: dict[str, Any] | None = None) -> tuple[str, ...]:
+        """The terms the transform reads when built with `kwargs` (the factory's defaults
+        for the arguments they omit)."""
+        kwargs = kwargs or {}
+        out = []
+        for r in self.requires:
+            if isinstance(r, ByArg):
+                out += [t for t in r.get(kwargs.get(r.arg, r.default)) if t not in out]
+            elif r not in out:
+                out.append(r)
+        return tuple(out)
+
+    def unlisted(self, kwargs: dict[str, Any]) -> list[str]:
+        """Arguments in `kwargs` whose value a `ByArg` requirement does not list."""
+        return [
+            f"{r.arg}={kwargs[r.arg]!r}"
+            for r in self.requires
+            if isinstance(r, ByArg) and r.arg in kwargs and not r.lists(kwargs[r.arg])
+        ]
+
+
+def _as_terms(t: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (t,) if isinstance(t, str) else tuple(t)
 
 
 class Objective(NamedTuple):
@@ -70,8 +135,13 @@ class Objective(NamedTuple):
 _REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, *, stage: str, requires: tuple[str, ...], provides: tuple[str, ...]):
-    """Registers a transform factory under `name` (a decorator; returns the factory)."""
+def register(
+    name: str, *, stage: str, requires: tuple[str | ByArg, ...], provides: tuple[str, ...]
+):
+    """Registers a transform factory under `name` (a decorator; returns the factory).
+
+    `requires` names terms, or `ByArg`s choosing terms by one of the factory's arguments.
+    """
     if stage not in STAGES:
         raise ValueError(f"register({name!r}): stage={stage!r} is not one of {STAGES}")
 
@@ -79,7 +149,19 @@ def register(name: str, *, stage: str, requires: tuple[str, ...], provides: tupl
         old = _REGISTRY.get(name)
         if old is not None and old.factory.__qualname__ != factory.__qualname__:
             raise ValueError(f"transform {name!r} is already registered ({old.factory})")
-        _REGISTRY[name] = Entry(name, factory, stage, tuple(requires), tuple(provides))
+        params = inspect.signature(factory).parameters
+        declared = []
+        for r in requires:
+            if isinstance(r, ByArg):
+                default = getattr(params.get(r.arg), "default", inspect.Parameter.empty)
+                if default is inspect.Parameter.empty or default not in r.terms:
+                    raise ValueError(
+                        f"register({name!r}): ByArg({r.arg!r}) needs an argument {r.arg!r} "
+                        f"whose default is one of {tuple(r.terms)}"
+                    )
+                r = r._replace(default=default)
+            declared.append(r)
+        _REGISTRY[name] = Entry(name, factory, stage, tuple(declared), tuple(provides))
         return factory
 
     return decorate
@@ -100,9 +182,8 @@ def table() -> str:
     rows = ["| transform | stage | requires | provides |", "| --- | --- | --- | --- |"]
     order = sorted(entries(), key=lambda e: (STAGES.index(e.stage), "loss_sum" in e.provides))
     for e in order:
-        rows.append(
-            f"| `{e.name}` | {e.stage} | {', '.join(e.requires)} | {', '.join(e.provides)} |"
-        )
+        requires = ", ".join(r.text() if isinstance(r, ByArg) else r for r in e.requires)
+        rows.append(f"| `{e.name}` | {e.stage} | {requires} | {', '.join(e.provides)} |")
     return "\n".join(rows)
 
 
@@ -156,24 +237,27 @@ def check(spec: str, *, group_size: int, max_len: int, key: str = "objective.cha
 
     Problems: a spec that does not parse; an unknown transform; an unknown argument, one of
     the wrong type, or one its factory rejects; a batch-stage transform after a loss-stage
-    one; a required term that neither the run supplies to that stage nor an earlier
-    transform provides; a term changed after every transform that reads it (KL in the reward
-    after the advantages); a loss stage that does not end in an aggregation; a value head
-    read (GAE's `old_value`) that nothing trains.
+    one; a required term (as the transform's arguments choose it) that neither the run
+    supplies to that stage nor an earlier transform provides; a term changed after every
+    transform that reads it (KL in the reward after the advantages); a loss stage that does
+    not end in an aggregation; a value head read (GAE's `old_value`) that nothing trains.
     """
     try:
         items = parse(spec)
     except ValueError as e:
         return [f"{key}: {e}"]
-    problems, provided, known = [], set(), []
+    # known[i]: the i-th transform's entry (None if unknown); reads[i]: the terms it reads.
+    problems, provided, known, reads = [], set(), [], []
     first_loss = None
     for name, kwargs in items:
         entry = _REGISTRY.get(name)
         if entry is None:
             problems.append(f"{key}: unknown transform {name!r}{_suggest(name, names())}")
             known.append(None)
+            reads.append(())
             continue
         known.append(entry)
+        reads.append(entry.required(_with_run_args(entry, kwargs, group_size, max_len)))
         problems += [f"{key}: {p}" for p in _argument_problems(entry, kwargs, group_size, max_len)]
         if entry.stage == "batch" and first_loss is not None:
             problems.append(
@@ -183,7 +267,7 @@ def check(spec: str, *, group_size: int, max_len: int, key: str = "objective.cha
         if entry.stage == "loss" and first_loss is None:
             first_loss = name
         supplied = BATCH_TERMS if entry.stage == "batch" else LOSS_TERMS
-        for term in entry.requires:
+        for term in reads[-1]:
             # After an unknown transform, which might have provided anything, say nothing.
             if term not in supplied and term not in provided and None not in known:
                 problems.append(f"{key}: {_missing_term(entry, term)}")
@@ -201,15 +285,16 @@ def check(spec: str, *, group_size: int, max_len: int, key: str = "objective.cha
         )
     for i, entry in enumerate(known):
         for term in entry.provides if entry is not None else ():
-            readers = [e.name for e in known[:i] if e is not None and term in e.requires]
-            if readers and not any(e is None or term in e.requires for e in known[i + 1 :]):
+            readers = [e.name for e, r in zip(known[:i], reads) if e is not None and term in r]
+            later = zip(known[i + 1 :], reads[i + 1 :])
+            if readers and not any(e is None or term in r for e, r in later):
                 problems.append(
                     f"{key}: {entry.name} changes term {term!r} after {readers[0]} read it, "
                     f"and nothing after it reads it; move it before {readers[0]}"
                 )
-    required = {t for e in known if e is not None for t in e.requires}
+    required = {t for r in reads for t in r}
     if "old_value" in required and "value" not in required:
-        reader = next(e.name for e in known if e is not None and "old_value" in e.requires)
+        reader = next(e.name for e, r in zip(known, reads) if "old_value" in r)
         problems.append(
             f"{key}: {reader} reads the value head (old_value), which nothing in the chain "
             f"trains (add one of: {_providers_of_requirement('value')})"
@@ -232,7 +317,8 @@ def resolve(spec: str, *, group_size: int, max_len: int) -> list[tuple[Entry, di
 
 def build(spec: str, *, group_size: int, max_len: int) -> Objective:
     """The objective a chain string names: its batch and loss transforms, and the model
-    terms it requires (`value` implies `old_value`, which the value loss clips against).
+    terms it requires, as its transforms' arguments choose them (`value` implies
+    `old_value`, which the value loss clips against).
 
     Raises:
       ValueError: "Invalid objective:" and every problem `check` finds.
@@ -240,7 +326,7 @@ def build(spec: str, *, group_size: int, max_len: int) -> Objective:
     batch, loss, required = [], [], set()
     for entry, kwargs in resolve(spec, group_size=group_size, max_len=max_len):
         (batch if entry.stage == "batch" else loss).append(entry.factory(**kwargs))
-        required |= set(entry.requires)
+        required |= set(entry.required(kwargs))
     model_terms = required & set(MODEL_TERMS)
     if "value" in model_terms:
         model_terms.add("old_value")
@@ -273,7 +359,11 @@ def _argument_problems(entry, kwargs, group_size, max_len) -> list[str]:
         return [f"{entry.name}: {e}"]
     except Exception as e:  # `check` reports; it never raises.
         return [f"{entry.name}: {type(e).__name__}: {e}"]
-    return []
+    # A value the factory accepts but the registration lists no terms for: a registry bug.
+    return [
+        f"{entry.name}({arg}): the factory accepts it but its registration lists no terms for it"
+        for arg in entry.unlisted(kwargs)
+    ]
 
 
 def _options(annotation):
@@ -317,13 +407,13 @@ def _providers(term: str, before_stage: str | None = None) -> str:
         e.name
         for e in entries()
         if term in e.provides
-        and term not in e.requires
+        and term not in e.required()
         and (before_stage != "batch" or e.stage == "batch")
     )
 
 
 def _providers_of_requirement(term: str) -> str:
-    return ", ".join(e.name for e in entries() if term in e.requires)
+    return ", ".join(e.name for e in entries() if term in e.required())
 
 
 def _missing_term(entry: Entry, term: str) -> str:

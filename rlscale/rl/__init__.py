@@ -1,17 +1,25 @@
 """RL for LLMs as parts with thin drivers.
 
 checks    start-up validation of a config, every problem at once
-setup     mesh and layouts, tokenizer, task, models, sampler, learner, verifier pool
-rollouts  the one sample-and-score; `RolloutSource`: prompts -> scored, filtered `Rollouts`
+setup     meshes and layouts, tokenizer, task, models, generator, learner, verifier pool
+rollouts  `RolloutSource`: prompts -> generator requests -> scored, filtered `Rollouts`
 learner   `TrainState`, the per-token terms a chain needs, `Learner.prepare/update`
 state     `RunState`: everything a checkpoint holds; opening and resuming checkpoints
 report    compute accounting, the step record, the files a finished run leaves
-sync      the synchronous driver (`run`)
+sync      the synchronous driver
+pipeline  the pipeline driver: a generator thread with in-flight weight updates
 """
 
 from rlscale.preemption import PreemptedError
+from rlscale.rl import pipeline, sync
 from rlscale.rl.checks import RESUMABLE_CHANGES, validate
 from rlscale.rl.setup import sampling_config
-from rlscale.rl.sync import run
+
+
+def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+    """Runs (or resumes) RL in `workdir` with the driver `config.pipeline.mode` names."""
+    driver = sync if config.pipeline.mode == "sync" else pipeline
+    return driver.run(config, workdir, allow_config_change=allow_config_change)
+
 
 __all__ = ["RESUMABLE_CHANGES", "PreemptedError", "run", "sampling_config", "validate"]

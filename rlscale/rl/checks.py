@@ -20,6 +20,7 @@ RESUMABLE_CHANGES = (
     "faults",
     "reward.workers",
     "reward.timeout",
+    "pipeline.decode_chunk",  # How often the generator checks for weights: not the samples.
 )
 
 
@@ -29,17 +30,29 @@ def import_function(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+MODES = ("sync", "pipeline", "async_ppo")
+
+
 def _mesh_problems(config) -> list[str]:
-    try:  # The mesh builder's own rules (fill, device count, processes).
-        mesh = tuple(sharding.make_mesh(tuple(config.mesh.shape)).shape.values())
-    except ValueError as e:
+    g = config.pipeline.generator_devices
+    if not isinstance(g, int) or g < 0:
+        return [f"pipeline.generator_devices={g!r} must be an integer >= 0 (0: share)"]
+    if g and g >= jax.device_count():
         return [
-            f"mesh.shape={tuple(config.mesh.shape)} does not fit {jax.device_count()} devices: {e}"
+            f"pipeline.generator_devices={g} leaves no device to train on: there are "
+            f"{jax.device_count()} devices (use 0 to time-slice them)"
         ]
+    try:  # The mesh builder's own rules (fill, device count, processes).
+        train, gen = sharding.role_meshes(tuple(config.mesh.shape), g)
+    except ValueError as e:
+        left = f" (left by pipeline.generator_devices={g})" if g else ""
+        n = jax.device_count() - g
+        return [f"mesh.shape={tuple(config.mesh.shape)} does not fit {n} devices{left}: {e}"]
+    mesh = tuple(train.shape.values())
+    problems = _pipeline_problems(config, sharding.batch_divisor(gen, sharding.SAMPLE_RULES))
     div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
     where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
     b, u = config.batch, config.learner
-    problems = []
     if b.prompts % div:
         problems.append(f"batch.prompts={b.prompts} is not divisible by {where}")
     if u.minibatches >= 1 and u.micro_batches >= 1:
@@ -48,6 +61,49 @@ def _mesh_problems(config) -> list[str]:
             problems.append(
                 f"a micro-batch of {rows} rows (batch.prompts / learner.minibatches / "
                 f"learner.micro_batches x batch.group_size) is not divisible by {where}"
+            )
+    return problems
+
+
+def _pipeline_problems(config, gen_div: int) -> list[str]:
+    p, b = config.pipeline, config.batch
+    problems = []
+    if p.mode not in MODES:
+        return [f"pipeline.mode={p.mode!r} is not one of {MODES}"]
+    if not isinstance(p.max_staleness, int) or p.max_staleness < 0:
+        problems.append(f"pipeline.max_staleness={p.max_staleness!r} must be an integer >= 0")
+    if not isinstance(p.decode_chunk, int) or p.decode_chunk < 1:
+        problems.append(f"pipeline.decode_chunk={p.decode_chunk!r} must be an integer >= 1")
+    if p.mode == "sync" and (p.max_staleness or p.generator_devices):
+        problems.append(
+            "pipeline.mode='sync' generates each batch with the current policy on the "
+            "trainer's devices: pipeline.max_staleness and pipeline.generator_devices must be 0"
+        )
+    slots = p.slots or b.prompts * b.group_size
+    if not isinstance(slots, int) or slots < 0 or slots % b.group_size:
+        problems.append(
+            f"pipeline.slots={p.slots!r} must be a multiple of batch.group_size={b.group_size}"
+        )
+    elif slots % gen_div:
+        problems.append(
+            f"pipeline.slots={slots} does not divide the generator's batch axes ({gen_div} devices)"
+        )
+    if p.mode == "async_ppo" and slots < b.prompts * b.group_size:
+        problems.append(
+            f"pipeline.mode='async_ppo' generates a whole batch with one policy version: "
+            f"pipeline.slots={slots} must hold batch.prompts x batch.group_size = "
+            f"{b.prompts * b.group_size} samples"
+        )
+    if p.mode != "sync":
+        if config.filters.dynamic_sampling:
+            problems.append(
+                f"filters.dynamic_sampling is not supported with pipeline.mode={p.mode!r}: a "
+                "batch must be a known set of prompts to bound its staleness at admission"
+            )
+        if jax.process_count() > 1:
+            problems.append(
+                f"pipeline.mode={p.mode!r} runs in one process (its generator thread decides "
+                f"when to take new weights); {jax.process_count()} processes were started"
             )
     return problems
 

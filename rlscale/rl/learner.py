@@ -1,6 +1,7 @@
 """The learner: its train state, the per-token terms an objective needs, and one update on a
-batch of rollouts (place, recompute the behaviour and reference terms, batch-stage
-transforms, then epochs x minibatches of accumulated micro-batch gradients).
+batch of rollouts (place, compute the trainer's old terms and the reference terms where the
+chain reads them, batch-stage transforms, then epochs x minibatches of accumulated
+micro-batch gradients), with how far the trainer's logprobs are from the generator's.
 
 Every jitted function is module-level and pure; the batch arrives as global arrays with rows
 sharded over the mesh's batch axes (`sharding.put_batch`), so each device does its share.
@@ -59,8 +60,8 @@ def token_terms(graphdef, params, value_params, tokens_NL, attn_NL, *, P, logits
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "P", "logits_cfg", "terms"))
 def forward_terms(params, value_params, tokens_NL, attn_NL, *, graphdef, P, logits_cfg, terms):
-    """`token_terms` without gradients: the behaviour policy's (or the reference's) terms,
-    once per sampled batch."""
+    """`token_terms` without gradients: the trainer's terms at the start of the update
+    (`old_logp`, `old_value`) or the reference's, once per sampled batch."""
     return token_terms(
         graphdef, params, value_params, tokens_NL, attn_NL, P=P, logits_cfg=logits_cfg, terms=terms
     )
@@ -108,12 +109,70 @@ def micro_grads(
         )
         data = {k: v for k, v in mb.items() if k not in ("tokens", "attn_mask")}
         out, new_state = loss_tx.update({**data, **t, "update": update}, loss_state)
-        return out["loss_sum"], (out["denominator"], out.get("metrics", {}), new_state)
+        match = logp_match_stats(jax.lax.stop_gradient(t["logp"]), mb["sampler_logp"], mb["mask"])
+        return out["loss_sum"], (out["denominator"], out.get("metrics", {}), new_state, match)
 
-    (loss_sum, (denom, mets, new_state)), grads = jax.value_and_grad(
+    (loss_sum, (denom, mets, new_state, match)), grads = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True
     )(params, value_params)
-    return grads, loss_sum, denom, mets, new_state
+    return grads, loss_sum, denom, mets, new_state, match
+
+
+def logp_match_stats(logp, sampler_logp, mask) -> dict:
+    """One chunk's (a micro-batch's) statistics of its masked tokens, from which `logp_match`
+    computes how far the trainer's logprobs are from the generator's over any number of
+    chunks: the count n, the means of x = exp(logp) and y = exp(sampler_logp), the centred
+    sums M2x = sum (x - mean x)^2, M2y = sum (y - mean y)^2, Cxy = sum (x - mean x)(y - mean y),
+    and sum |logp - sampler_logp|. Centred within the chunk, not raw sums of x^2: probabilities
+    near 1 would lose the variance to float32 cancellation (a Pearson r of 1.000002)."""
+    m = mask > 0
+    n = jnp.sum(m.astype(jnp.int32))
+    x, y = jnp.exp(logp), jnp.exp(sampler_logp)
+    mean_x = jnp.sum(jnp.where(m, x, 0.0)) / jnp.maximum(n, 1)
+    mean_y = jnp.sum(jnp.where(m, y, 0.0)) / jnp.maximum(n, 1)
+    dx, dy = jnp.where(m, x - mean_x, 0.0), jnp.where(m, y - mean_y, 0.0)
+    return {
+        "n": n,
+        "mean_x": mean_x,
+        "mean_y": mean_y,
+        "m2_x": jnp.sum(dx * dx),
+        "m2_y": jnp.sum(dy * dy),
+        "c_xy": jnp.sum(dx * dy),
+        "abs_gap": jnp.sum(jnp.where(m, jnp.abs(logp - sampler_logp), 0.0)),
+    }
+
+
+def logp_match(chunks: list[dict]) -> dict[str, float]:
+    """The trainer-vs-generator metrics over the tokens of all `chunks` (`logp_match_stats`
+    of each), merged on the host in float64 with the exact pairwise update of Chan, Golub and
+    LeVeque (1979): for chunks a, b with d = mean_b - mean_a, M2 = M2_a + M2_b + d^2 n_a n_b / n
+    and C = C_a + C_b + d_x d_y n_a n_b / n. Any split gives the value of the whole, up to
+    float32 rounding within each chunk.
+
+      train/logp_gap_abs   mean_t |logp_t - sampler_logp_t|
+      train/prob_pearson   Pearson r between exp(logp_t) and exp(sampler_logp_t):
+                           Cxy / sqrt(M2x M2y)
+
+    NaN (null in metrics.jsonl) where undefined: no tokens, or r of a constant.
+    """
+    n = mean_x = mean_y = m2_x = m2_y = c_xy = abs_gap = 0.0
+    for c in chunks:
+        c = {k: float(v) for k, v in c.items()}
+        total = n + c["n"]
+        if c["n"] > 0:
+            d_x, d_y, w = c["mean_x"] - mean_x, c["mean_y"] - mean_y, n * c["n"] / total
+            m2_x += c["m2_x"] + d_x * d_x * w
+            m2_y += c["m2_y"] + d_y * d_y * w
+            c_xy += c["c_xy"] + d_x * d_y * w
+            mean_x += d_x * c["n"] / total
+            mean_y += d_y * c["n"] / total
+        n, abs_gap = total, abs_gap + c["abs_gap"]
+    return {
+        "train/logp_gap_abs": abs_gap / n if n > 0 else float("nan"),
+        "train/prob_pearson": c_xy / np.sqrt(m2_x * m2_y)
+        if m2_x > 0 and m2_y > 0
+        else float("nan"),
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0,))
@@ -186,7 +245,7 @@ class Learner:
         need = self.objective.model_terms
         self.train_terms = tuple(t for t in FORWARD_TERMS if t in need or t == "logp")
         self.old_terms = tuple(t for t in ("logp", "value") if f"old_{t}" in need)
-        # No-gradient forward passes per batch: behaviour terms, reference logprobs.
+        # No-gradient forward passes per batch: the trainer's old terms, reference logprobs.
         self.forward_passes = int(bool(self.old_terms)) + int("ref_logp" in need)
         self._batch_update = jax.jit(self.objective.batch.update)
 
@@ -217,8 +276,10 @@ class Learner:
         return self.programs.run("forward_terms", forward_terms, args, static)
 
     def prepare(self, state: TrainState, ref_params, rollouts) -> tuple[TrainState, dict, dict]:
-        """The learner batch (global arrays) from host rollouts: the behaviour and reference
-        terms the chain needs, then the batch-stage transforms (advantages).
+        """The learner batch (global arrays) from host rollouts: the trainer's old terms and
+        the reference terms the chain needs, then the batch-stage transforms (advantages).
+        Where the chain reads `old_logp`, also `train/trainer_logp_gap`: the mean over the
+        batch's masked tokens of |old_logp - sampler_logp|.
 
         Returns (state with the batch transforms' new state, batch, metrics).
         """
@@ -247,7 +308,7 @@ class Learner:
             batch.update({f"old_{k}": v for k, v in old.items()})
         if "logp" in self.old_terms:  # How far the sampler's numerics are from the learner's.
             mask_f = batch["mask"].astype(jnp.float32)
-            metrics["train/sampler_logp_gap"] = jnp.sum(
+            metrics["train/trainer_logp_gap"] = jnp.sum(
                 jnp.abs(batch["old_logp"] - batch["sampler_logp"]) * mask_f
             ) / jnp.maximum(jnp.sum(mask_f), 1.0)
         if "ref_logp" in need:
@@ -262,6 +323,14 @@ class Learner:
     def update(self, state: TrainState, batch: dict, P: int, step: int):
         """`epochs` x `minibatches` optimizer steps on the batch, each accumulating
         `micro_batches` gradient sums and dividing once by their summed denominator.
+
+        The metrics include `train/logp_match_stats`: the `logp_match_stats` of the
+        micro-batches of the first minibatch of the first epoch, which `logp_match` merges on
+        the host. Only
+        there is `logp` computed with the params the update started from, before any optimizer
+        step on this batch: in a synchronous run, the generator's params, so the metrics
+        measure the sampler's numerics alone (with asynchronous generation, the policy lag
+        too).
 
         Returns (state, metrics: device scalars and lists, applied: one device bool per
         optimizer step, False where a non-finite loss or gradient skipped it).
@@ -279,7 +348,7 @@ class Learner:
         )
         for epoch in range(self.epochs):
             order = np.random.default_rng([self.seed, step, epoch]).permutation(N // G)
-            for mb in np.array_split(order, self.minibatches):
+            for i, mb in enumerate(np.array_split(order, self.minibatches)):
                 grads_acc, denom_acc, loss_acc = None, 0.0, 0.0
                 for micro in np.array_split(mb, self.micro_batches):
                     rows = (micro[:, None] * G + np.arange(G)).reshape(-1)
@@ -291,9 +360,11 @@ class Learner:
                         rows.astype(np.int32),
                         state.step,
                     )
-                    grads, loss_sum, denom, mets, loss_state = self.programs.run(
+                    grads, loss_sum, denom, mets, loss_state, match = self.programs.run(
                         "micro_grads", micro_grads, args, static
                     )
+                    if epoch == 0 and i == 0:  # The on-policy view: no update applied yet.
+                        step_metrics.setdefault("train/logp_match_stats", []).append(match)
                     state = state._replace(loss_state=loss_state)
                     grads_acc = (
                         grads if grads_acc is None else jax.tree.map(jnp.add, grads_acc, grads)

@@ -10,6 +10,7 @@ import numpy as np
 
 from rlscale import checkpoint
 from rlscale.model import hf
+from rlscale.rl import learner
 from rlscale.scaling import compute
 
 
@@ -24,7 +25,8 @@ class Compute:
 
     def add_step(self, model_cfg, stats, rollouts, passes):
         """One step's FLOPs: sampling (prompts + generated tokens), the learner's `passes`
-        no-grad forward passes (behaviour and reference terms) and its training passes."""
+        no-grad forward passes (the trainer's old terms, the reference's) and its training
+        passes."""
         ctx = rollouts.prompt_len + self.max_new_tokens / 2
         seq_tokens = float(rollouts.attn_mask_NL.sum())
         generated = float(stats["lengths"].sum())
@@ -49,6 +51,8 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
     mets = dict(learner_metrics)
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
+    if "train/logp_match_stats" in mets:  # Per micro-batch -> logprob gap and Pearson r.
+        mets.update(learner.logp_match(mets.pop("train/logp_match_stats")))
     failures = stats["failures"]
     return {
         "train/reward_mean": float(stats["reward"].mean()),
@@ -63,6 +67,7 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
         "train/retired_prompts": retired,
         "train/newly_retired": stats["newly_retired"],
         "train/skipped_updates": skipped,
+        "data/prompt_ids": [int(i) for i in stats["prompt_ids"]],  # Every prompt sampled.
         "reward/failures": sum(failures.values()),
         **{f"reward/failures_{kind}": n for kind, n in failures.items()},
         **times,
@@ -70,6 +75,51 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
             k: float(np.mean([float(x) for x in v])) if isinstance(v, list) else float(v)
             for k, v in mets.items()
         },
+    }
+
+
+def staleness(rollouts, version: int) -> dict:
+    """How far behind the trainer (at `version`) the trained tokens were sampled, in optimizer
+    updates: mean and max per token, split into the part that passed while the sequence was
+    generated (in flight: its last token's version minus this token's) and while it waited to
+    be trained (in queue: `version` minus its last token's); and the spread of versions."""
+    m = rollouts.mask_NM
+    if not m.any():
+        return dict.fromkeys(STALENESS_KEYS, 0.0)
+    v = rollouts.version_NM.astype(np.int64)
+    last_N = np.where(m, v, np.iinfo(np.int64).min).max(axis=1, keepdims=True)
+    lag = (version - v)[m]
+    return {
+        "pipeline/staleness_mean": float(lag.mean()),
+        "pipeline/staleness_max": int(lag.max()),
+        "pipeline/staleness_in_flight_mean": float((last_N - v)[m].mean()),
+        "pipeline/staleness_in_queue_mean": float(
+            np.broadcast_to(version - last_N, m.shape)[m].mean()
+        ),
+        "pipeline/version_spread": int(v[m].max() - v[m].min()),
+    }
+
+
+STALENESS_KEYS = (
+    "pipeline/staleness_mean",
+    "pipeline/staleness_max",
+    "pipeline/staleness_in_flight_mean",
+    "pipeline/staleness_in_queue_mean",
+    "pipeline/version_spread",
+)
+
+
+def generator_record(before, after) -> dict:
+    """The generator engine between two `EngineStats` snapshots: its busy seconds (decode,
+    prefill, weight swaps), weight-swap seconds and slot utilization (tokens generated per
+    slot-step; NaN, written as null, when it decoded nothing in between)."""
+    busy = lambda e: e.decode_s + e.prefill_s + e.swap_s  # noqa: E731
+    slot_steps = after.slot_steps - before.slot_steps
+    tokens = after.tokens - before.tokens
+    return {
+        "time/generator_busy_s": busy(after) - busy(before),
+        "time/weight_swap_s": after.swap_s - before.swap_s,
+        "pipeline/slot_utilization": tokens / slot_steps if slot_steps else float("nan"),
     }
 
 

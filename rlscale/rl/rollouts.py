@@ -1,11 +1,13 @@
 """Rollouts: prompts in, scored and filtered completions out.
 
-`RolloutSource` turns the prompt stream into the learner's `Rollouts` (sampled and scored by
-`sampling.scoring.sample_and_score`):
+`RolloutSource` turns the prompt stream into the learner's `Rollouts`: requests to the
+generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`),
 sampling rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling
 (all judged on correctness, before reward shaping), the soft overlong penalty, assembly into
-static shapes. Every process runs the same host logic on the same data, so host state (stream,
-history) stays identical across processes without being exchanged.
+static shapes. The synchronous driver calls `next`; the pipeline driver calls its parts
+(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads.
+Every process runs the same host logic on the same data, so host state (stream, history)
+stays identical across processes without being exchanged.
 
 Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length,
 M new tokens, L = P + M.
@@ -17,7 +19,8 @@ import jax
 import numpy as np
 
 from rlscale.data import filters
-from rlscale.sampling.scoring import Samples, sample_and_score
+from rlscale.sampling.engine import Request
+from rlscale.sampling.scoring import Samples, encode_prompts, score_completed
 
 
 @dataclasses.dataclass
@@ -47,23 +50,44 @@ class RolloutSource:
     first. The stream and the pass-rate history are the host state a checkpoint saves.
     """
 
-    def __init__(self, config, sampler, scfg, tokenizer, problems, scorer, stream, history):
-        self.sampler, self.scfg, self.tokenizer = sampler, scfg, tokenizer
+    def __init__(self, config, generator, scfg, tokenizer, problems, scorer, stream, history):
+        self.generator, self.scfg, self.tokenizer = generator, scfg, tokenizer
         self.problems, self.scorer = problems, scorer
         self.stream, self.history = stream, history
         self.B, self.G = config.batch.prompts, config.batch.group_size
         self.filters = config.filters
         self.max_new_tokens = config.sampling.max_new_tokens
+        self.decode_chunk = config.pipeline.decode_chunk
 
-    def _sample(self, params, problems, rng) -> Samples:
-        return sample_and_score(
-            self.sampler, params, self.tokenizer, problems, rng, self.scfg, self.scorer
-        )
+    def draw(self) -> list[int]:
+        """The next `batch.prompts` training prompt ids (retired ones skipped)."""
+        return self.stream.next(self.B, self.history.retired)
 
-    def _round(self, params, rng) -> dict:
+    def requests(self, ids, rng, tag=None) -> list[Request]:
+        """Generator requests for prompts `ids`: request i has id (tag, i) and samples with
+        fold_in(rng, i)."""
+        prompts = encode_prompts(self.tokenizer, [self.problems[i] for i in ids])
+        return [Request((tag, i), p, jax.random.fold_in(rng, i)) for i, p in enumerate(prompts)]
+
+    def score(self, completed, ids) -> Samples:
+        """Scored samples of the completed requests for prompts `ids` (in request order)."""
+        completed = sorted(completed, key=lambda c: c.request.id[1])
+        problems = [self.problems[ids[c.request.id[1]]] for c in completed]
+        return score_completed(self.tokenizer, self.scorer, completed, problems, self.scfg)
+
+    def _sample(self, params, ids, rng, version) -> Samples:
+        """Every request for `ids` generated with `params` (policy `version`), and scored."""
+        gen = self.generator
+        gen.set_params(params, version)
+        gen.submit(self.requests(ids, rng))
+        completed = []
+        while len(completed) < len(ids):
+            completed += gen.step(self.decode_chunk)
+        return self.score(completed, ids)
+
+    def judge(self, ids, s: Samples) -> dict:
+        """One round: the reward shaping, the pass-rate history and the filters' verdicts."""
         f, G = self.filters, self.G
-        ids = self.stream.next(self.B, self.history.retired)
-        s = self._sample(params, [self.problems[i] for i in ids], rng)
         correct_N = s.reward_N > 0
         reward_N = s.reward_N
         if f.overlong_cache:
@@ -77,6 +101,7 @@ class RolloutSource:
         if f.zero_variance or f.dynamic_sampling:
             keep_B = filters.zero_variance_keep(correct_N.reshape(-1, G).astype(np.float32))
         return {
+            "ids": list(ids),
             "samples": s,
             "reward": reward_N,
             "correct": correct_N,
@@ -85,15 +110,25 @@ class RolloutSource:
         }
 
     def next(self, params, rng, version: int) -> tuple[Rollouts, dict]:
-        """(Rollouts, stats of every round sampled) for one learner batch."""
-        rounds = [self._round(params, jax.random.fold_in(rng, 0))]
+        """(Rollouts, stats of every round sampled) for one learner batch, sampled now with
+        `params` (policy `version`). Round r's requests use fold_in(rng, r)."""
+
+        def round_(r):
+            ids = self.draw()
+            return self.judge(ids, self._sample(params, ids, jax.random.fold_in(rng, r), version))
+
+        rounds = [round_(0)]
         if self.filters.dynamic_sampling:  # DAPO: refill filtered groups with fresh ones.
             while (
                 sum(int(r["keep"].sum()) for r in rounds) < self.B
                 and len(rounds) < self.filters.dynamic_max_rounds
             ):
-                rounds.append(self._round(params, jax.random.fold_in(rng, len(rounds))))
-        roll, keep_B = self._assemble(rounds, version)
+                rounds.append(round_(len(rounds)))
+        return self.rollouts(rounds)
+
+    def rollouts(self, rounds) -> tuple[Rollouts, dict]:
+        """The learner batch from judged rounds, and their stats."""
+        roll, keep_B = self._assemble(rounds)
 
         def cat(f):
             return np.concatenate([f(r) for r in rounds])
@@ -105,6 +140,7 @@ class RolloutSource:
             "truncated": cat(lambda r: r["samples"].truncated_N),
             "interrupted": cat(lambda r: r["samples"].interrupted_N),
             "prompt_tokens": sum(r["samples"].prompt_tokens for r in rounds),
+            "prompt_ids": [i for r in rounds for i in r["ids"]],
             "kept_prompts": int(keep_B.sum()),
             "filtered_prompts": sum(int((~r["keep"]).sum()) for r in rounds),
             "rounds": len(rounds),
@@ -116,7 +152,7 @@ class RolloutSource:
         }
         return roll, stats
 
-    def _assemble(self, rounds, version) -> tuple[Rollouts, np.ndarray]:
+    def _assemble(self, rounds) -> tuple[Rollouts, np.ndarray]:
         """The kept groups first, then (weight 0, for static shapes) dropped ones, `B` groups
         in all; prompts re-padded on the left to the longest round's bucket."""
         G = self.G
@@ -133,6 +169,7 @@ class RolloutSource:
                 # Tokens written by forced interruption are context, not actions: out of the loss.
                 "mask_NM": s.mask_NM & ~s.forced_NM & keep_N[:, None],
                 "sampler_logp_NM": s.logprobs_NM.astype(np.float32),
+                "version_NM": s.versions_NM.astype(np.int32),
                 "reward_N": r["reward"].astype(np.float32),
                 "correct_N": r["correct"],
                 "row_weight_N": keep_N.astype(np.float32),
@@ -146,9 +183,5 @@ class RolloutSource:
             k: np.concatenate([per_round[i][k][b * G : (b + 1) * G] for i, b in picks])
             for k in per_round[0]
         }
-        roll = Rollouts(
-            **fields,
-            version_NM=np.full(fields["mask_NM"].shape, version, np.int32),
-            prompt_len=P,
-        )
+        roll = Rollouts(**fields, prompt_len=P)
         return roll, np.array([bool(rounds[i]["keep"][b]) for i, b in picks])

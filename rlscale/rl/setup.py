@@ -1,11 +1,13 @@
-"""Builds the parts of an RL run from its config: the mesh and each role's layout, the
+"""Builds the parts of an RL run from its config: the meshes and each role's layout, the
 tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint) and
-its frozen reference, the sampler, the learner, the rollout source, the verifier pool.
+its frozen reference, the generator engine and the evaluation sampler, the learner, the
+rollout source, the verifier pool.
 
-One mesh serves both roles in the synchronous driver; the learner keeps params in the
-training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`, tensor parallel over `tensor`) and
-the sampler receives them resharded to the sampling layout (`sharding.SAMPLE_RULES`: whole
-weights on each data replica) before each rollout.
+The learner keeps params in the training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`,
+tensor parallel over `tensor`) on the trainer's mesh. The generator receives them resharded
+to the sampling layout (`sharding.SAMPLE_RULES`: whole weights on each data replica) on its
+own mesh: the first `pipeline.generator_devices` devices, or the trainer's mesh when that is
+0. Evaluation samples on the trainer's mesh.
 """
 
 import dataclasses
@@ -24,12 +26,14 @@ from rlscale.model import hf
 from rlscale.rewards import isolation
 from rlscale.rl import checks, learner, rollouts
 from rlscale.sampling import Sampler, SamplingConfig, scoring
+from rlscale.sampling.engine import Generator
 
 
 @dataclasses.dataclass
 class Setup:
     config: Any
-    mesh: Any
+    mesh: Any  # The trainer's.
+    generator_mesh: Any  # The trainer's mesh unless the generator has its own devices.
     tokenizer: Any
     task: Any
     train_problems: list
@@ -41,8 +45,10 @@ class Setup:
     warm_start_summary: dict
     scfg: SamplingConfig
     eval_scfg: SamplingConfig
-    sampler: Sampler
+    sampler: Sampler  # The static sampler, for evaluation.
     sample_shardings: Any
+    generator: Generator  # The engine that samples training rollouts.
+    generator_shardings: Any
     learner: learner.Learner
     pool: Any  # The run's one verifier pool (None: rewards scored in-process).
     train_scorer: scoring.Scorer
@@ -59,10 +65,19 @@ class Setup:
         out = jax.block_until_ready(sharding.reshard(params, self.sample_shardings))
         return out, time.time() - t
 
+    def generator_params(self, params) -> tuple[Any, float]:
+        """The params in the generator's layout (on its devices), and the seconds it took.
+        Always a copy in pipeline modes: the generator samples while the learner donates."""
+        t = time.time()
+        copy = self.config.pipeline.mode != "sync"
+        out = sharding.reshard(params, self.generator_shardings, copy=copy)
+        out = jax.block_until_ready(out)
+        return out, time.time() - t
+
     def rollout_source(self, stream, history) -> rollouts.RolloutSource:
         return rollouts.RolloutSource(
             self.config,
-            self.sampler,
+            self.generator,
             self.scfg,
             self.tokenizer,
             self.train_problems,
@@ -147,7 +162,8 @@ def _tokenizer(config, workdir, problems):
 
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from its config (already validated by `checks.validate`)."""
-    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    pipe = config.pipeline
+    mesh, gen_mesh = sharding.role_meshes(tuple(config.mesh.shape), pipe.generator_devices)
     warm_start.reuse(config, workdir)
     task, splits = data_load.load_task(config, workdir)
     hf_init = config.init.hf_checkpoint
@@ -177,6 +193,16 @@ def build(config, workdir: str) -> Setup:
     # state's buffers are donated to each update.
     ref = jax.tree.map(jnp.copy, params) if "ref_logp" in objective.model_terms else None
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
+    longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
+    generator = Generator(
+        graphdef,
+        model_cfg,
+        scfg,
+        slots=pipe.slots or config.batch.prompts * G,
+        max_prompt_len=longest,
+        mesh=gen_mesh,
+        programs=progs.on(gen_mesh),
+    )
     logits_cfg = SamplingConfig(
         temperature=config.sampling.temperature,
         top_k=config.sampling.top_k,
@@ -198,6 +224,7 @@ def build(config, workdir: str) -> Setup:
     return Setup(
         config=config,
         mesh=mesh,
+        generator_mesh=gen_mesh,
         tokenizer=tokenizer,
         task=task,
         train_problems=splits["train"],
@@ -211,6 +238,8 @@ def build(config, workdir: str) -> Setup:
         eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),
         sampler=sampler,
         sample_shardings=sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES),
+        generator=generator,
+        generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
         pool=pool,
         train_scorer=scoring.Scorer(reward_fn, pool, config.reward.timeout),

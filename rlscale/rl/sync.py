@@ -1,12 +1,13 @@
 """The synchronous driver: sample a batch with the current policy, score it, update, repeat.
 
-Each step reshards the params to the sampling layout, draws rollouts from the
+Each step reshards the params to the generator's layout, draws rollouts from the
 `RolloutSource`, lets the `Learner` update on them and writes one metrics line. Every part
 lives in its own module of `rlscale.rl`; this file only orders them. A workdir holding
 checkpoints resumes from the latest readable one.
 """
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -31,6 +32,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     writer = metrics.MetricWriter(workdir, config.steps, is_main, run.metrics_offset)
     skips = faults.SkipCounter(config.faults.max_consecutive_skips)
     devices = s.mesh.devices.size
+    engine = s.generator.stats
 
     def evaluate(step):
         t = time.time()
@@ -51,7 +53,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
             writer.write(0, evaluate(0))
         for step in range(start + 1, config.steps + 1):
             t_sample = time.time()
-            params, reshard_s = s.sampler_params(run.train.params)
+            seen = dataclasses.replace(engine)
+            params, reshard_s = s.generator_params(run.train.params)
             version = int(sharding.fetch(run.train.step))
             roll, stats = source.next(params, jax.random.fold_in(run.rng, step), version)
             t_update = time.time()
@@ -63,7 +66,11 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                 skips.update(ok, step, last_checkpoint=ckpt.latest_step())
             comp.add_step(s.model_cfg, stats, roll, s.learner.forward_passes)
             comp.add_seconds(t_done - t_sample, devices)
-            times = {"time/sample_s": t_update - t_sample, "time/update_s": t_done - t_update}
+            times = {
+                "time/sample_s": t_update - t_sample,
+                "time/update_s": t_done - t_update,
+                "time/step_s": t_done - t_sample,
+            }
             record = report.step_record(
                 stats,
                 {**prep_metrics, **mets},
@@ -71,6 +78,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                 skipped=sum(not bool(ok) for ok in applied),
                 times={**times, "time/reshard_s": reshard_s},
             )
+            record.update(report.staleness(roll, version))  # Always 0 here: sampled now.
+            record.update(report.generator_record(seen, engine))
             record.update(comp.metrics())
             if step % config.eval.every == 0 or step == config.steps:
                 record.update(evaluate(step))

@@ -178,22 +178,22 @@ def _last_positive(x):
     return n - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)
 
 
-def categorical(rng, probs_NV, chunk: int = 128):
+def categorical(u_N, probs_NV, chunk: int = 128):
     """Draws one index per row from unnormalized probabilities, by inverse CDF in two levels.
 
-    One uniform per row picks a chunk of `chunk` ids from the chunks' cumulative mass, then an
-    id inside it. Compared with `jax.random.categorical` (Gumbel noise for all N x V logits)
-    this draws N random numbers instead of N x V and avoids a full-vocab cumsum, which XLA:CPU
-    runs slowly. Ids with zero probability are never drawn: an id is chosen only where the
-    cumulative sum strictly increases, and clamping to the last positive id guards the top
-    edge against rounding.
+    One uniform per row (`u_N` in [0, 1)) picks a chunk of `chunk` ids from the chunks'
+    cumulative mass, then an id inside it. Compared with `jax.random.categorical` (Gumbel noise
+    for all N x V logits) this draws N random numbers instead of N x V and avoids a full-vocab
+    cumsum, which XLA:CPU runs slowly. Ids with zero probability are never drawn: an id is
+    chosen only where the cumulative sum strictly increases, and clamping to the last positive
+    id guards the top edge against rounding.
     """
     N, V = probs_NV.shape
     C = -(-V // chunk)
     p_NCk = jnp.pad(probs_NV, ((0, 0), (0, C * chunk - V))).reshape(N, C, chunk)
     mass_NC = jnp.sum(p_NCk, axis=-1)
     cum_NC = jnp.cumsum(mass_NC, axis=-1)
-    u_N = jax.random.uniform(rng, (N,), jnp.float32) * cum_NC[:, -1]
+    u_N = u_N * cum_NC[:, -1]
     c_N = jnp.minimum(jnp.sum(cum_NC <= u_N[:, None], axis=-1), _last_positive(mass_NC))
     before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NC, c_N[:, None] - 1, -1)[:, 0], 0.0)
     p_Nk = jnp.take_along_axis(p_NCk, c_N[:, None, None], axis=1)[:, 0]
@@ -203,8 +203,21 @@ def categorical(rng, probs_NV, chunk: int = 128):
     return (c_N * chunk + j_N).astype(jnp.int32)
 
 
-def sample_tokens(logits_NV, rng, cfg: SamplingConfig):
-    """Draws one token per row; returns (tokens [N], logprobs [N])."""
+def row_uniforms(key_N, step_N):
+    """One uniform per row from the row's own key and its token index: a completion's draws
+    depend only on its key, not on the batch or slot it is decoded in."""
+    return jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i), ()))(key_N, step_N)
+
+
+def row_keys(rng, num_prompts: int, num_samples: int):
+    """[N] keys, row = prompt * num_samples + sample: fold_in(fold_in(rng, prompt), sample)."""
+    b = jnp.repeat(jnp.arange(num_prompts), num_samples)
+    g = jnp.tile(jnp.arange(num_samples), num_prompts)
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(rng, i), j))(b, g)
+
+
+def sample_tokens(logits_NV, u_N, cfg: SamplingConfig):
+    """Draws one token per row with the rows' uniforms; returns (tokens [N], logprobs [N])."""
     if cfg.greedy:
         greedy_N = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
         return greedy_N, jnp.zeros(logits_NV.shape[:1], jnp.float32)
@@ -212,7 +225,7 @@ def sample_tokens(logits_NV, rng, cfg: SamplingConfig):
     # One exp pass serves both the draw and the logprob.
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     probs = jnp.exp(shifted)
-    tokens = categorical(rng, probs)
+    tokens = categorical(u_N, probs)
     log_z = jnp.log(jnp.sum(probs, axis=-1))
     logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_z
     return tokens, logp
@@ -241,6 +254,67 @@ def grow_cache(cache: decoder.KVCache, size: int) -> decoder.KVCache:
     )
 
 
+def empty_rows(N: int, M: int, pad_id: int) -> dict:
+    """The per-row decode state of N rows before their first token (see `decode_step`)."""
+    return {
+        "done_N": jnp.zeros((N,), bool),
+        "thought_N": jnp.zeros((N,), bool),
+        "interrupted_N": jnp.zeros((N,), bool),
+        "length_N": jnp.zeros((N,), jnp.int32),
+        "tokens_NM": jnp.full((N, M), pad_id, jnp.int32),
+        "logprobs_NM": jnp.zeros((N, M), jnp.float32),
+        "forced_NM": jnp.zeros((N, M), bool),
+    }
+
+
+def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -> dict:
+    """One token for every live row: the decode step of both the static sampler and the
+    generator engine.
+
+    `c` holds `logits_NV` (the next token's logits), `cache`, `pos_N` (the next token's
+    position) and the per-row state of `empty_rows`. Row n draws its token from
+    `logits_NV[n]` with `row_uniforms(key_N, length_N)`, writes it at column `length_N[n]`,
+    and runs it through the model (cache slot `cache.index`) for the next logits. Rows that
+    are not live write nothing and do not advance.
+    """
+    i_N = c["length_N"]
+    token_N, logp_N = sample_tokens(c["logits_NV"], row_uniforms(key_N, i_N), cfg)
+    interrupted_N, forced_N = c["interrupted_N"], jnp.zeros_like(live_N)
+    budget, L = cfg.think_budget, len(cfg.interrupt_ids)
+    if budget:  # Forced interruption: rows still thinking at the budget get the phrase.
+        phrase = jnp.asarray(cfg.interrupt_ids, jnp.int32)
+        interrupted_N = interrupted_N | ((i_N == budget) & live_N & ~c["thought_N"])
+        forced_N = interrupted_N & (i_N >= budget) & (i_N < budget + L) & live_N
+        token_N = jnp.where(forced_N, phrase[jnp.clip(i_N - budget, 0, L - 1)], token_N)
+        logp_N = jnp.where(forced_N, 0.0, logp_N)
+    token_N = jnp.where(live_N, token_N, cfg.pad_id)
+    logp_N = jnp.where(live_N, logp_N, 0.0)
+    logits_N1V, cache = decoder.forward(
+        graphdef, params, token_N[:, None], c["pos_N"][:, None], live_N[:, None], c["cache"]
+    )
+    stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+    think_end = jnp.asarray(cfg.think_end_tokens or (-1,), jnp.int32)
+    rows = jnp.arange(token_N.shape[0])
+
+    def put(buf_NM, x_N):  # Column i_N of live rows; others (and i_N = M) write nothing.
+        return buf_NM.at[rows, jnp.where(live_N, i_N, buf_NM.shape[1])].set(x_N, mode="drop")
+
+    return {
+        **c,
+        "logits_NV": logits_N1V[:, 0],
+        "cache": cache,
+        "pos_N": c["pos_N"] + live_N,
+        # A forced phrase never ends a completion, even if it holds a stop token.
+        "done_N": c["done_N"] | (jnp.isin(token_N, stop) & ~forced_N & live_N),
+        "thought_N": c["thought_N"] | (jnp.isin(token_N, think_end) & live_N),
+        "interrupted_N": interrupted_N,
+        "length_N": i_N + live_N,
+        "tokens_NM": put(c["tokens_NM"], token_N),
+        "logprobs_NM": put(c["logprobs_NM"], logp_N),
+        "forced_NM": put(c["forced_NM"], forced_N),
+    }
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"))
 def generate(
     params,
@@ -253,7 +327,11 @@ def generate(
     cfg: SamplingConfig,
     layout: _Layout | None = None,
 ):
-    """The jitted sampler on left-padded prompts; see `Sampler` for the checked entry point."""
+    """The jitted sampler on left-padded prompts; see `Sampler` for the checked entry point.
+
+    Row (prompt b, sample g) draws with key fold_in(fold_in(rng, b), g) (`row_keys`), so it
+    samples the same completion as the generator engine given that request key.
+    """
     B, P = tokens_BP.shape
     M, n = cfg.max_new_tokens, cfg.num_samples
     cache_axes = decoder.cache_logical_axes(model_cfg)
@@ -276,66 +354,30 @@ def generate(
         )
         logits_BV, pos_B = tile(logits_BV), tile(pos_B)
     cache = _constrain(cache, cache_axes, layout)
-    N = B * n
-    stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
-    think_end = jnp.asarray(cfg.think_end_tokens or (-1,), jnp.int32)
-    phrase = jnp.asarray(cfg.interrupt_ids or (0,), jnp.int32)
-    budget, L = cfg.think_budget, len(cfg.interrupt_ids)
+    key_N = row_keys(rng, B, n)
 
     def cond(carry, end):
         return (carry["i"] < end) & ~jnp.all(carry["done_N"])
 
     def body(c):
-        i = c["i"]
-        token_N, logp_N = sample_tokens(c["logits_NV"], jax.random.fold_in(rng, i), cfg)
-        live_N = ~c["done_N"]
-        interrupted_N, forced_N = c["interrupted_N"], jnp.zeros_like(live_N)
-        if budget:  # Forced interruption: rows still thinking at the budget get the phrase.
-            interrupted_N = interrupted_N | ((i == budget) & live_N & ~c["thought_N"])
-            forced_N = interrupted_N & (i >= budget) & (i < budget + L) & live_N
-            token_N = jnp.where(forced_N, phrase[jnp.clip(i - budget, 0, L - 1)], token_N)
-            logp_N = jnp.where(forced_N, 0.0, logp_N)
-        token_N = jnp.where(live_N, token_N, cfg.pad_id)
-        logp_N = jnp.where(live_N, logp_N, 0.0)
-        logits_N1V, cache = decoder.forward(
-            graphdef, params, token_N[:, None], c["pos_N"][:, None], live_N[:, None], c["cache"]
-        )
-        return {
-            "i": i + 1,
-            "logits_NV": logits_N1V[:, 0],
-            "cache": cache,
-            "pos_N": c["pos_N"] + 1,
-            # A forced phrase never ends a completion, even if it holds a stop token.
-            "done_N": c["done_N"] | (jnp.isin(token_N, stop) & ~forced_N),
-            "thought_N": c["thought_N"] | (jnp.isin(token_N, think_end) & live_N),
-            "interrupted_N": interrupted_N,
-            "length_N": c["length_N"] + live_N,
-            "tokens_NM": jax.lax.dynamic_update_slice(c["tokens_NM"], token_N[:, None], (0, i)),
-            "logprobs_NM": jax.lax.dynamic_update_slice(c["logprobs_NM"], logp_N[:, None], (0, i)),
-            "forced_NM": jax.lax.dynamic_update_slice(c["forced_NM"], forced_N[:, None], (0, i)),
-        }
+        d = decode_step(graphdef, params, c, key_N, ~c["done_N"], cfg)
+        return {**d, "i": c["i"] + 1}
 
     carry = {
         "i": jnp.zeros((), jnp.int32),
         "logits_NV": logits_BV,
         "cache": cache,
         "pos_N": pos_B,
-        "done_N": jnp.zeros((N,), bool),
-        "thought_N": jnp.zeros((N,), bool),
-        "interrupted_N": jnp.zeros((N,), bool),
-        "length_N": jnp.zeros((N,), jnp.int32),
-        "tokens_NM": jnp.full((N, M), cfg.pad_id, jnp.int32),
-        "logprobs_NM": jnp.zeros((N, M), jnp.float32),
-        "forced_NM": jnp.zeros((N, M), bool),
+        **empty_rows(B * n, M, cfg.pad_id),
     }
     for j, size in enumerate(sizes):
         if j:
             carry["cache"] = _constrain(grow_cache(carry["cache"], size), cache_axes, layout)
         carry = jax.lax.while_loop(functools.partial(cond, end=size - P), body, carry)
-    length_N, tokens_NM = carry["length_N"], carry["tokens_NM"]
+    length_N = carry["length_N"]
     mask_NM = jnp.arange(M)[None, :] < length_N[:, None]
     return (
-        tokens_NM,
+        carry["tokens_NM"],
         mask_NM,
         carry["logprobs_NM"],
         length_N,

@@ -52,6 +52,7 @@ class Samples:
     texts: list
     reward_N: np.ndarray
     failures: dict
+    versions_NM: np.ndarray | None = None  # Policy version of each token (the engine's).
 
     @property
     def prompt_tokens(self) -> int:
@@ -87,11 +88,61 @@ def _concat(parts: list[Samples], pad_id: int) -> Samples:
             values = [left_pad(v, pad_id if f.name == "prompt_BP" else False) for v in values]
         if f.name == "texts":
             fields[f.name] = [t for v in values for t in v]
+        elif values[0] is None:
+            fields[f.name] = None
         elif f.name == "failures":
             fields[f.name] = {k: sum(v[k] for v in values) for k in values[0]}
         else:
             fields[f.name] = np.concatenate(values)
     return Samples(**fields)
+
+
+def _score(tokenizer, scorer, host: dict, problems_N: list, prompt_BP, prompt_mask_BP) -> Samples:
+    """Scores fetched completions (every process holds all rows): each process its share of
+    rows, then the rewards and failure counts gathered to all."""
+    N = len(problems_N)
+    texts = completions_text(tokenizer, host["tokens_NM"], host["lengths_N"])
+    share = sharding.process_share(N)
+    reward, failures = scorer(texts[share], problems_N[share])
+    counts = sharding.sum_over_processes(np.array(list(failures.values())))
+    return Samples(
+        prompt_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP,
+        texts=texts,
+        reward_N=sharding.gather_host(reward, N),
+        failures=dict(zip(failures, counts.tolist())),
+        **host,
+    )
+
+
+def score_completed(tokenizer, scorer, completed: Sequence, problems: Sequence, cfg) -> Samples:
+    """`Samples` of requests the generator engine completed (`engine.Completed`), in the order
+    given; `problems[i]` is request i's problem. Prompts are left-padded to the bucket of the
+    longest, as the static sampler pads a batch."""
+    longest = max(len(c.request.prompt) for c in completed)
+    P = next(b for b in cfg.buckets if b >= longest)
+    prompt_BP = np.full((len(completed), P), cfg.pad_id, np.int32)
+    prompt_mask_BP = np.zeros((len(completed), P), bool)
+    for i, c in enumerate(completed):
+        prompt_BP[i, P - len(c.request.prompt) :] = c.request.prompt
+        prompt_mask_BP[i, P - len(c.request.prompt) :] = True
+
+    def cat(field):
+        return np.concatenate([getattr(c, field) for c in completed])
+
+    host = {
+        "tokens_NM": cat("tokens_GM"),
+        "mask_NM": cat("mask_GM"),
+        "logprobs_NM": cat("logprobs_GM"),
+        "forced_NM": cat("forced_GM"),
+        "lengths_N": cat("lengths_G"),
+        "truncated_N": cat("truncated_G"),
+        "interrupted_N": cat("interrupted_G"),
+        "versions_NM": cat("versions_GM"),
+    }
+    G = completed[0].tokens_GM.shape[0]
+    rows = [p for p in problems for _ in range(G)]
+    return _score(tokenizer, scorer, host, rows, prompt_BP, prompt_mask_BP)
 
 
 def sample_and_score(
@@ -138,21 +189,9 @@ def sample_and_score(
             }
         )
         host = {k: v[:N] for k, v in host.items()}
-        texts = completions_text(tokenizer, host["tokens_NM"], host["lengths_N"])
-        share = sharding.process_share(N)
-        rows = [real[i] for i in out.prompt_index[:N][share]]
-        reward, failures = scorer(texts[share], rows)
-        counts = sharding.sum_over_processes(np.array(list(failures.values())))
-        parts.append(
-            Samples(
-                prompt_BP=out.prompt_BP[: len(real)],
-                prompt_mask_BP=out.prompt_mask_BP[: len(real)],
-                texts=texts,
-                reward_N=sharding.gather_host(reward, N),
-                failures=dict(zip(failures, counts.tolist())),
-                **host,
-            )
-        )
+        rows = [real[i] for i in out.prompt_index[:N]]
+        prompt = (out.prompt_BP[: len(real)], out.prompt_mask_BP[: len(real)])
+        parts.append(_score(tokenizer, scorer, host, rows, *prompt))
     return _concat(parts, cfg.pad_id)
 
 

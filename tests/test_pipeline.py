@@ -1,0 +1,110 @@
+"""The pipeline driver: with k = 0 it is the synchronous loop bit for bit; the staleness
+bound holds on every trained token under a slow trainer and under a slow generator, on 4
+generator + 4 trainer devices; bad pipeline settings fail at start-up naming the key. (Its
+SIGKILL resume is in test_reliability.py.)"""
+
+import time
+
+import numpy as np
+import pytest
+from conftest import golden_config, metric_lines
+
+from rlscale import rl
+from rlscale.rl import learner
+from rlscale.sampling import engine
+
+
+def _config(warm, **pipeline):
+    c = golden_config("quickstart")
+    c.sft.reuse_from = str(warm)
+    c.pipeline.update(pipeline)
+    return c
+
+
+def test_k0_pipeline_is_the_sync_loop(warm, tmp_path):
+    """The golden quickstart run (`warm`, synchronous) again in pipeline mode with k = 0: a
+    generator thread, admission control and hand-over, and every metric the same."""
+    rl.run(_config(warm, mode="pipeline", max_staleness=0), str(tmp_path))
+    assert metric_lines(tmp_path) == metric_lines(warm)
+
+
+@pytest.mark.parametrize(
+    "mode, slow",
+    [("pipeline", "trainer"), ("pipeline", "generator"), ("async_ppo", "trainer")],
+)
+def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatch, mode, slow):
+    """k = 2 with one update per batch. A slow trainer lets the generator run the full k
+    ahead (the bound is reached, never passed); a slow generator gets new weights mid-sequence
+    (in-flight updates: versions change within a row). async_ppo samples each batch with one
+    version. Checked on the learner's own inputs, not on the driver's metrics."""
+    k = 2
+    seen = []  # (trainer version, versions of the trained tokens, their rows' spread)
+    prepare = learner.Learner.prepare
+
+    def recording(self, state, ref_params, rollouts):
+        v, m = rollouts.version_NM, rollouts.mask_NM
+        spread = [np.ptp(row[mask]) for row, mask in zip(v, m) if mask.any()]
+        seen.append((int(state.step), v[m], max(spread)))
+        return prepare(self, state, ref_params, rollouts)
+
+    monkeypatch.setattr(learner.Learner, "prepare", recording)
+    if slow == "trainer":
+        update = learner.Learner.update
+
+        def slow_update(self, *args):
+            time.sleep(0.4)
+            return update(self, *args)
+
+        monkeypatch.setattr(learner.Learner, "update", slow_update)
+    else:
+        step = engine.Generator.step
+
+        def slow_step(self, max_steps):
+            time.sleep(0.05)
+            return step(self, max_steps)
+
+        monkeypatch.setattr(engine.Generator, "step", slow_step)
+    config = _config(warm, mode=mode, max_staleness=k, generator_devices=4, decode_chunk=2)
+    config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 5, 5
+    rl.run(config, str(tmp_path))
+    assert len(seen) == 5
+    lags = np.concatenate([version - v for version, v, _ in seen])
+    assert lags.min() >= 0 and lags.max() <= k
+    lines = metric_lines(tmp_path)[1:]
+    assert max(x["pipeline/staleness_max"] for x in lines) == lags.max()
+    if slow == "trainer":
+        assert lags.max() == k  # The generator ran as far ahead as allowed.
+    if mode == "async_ppo":
+        assert all(np.ptp(v) == 0 for _, v, _ in seen)  # One version per batch.
+    elif slow == "generator":
+        assert any(spread > 0 for _, _, spread in seen)  # Weights changed mid-sequence.
+        assert any(x["pipeline/staleness_in_flight_mean"] > 0 for x in lines)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(mode="pipeline", max_staleness=-1), "pipeline.max_staleness=-1 must be"),
+        (dict(mode="streaming"), "pipeline.mode='streaming' is not one of"),
+        (
+            dict(mode="pipeline", generator_devices=8),
+            "pipeline.generator_devices=8 leaves no device to train on: there are 8 devices",
+        ),
+        (
+            dict(mode="async_ppo", slots=16),
+            r"pipeline.slots=16 must hold batch.prompts x batch.group_size = 32",
+        ),
+        (
+            dict(mode="pipeline", generator_devices=3, slots=32),
+            r"pipeline.slots=32 does not divide the generator's batch axes \(3 devices\)",
+        ),
+        (dict(max_staleness=2), "pipeline.mode='sync' generates each batch"),
+    ],
+)
+def test_bad_pipeline_settings_fail_at_start_up(overrides, message):
+    config = golden_config("quickstart")
+    config.mesh.shape = (-1, 1, 1)
+    config.batch.prompts = 8 if overrides.get("generator_devices") != 3 else 5
+    config.pipeline.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        rl.validate(config)
