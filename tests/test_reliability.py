@@ -76,8 +76,9 @@ def _host(workdir, step):
         return json.load(f)
 
 
-def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync"):
-    """Starts a run, sends `sig` once `after_step` is in metrics.jsonl; returns (proc, t_sig)."""
+def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync", saved=None):
+    """Starts a run, sends `sig` once `after_step` is in metrics.jsonl (and the checkpoint of
+    step `saved` is written: it is saved asynchronously); returns (proc, t_sig)."""
     proc = subprocess.Popen(
         _command(workdir, *overrides, variant=variant),
         env=_env(),
@@ -88,7 +89,8 @@ def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync"
     path = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 400
     while time.time() < deadline:
-        if os.path.exists(path) and len(open(path).read().splitlines()) > after_step:
+        ready = saved is None or os.path.isdir(os.path.join(workdir, "checkpoints", str(saved)))
+        if ready and os.path.exists(path) and len(open(path).read().splitlines()) > after_step:
             break
         if proc.poll() is not None:
             raise AssertionError(f"run ended before step {after_step}: {proc.communicate()[1]}")
@@ -114,7 +116,9 @@ def test_straight_run_retires_and_checkpoints(straight):
 
 
 def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
-    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, f"--config.sft.reuse_from={straight}")
+    proc, _ = _start_and_signal(
+        tmp_path, signal.SIGKILL, 3, f"--config.sft.reuse_from={straight}", saved=2
+    )
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert len(_lines(tmp_path)) < STEPS + 1  # Killed mid-run.
@@ -140,7 +144,7 @@ def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_
         "--config.filters.retire=False",  # The stream alone then decides the prompts.
         "--config.pipeline.max_staleness=2",
     )
-    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, *args, variant="smoke")
+    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, *args, variant="smoke", saved=2)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert len(_lines(tmp_path)) < STEPS + 1

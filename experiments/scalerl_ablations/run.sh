@@ -3,7 +3,8 @@
 #
 #   bash experiments/scalerl_ablations/run.sh ROOT [SEEDS]     e.g. ROOT=/tmp/ablations SEEDS="0 1"
 #
-# Every run is `rlscale.main` on configs/scalerl.py with one variant; all runs share the first
+# Every run is `rlscale.main` on configs/scalerl.py:sync (the synchronous loop with 4 optimizer
+# steps per batch, as measured) with one variant; all runs share the first
 # run's SFT warm start (sft.reuse_from), and RL seeds vary with --config.seed. Finished runs
 # are skipped, so the script can be re-run after an interruption. Then fits every run.
 # Not run: drop=no_positive_resampling and drop=interruption. Both are exactly void at this
@@ -34,7 +35,7 @@ for seed in $SEEDS; do
     reuse=()
     [ "$dir" != "$WARM" ] && reuse=(--config.sft.reuse_from="$WARM")
     echo "== $name seed $seed"
-    $PY -m rlscale.main --config "configs/scalerl.py:$variant" --workdir "$dir" \
+    $PY -m rlscale.main --config "configs/scalerl.py:sync${variant:+,$variant}" --workdir "$dir" \
       --config.seed="$seed" "${reuse[@]}" > "$ROOT/logs/${name}_s$seed.log" 2>&1
     grep -E "eval_pass@1|scaling fit" "$ROOT/logs/${name}_s$seed.log" || true
   done

@@ -255,7 +255,6 @@ class EngineStats:
     steps: int = 0
     slot_steps: int = 0
     tokens: int = 0
-    prefill_tokens: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
     swap_s: float = 0.0
@@ -453,7 +452,6 @@ class Generator:
             self.state = self._run("engine_insert", insert, args)
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
-            self.stats.prefill_tokens += int(mask[: len(reqs)].sum())
 
     def _harvest(self) -> list[Completed]:
         finished_S = sharding.fetch(_finished(self.state))
