@@ -389,7 +389,10 @@ class Generator:
         if not self.running:
             return []
         t = time.perf_counter()
-        wanted = self.cfg.num_samples - len(self.free) if self.queue else 0
+        # Waiting requests: stop once they can start, but admit at least an eighth of the
+        # slots at a time (each admission is a prefill program that reads every weight).
+        G = self.cfg.num_samples
+        wanted = max(G, self.slots // 8 // G * G) - len(self.free) if self.queue else 0
         args = (np.int32(max_steps), np.int32(wanted))
         self.state, steps, tokens = self._run("engine_decode", decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
