@@ -628,6 +628,11 @@ def test_check_lists_every_problem_under_its_key():
         "x.chain: group_advantages runs once on the whole batch (stage 'batch') but comes "
         "after the loss-stage token_ratio; move it before token_ratio",
     ]
+    # A factory's message that already names the transform is not prefixed twice.
+    chain = SCALERL.replace("cispo(eps_max=4.0)", "cispo(eps_max=None)")
+    assert registry.check(chain, group_size=2, max_len=4) == [
+        "objective.chain: cispo: eps_max is required for the ScaleRL form"
+    ]
     # Run-supplied arguments reach the factories: a group of one has no group std.
     assert registry.check(config_lib.GRPO_CHAIN, group_size=1, max_len=4) == [
         "objective.chain: group_advantages: group_size=1: group_mean/group_std needs groups of >= 2"

@@ -356,7 +356,8 @@ def _argument_problems(entry, kwargs, group_size, max_len) -> list[str]:
     try:
         entry.factory(**_with_run_args(entry, kwargs, group_size, max_len))
     except (ValueError, TypeError) as e:
-        return [f"{entry.name}: {e}"]
+        text = str(e)  # A factory's own message may already name it.
+        return [text if text.startswith(f"{entry.name}: ") else f"{entry.name}: {text}"]
     except Exception as e:  # `check` reports; it never raises.
         return [f"{entry.name}: {type(e).__name__}: {e}"]
     # A value the factory accepts but the registration lists no terms for: a registry bug.
