@@ -6,6 +6,7 @@ rollouts  `RolloutSource`: prompts -> generator requests -> scored, filtered `Ro
 learner   `TrainState`, the per-token terms a chain needs, `Learner.prepare/update`
 state     `RunState`: everything a checkpoint holds; opening and resuming checkpoints
 report    compute accounting, the step record, the files a finished run leaves
+loop      what both drivers share: start-up, evaluation, the end of each step, the finish
 sync      the synchronous driver
 pipeline  the pipeline driver: a generator thread with in-flight weight updates
 """

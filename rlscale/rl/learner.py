@@ -326,11 +326,10 @@ class Learner:
 
         The metrics include `train/logp_match_stats`: the `logp_match_stats` of the
         micro-batches of the first minibatch of the first epoch, which `logp_match` merges on
-        the host. Only
-        there is `logp` computed with the params the update started from, before any optimizer
-        step on this batch: in a synchronous run, the generator's params, so the metrics
-        measure the sampler's numerics alone (with asynchronous generation, the policy lag
-        too).
+        the host. Only there is `logp` computed with the params the update started from,
+        before any optimizer step on this batch: in a synchronous run, the generator's
+        params, so the metrics measure the sampler's numerics alone (with asynchronous
+        generation, the policy lag too).
 
         Returns (state, metrics: device scalars and lists, applied: one device bool per
         optimizer step, False where a non-finite loss or gradient skipped it).

@@ -60,19 +60,15 @@ class Setup:
             self.pool.close()
 
     def sampler_params(self, params) -> tuple[Any, float]:
-        """The params in the sampling layout, and the seconds the reshard took."""
-        t = time.time()
-        out = jax.block_until_ready(sharding.reshard(params, self.sample_shardings))
-        return out, time.time() - t
+        """The params in the sampling layout on the trainer's devices (evaluation), and the
+        seconds the reshard took."""
+        return _timed_reshard(params, self.sample_shardings)
 
     def generator_params(self, params) -> tuple[Any, float]:
         """The params in the generator's layout (on its devices), and the seconds it took.
         Always a copy in pipeline modes: the generator samples while the learner donates."""
-        t = time.time()
         copy = self.config.pipeline.mode != "sync"
-        out = sharding.reshard(params, self.generator_shardings, copy=copy)
-        out = jax.block_until_ready(out)
-        return out, time.time() - t
+        return _timed_reshard(params, self.generator_shardings, copy=copy)
 
     def rollout_source(self, stream, history) -> rollouts.RolloutSource:
         return rollouts.RolloutSource(
@@ -108,6 +104,12 @@ class Setup:
             filters.PromptStream(len(self.train_problems), seed=c.seed),
             filters.PassRateHistory(c.filters.retire_threshold),
         )
+
+
+def _timed_reshard(params, shardings, copy=False):
+    t = time.time()
+    out = jax.block_until_ready(sharding.reshard(params, shardings, copy=copy))
+    return out, time.time() - t
 
 
 def sampling_config(config, tokenizer) -> SamplingConfig:

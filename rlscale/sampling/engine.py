@@ -302,7 +302,7 @@ class Generator:
                     f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
                     f"batch split {div} ways); use a multiple of {div}"
                 )
-        bucket = next((b for b in cfg.buckets if b >= max_prompt_len), None)
+        bucket = cfg.bucket(max_prompt_len) if max_prompt_len <= cfg.buckets[-1] else None
         if bucket is None:
             problems.append(
                 f"max_prompt_len={max_prompt_len} is longer than the largest bucket "
@@ -418,9 +418,6 @@ class Generator:
             return self.programs.run(name, fn, args, self.static)
         return fn(*args, **self.static)
 
-    def _bucket(self, length):
-        return next(b for b in self.cfg.buckets if b >= length)
-
     def _admit(self):
         G = self.cfg.num_samples
         fits = min(len(self.free) // G, len(self.queue))
@@ -433,7 +430,7 @@ class Generator:
         taken, self.queue = self.queue[:fits], self.queue[fits:]
         by_bucket: dict[int, list] = {}
         for r, keydata in taken:
-            by_bucket.setdefault(self._bucket(len(r.prompt)), []).append((r, keydata))
+            by_bucket.setdefault(self.cfg.bucket(len(r.prompt)), []).append((r, keydata))
         for P, reqs in sorted(by_bucket.items()):
             R = 1 << (len(reqs) - 1).bit_length()  # Powers of two: few prefill programs.
             tokens = np.full((R, P), self.cfg.pad_id, np.int32)

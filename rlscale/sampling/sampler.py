@@ -115,6 +115,16 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def bucket(self, length: int) -> int:
+        """The padded length of a prompt of `length` tokens: the smallest bucket that holds it."""
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise ValueError(
+            f"a prompt of {length} tokens is longer than the largest bucket "
+            f"{self.buckets[-1]} (SamplingConfig.buckets={self.buckets})"
+        )
+
 
 class SampleOutput(NamedTuple):
     """What the sampler returns; rows are prompt-major (row = prompt * num_samples + sample).
@@ -406,15 +416,6 @@ class Sampler:
         self.layout = None if mesh is None else _Layout(mesh, rules)
         self.programs = programs  # A `programs.Programs` recording the compiled sampler.
 
-    def bucket(self, length: int, cfg: SamplingConfig) -> int:
-        for b in cfg.buckets:
-            if b >= length:
-                return b
-        raise ValueError(
-            f"a prompt of {length} tokens is longer than the largest bucket "
-            f"{cfg.buckets[-1]} (SamplingConfig.buckets={cfg.buckets})"
-        )
-
     def prepare(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig):
         """Validates prompts and left-pads them to their bucket: (tokens_BP, mask_BP) NumPy."""
         if len(prompts) == 0:
@@ -433,7 +434,7 @@ class Sampler:
                 f"prompt {i} has {longest} tokens, longer than the largest bucket "
                 f"{cfg.buckets[-1]} (SamplingConfig.buckets={cfg.buckets})"
             )
-        P = self.bucket(longest, cfg)
+        P = cfg.bucket(longest)
         if P + cfg.max_new_tokens > self.model_cfg.max_seq_len:
             raise ValueError(
                 f"max_new_tokens={cfg.max_new_tokens} does not fit the KV cache: prompt bucket "

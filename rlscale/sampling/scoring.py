@@ -120,7 +120,7 @@ def score_completed(tokenizer, scorer, completed: Sequence, problems: Sequence, 
     given; `problems[i]` is request i's problem. Prompts are left-padded to the bucket of the
     longest, as the static sampler pads a batch."""
     longest = max(len(c.request.prompt) for c in completed)
-    P = next(b for b in cfg.buckets if b >= longest)
+    P = cfg.bucket(longest)
     prompt_BP = np.full((len(completed), P), cfg.pad_id, np.int32)
     prompt_mask_BP = np.zeros((len(completed), P), bool)
     for i, c in enumerate(completed):
