@@ -36,6 +36,14 @@ setuptools.setup(
         # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
         # keeps the CPU build instead of pulling the CUDA one.
         "hf": ["torch==2.13.0", "transformers==5.23.0"],
+        # tools/peers.py: TRL's GRPOTrainer on the quickstart, transformers' generate.
+        "peers": [
+            "torch==2.13.0",
+            "transformers==5.23.0",
+            "trl==1.16.0",
+            "accelerate==1.15.0",
+            "datasets==5.2.0",
+        ],
         "gpu": ["jax[cuda12]==0.10.2"],
         "tpu": ["jax[tpu]==0.10.2"],
     },

@@ -116,7 +116,11 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         interrupt_phrase=" Answer:",
         think_end=" Answer",
     )
-    c.learner = dict(epochs=1, minibatches=1, micro_batches=1)  # Optimizer steps per batch.
+    # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
+    # the real tokens trained on (README, "The learner"): completions are trimmed to one of
+    # `length_buckets` lengths (1: always sampling.max_new_tokens); with `pack_length` > 0,
+    # the sequences with trained tokens are packed into rows of that many tokens.
+    c.learner = dict(epochs=1, minibatches=1, micro_batches=1, length_buckets=4, pack_length=0)
     # Generation and training (README, "PipelineRL"): "sync" samples each batch with the
     # current policy, then trains on it; "pipeline" generates continuously and takes new
     # weights between decode steps (in-flight updates, sequences keep their KV cache);
@@ -169,4 +173,5 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.batch.prompts, c.batch.group_size = 8, 4
     c.eval.every, c.eval.prompts, c.eval.samples = 2, 16, 2
     c.checkpoint.every = 2
+    c.learner.length_buckets = 1  # One update program per run: compiling is most of its time.
     return c

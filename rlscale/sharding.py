@@ -7,6 +7,7 @@ A rule table maps each logical axis to mesh axes; there is one table for trainin
 and `fsdp`). Moving params between the two is `reshard`.
 """
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -195,14 +196,17 @@ def local_rows(sharding: NamedSharding, num_rows: int) -> slice:
     return slice(lo, hi)
 
 
-def put_batch(tree, mesh: Mesh, rules: Rules):
-    """Host arrays (the full batch, on every process) -> global arrays with dim 0 sharded over
-    the rule table's batch axes. The one place host data becomes device data."""
+def put_batch(tree, mesh: Mesh, rules: Rules, axis: int = 0):
+    """Host arrays (the full batch, on every process) -> global arrays with dim `axis`
+    sharded over the rule table's batch axes. The one place host data becomes device data."""
 
     def one(x):
         x = np.asarray(x)
-        s = batch_sharding(mesh, x.ndim, rules)
-        return jax.make_array_from_process_local_data(s, x[local_rows(s, x.shape[0])], x.shape)
+        logical = tuple("batch" if i == axis else None for i in range(x.ndim))
+        s = NamedSharding(mesh, logical_to_spec(logical, rules, mesh))
+        rows = local_rows(batch_sharding(mesh, 1, rules), x.shape[axis])
+        local = x[(slice(None),) * axis + (rows,)]
+        return jax.make_array_from_process_local_data(s, local, x.shape)
 
     return jax.tree.map(one, tree)
 
@@ -247,5 +251,10 @@ def sum_over_processes(x) -> np.ndarray:
 def replicate(tree, mesh: Mesh):
     """Small host-identical values (fresh optimizer counts, RNG keys) -> copies on every
     device of the mesh (under several processes too, where `device_put` cannot reach)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda t: t, out_shardings=replicated)(tree)
+    return _replicator(mesh)(tree)
+
+
+@functools.cache
+def _replicator(mesh: Mesh):
+    """One jitted identity per mesh: a fresh one per call would compile every time."""
+    return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))

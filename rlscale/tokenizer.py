@@ -7,6 +7,9 @@ corpus, with fixed special ids (pad 0, unk 1, bos 2, eos 3) so that downstream
 code can rely on padding with 0. `HFTokenizer` wraps a Hugging Face `tokenizer.json`
 (the `tokenizers` library, what transformers' fast tokenizers run), with its special
 tokens from `tokenizer_config.json`. `load(path)` picks the backend from what is on disk.
+`Tokenizer.to_hf()` gives any of them as an `HFTokenizer` (a SentencePiece model converted to
+an equivalent `tokenizer.json`), which `HFTokenizer.save` writes where transformers'
+`AutoTokenizer` reads it: how an exported policy carries its tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 import tokenizers
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import AddedToken, decoders, models, normalizers, processors
 
 PAD_ID = 0
 UNK_ID = 1
@@ -100,6 +105,21 @@ class Tokenizer(abc.ABC):
         Raises:
           ValueError: If `piece` is not in the vocabulary.
         """
+
+    @abc.abstractmethod
+    def to_hf(self) -> HFTokenizer:
+        """This tokenizer as an `HFTokenizer`: the same ids for every text, and the same text
+        for every ids, in the format transformers reads (`HFTokenizer.save`).
+
+        Raises:
+          ValueError: If the model uses a setting the conversion cannot reproduce.
+        """
+
+    @property
+    def padding_id(self) -> int:
+        """The id prompts are padded with: `pad_id`, or the EOS for tokenizers without a pad
+        token (Llama 3). Padding is masked, so this only decides what fills the gaps."""
+        return self.pad_id if self.pad_id >= 0 else self.eos_id
 
     def encode_batch(self, texts: Iterable[str], **kwargs) -> list[list[int]]:
         """Encodes several strings; `kwargs` are passed to `encode`."""
@@ -211,6 +231,27 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"piece {piece!r} is not in the vocabulary")
         return i
 
+    def to_hf(self) -> HFTokenizer:
+        """The model as a `tokenizers` pipeline (see `_sentencepiece_backend`), with its bos,
+        eos and pad pieces as the special tokens and a post-processor that prepends the BOS,
+        so that transformers' `tokenizer(text)` gives `chat.encode_prompt`'s ids.
+
+        Text that spells a control piece ("<s>", "</s>", "<pad>", "<unk>") encodes differently:
+        SentencePiece splits it into ordinary pieces, transformers matches the special token.
+        """
+        backend = _sentencepiece_backend(self.serialized)
+        special = {
+            role: self._sp.id_to_piece(i) if i >= 0 else None
+            for role, i in zip(_SPECIAL_ROLES, (self.bos_id, self.eos_id, self.pad_id))
+        }
+        if special["bos_token"] is not None:
+            bos = special["bos_token"]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, self.bos_id)]
+            )
+        # rlscale left-pads prompts; a batch that transformers pads must be padded the same way.
+        return HFTokenizer.from_tokenizer(backend, **special, config={"padding_side": "left"})
+
 
 # Files of a Hugging Face tokenizer directory.
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -263,8 +304,8 @@ class HFTokenizer(Tokenizer):
             backend = tokenizers.Tokenizer.from_file(file)
         except Exception as e:  # The Rust side raises a bare Exception on bad JSON.
             raise ValueError(f"{file!r} is not a valid tokenizer.json: {e}") from e
-        special, source = _read_special_tokens(directory)
-        self._init(backend, special, source=source)
+        special, source, config = _read_special_tokens(directory)
+        self._init(backend, special, source=source, config=config)
 
     @classmethod
     def from_tokenizer(
@@ -274,22 +315,38 @@ class HFTokenizer(Tokenizer):
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        config: dict | None = None,
     ) -> HFTokenizer:
         """Wraps a `tokenizers.Tokenizer` (a copy of it), with the given special tokens.
+
+        Args:
+          backend: the pipeline to wrap.
+          bos_token, eos_token, pad_token: the special tokens' strings (None: absent).
+          config: other `tokenizer_config.json` entries for `save` to write (a chat
+            template, `padding_side`).
 
         Raises:
           ValueError: If a special token is not in the vocabulary.
         """
         self = cls.__new__(cls)
         special = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
-        self._init(tokenizers.Tokenizer.from_str(backend.to_str()), special, source="arguments")
+        backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._init(backend, special, source="arguments", config=config)
         return self
 
-    def _init(self, backend: tokenizers.Tokenizer, special: dict, *, source: str) -> None:
+    def _init(
+        self,
+        backend: tokenizers.Tokenizer,
+        special: dict,
+        *,
+        source: str,
+        config: dict | None = None,
+    ) -> None:
         backend.no_padding()
         backend.no_truncation()
         self._backend = backend
         self._special_tokens = dict(special)
+        self._config = dict(config or {})
         ids = {}
         for role in _SPECIAL_ROLES:
             token = special.get(role)
@@ -306,7 +363,7 @@ class HFTokenizer(Tokenizer):
 
     def __reduce__(self):
         # Rebuilt from the JSON, so the tokenizer crosses process boundaries as a value.
-        return (_hf_from_json, (self._backend.to_str(), self._special_tokens))
+        return (_hf_from_json, (self._backend.to_str(), self._special_tokens, self._config))
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size})"
@@ -366,11 +423,116 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"piece {piece!r} is not in the vocabulary")
         return i
 
+    def to_hf(self) -> HFTokenizer:
+        return self
 
-def _hf_from_json(backend_json: str, special: dict) -> HFTokenizer:
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Writes `tokenizer.json` and `tokenizer_config.json` into `directory`: what
+        `HFTokenizer(directory)` and transformers' `AutoTokenizer.from_pretrained` read.
+
+        The config is the one this tokenizer was read with (its chat template, its tokenizer
+        class), with the bos, eos and pad tokens written out; padding and truncation stay off.
+        Without a tokenizer class it names the generic one, which runs `tokenizer.json` as is:
+        transformers would otherwise pick the class of the model's family, which may rebuild
+        the pipeline its own way. (transformers 5.23 does that for `model_type: qwen2`
+        whatever the config names.)
+        """
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        self._backend.save(os.path.join(directory, HF_TOKENIZER_FILE))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self._config}
+        config.update(self._special_tokens)
+        with open(os.path.join(directory, HF_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def _hf_from_json(backend_json: str, special: dict, config: dict) -> HFTokenizer:
     self = HFTokenizer.__new__(HFTokenizer)
-    self._init(tokenizers.Tokenizer.from_str(backend_json), special, source="a pickle")
+    self._init(
+        tokenizers.Tokenizer.from_str(backend_json), special, source="a pickle", config=config
+    )
     return self
+
+
+def _sentencepiece_backend(serialized: bytes) -> tokenizers.Tokenizer:
+    """A `tokenizers` pipeline that encodes and decodes like the SentencePiece model.
+
+    SentencePiece writes spaces as "▁", then runs its model over the whole text: BPE merges
+    the adjacent pair whose union has the best score (the leftmost on ties), unigram takes the
+    best-scoring segmentation; characters outside the vocabulary fall back to byte pieces.
+    The pipeline does the same: a "▁" normalizer, then a BPE whose merges are every split of a
+    piece into two pieces, ranked by the piece's score (or a unigram with the same scores),
+    with byte fallback; user-defined symbols become added tokens, control pieces special ones.
+    Supported: the settings `train_sentencepiece` uses (identity normalization, no dummy
+    prefix, whitespace kept, byte fallback, BPE or unigram).
+
+    Raises:
+      ValueError: naming every setting of the model the pipeline would not reproduce.
+    """
+    proto = sentencepiece_model_pb2.ModelProto.FromString(serialized)
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    types = sentencepiece_model_pb2.TrainerSpec.ModelType
+    piece_types = sentencepiece_model_pb2.ModelProto.SentencePiece
+    problems = []
+    if spec.model_type not in (types.BPE, types.UNIGRAM):
+        problems.append(f"model_type {types.Name(spec.model_type)} (supported: BPE, UNIGRAM)")
+    if norm.precompiled_charsmap or norm.name not in ("", "identity"):
+        problems.append(f"normalization {norm.name!r} (supported: identity)")
+    if norm.add_dummy_prefix:
+        problems.append("add_dummy_prefix=true")
+    if norm.remove_extra_whitespaces:
+        problems.append("remove_extra_whitespaces=true")
+    if not norm.escape_whitespaces:
+        problems.append("escape_whitespaces=false")
+    if spec.treat_whitespace_as_suffix:
+        problems.append("treat_whitespace_as_suffix=true")
+    if not spec.byte_fallback:
+        problems.append("byte_fallback=false")
+    if problems:
+        raise ValueError(
+            "this SentencePiece model cannot be converted to a tokenizer.json: "
+            + "; ".join(problems)
+        )
+    pieces = proto.pieces
+    unk = pieces[spec.unk_id].piece
+    if spec.model_type == types.BPE:
+        vocab = {p.piece: i for i, p in enumerate(pieces)}
+        normal = {p.piece for p in pieces if p.type == piece_types.NORMAL}
+        ranked = []
+        for i, p in enumerate(pieces):
+            if p.type != piece_types.NORMAL:
+                continue
+            for k in range(1, len(p.piece)):
+                left, right = p.piece[:k], p.piece[k:]
+                if left in normal and right in normal:
+                    ranked.append((-p.score, i, k, (left, right)))
+        merges = [pair for *_, pair in sorted(ranked)]
+        model = models.BPE(vocab, merges, unk_token=unk, byte_fallback=True)
+    else:
+        model = models.Unigram(
+            [(p.piece, p.score) for p in pieces], unk_id=spec.unk_id, byte_fallback=True
+        )
+    backend = tokenizers.Tokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    # Added tokens match the raw text, before the "▁" normalizer, as SentencePiece matches them.
+    backend.add_tokens(
+        [
+            AddedToken(p.piece, special=False, normalized=False)
+            for p in pieces
+            if p.type == piece_types.USER_DEFINED
+        ]
+    )
+    backend.add_special_tokens(
+        [
+            AddedToken(p.piece, special=True, normalized=False)
+            for p in pieces
+            if p.type in (piece_types.CONTROL, piece_types.UNKNOWN)
+        ]
+    )
+    return backend
 
 
 def _add_specials(ids: list[int], bos_id: int, eos_id: int, *, add_bos: bool, add_eos: bool):
@@ -395,17 +557,19 @@ def _token_content(value) -> str | None:
     raise ValueError(f"unrecognized special-token entry {value!r}")
 
 
-def _read_special_tokens(directory: str) -> tuple[dict[str, str | None], str]:
+def _read_special_tokens(directory: str) -> tuple[dict[str, str | None], str, dict]:
     """The bos/eos/pad strings of a Hugging Face tokenizer directory.
 
     `tokenizer_config.json` decides; a role it does not mention at all is taken from
     `special_tokens_map.json` (older checkpoints keep them there). A role in neither is None.
 
     Returns:
-      ({role: token or None}, the files read, for error messages).
+      ({role: token or None}, the files read, for error messages, the parsed
+      `tokenizer_config.json` ({} without one)).
     """
     special: dict[str, str | None] = {}
     read = []
+    tokenizer_config = {}
     for name in (HF_CONFIG_FILE, HF_SPECIAL_TOKENS_FILE):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -414,13 +578,15 @@ def _read_special_tokens(directory: str) -> tuple[dict[str, str | None], str]:
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
+            if name == HF_CONFIG_FILE:
+                tokenizer_config = config
             for role in _SPECIAL_ROLES:
                 if role in config and role not in special:
                     special[role] = _token_content(config[role])
         except ValueError as e:  # json.JSONDecodeError is a ValueError.
             raise ValueError(f"{path!r}: {e}") from e
     source = " and ".join(read) if read else f"no {HF_CONFIG_FILE} in {directory!r}"
-    return {role: special.get(role) for role in _SPECIAL_ROLES}, source
+    return {role: special.get(role) for role in _SPECIAL_ROLES}, source, tokenizer_config
 
 
 def load(path: str | os.PathLike[str]) -> Tokenizer:

@@ -155,7 +155,16 @@ def test_convert_tool_round_trip(tmp_path):
     import subprocess
     import sys
 
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
     m = _hf_model("qwen2", tmp_path / "hf")
+    words = ["<pad>", "<s>", "</s>", "<unk>", "hello", "world", "tokens"]
+    backend = tokenizers.Tokenizer(models.WordLevel(dict(zip(words, range(7))), unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "hf" / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(special))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="")
     for args in (
@@ -173,3 +182,79 @@ def test_convert_tool_round_trip(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
     tokens = _tokens()
     np.testing.assert_array_equal(_hf_logits(back, tokens), _hf_logits(m, tokens))
+    # The tokenizer came along both ways, and its ids went into the configs. (Read with
+    # rlscale's loader: transformers 5.23 gives every qwen2 directory Qwen's own pipeline.)
+    from rlscale import tokenizer as tokenizer_lib
+
+    assert tokenizer_lib.load(tmp_path / "back").encode("hello tokens world") == [4, 6, 5]
+    config = json.loads((tmp_path / "back" / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+
+
+def test_export_serves_like_the_sampler(tmp_path):
+    """A policy with a SentencePiece tokenizer and two stop tokens (the EOS and an end-of-turn
+    stand-in), exported: transformers' tokenizer gives rlscale's ids, and transformers'
+    greedy `generate` gives rlscale's greedy sampler's completions, stopping where it stops."""
+    from rlscale import chat
+    from rlscale.sampling import Sampler, SamplingConfig
+    from rlscale.tokenizer import train_sentencepiece
+
+    rng = np.random.default_rng(0)
+    corpus = [
+        f"Q: {a}+{b}-{c}= {a + b}-{c}={a + b - c} Answer: {a + b - c}"
+        for a, b, c in (rng.integers(0, 50, (300, 3)).tolist())
+    ]
+    tok = train_sentencepiece(corpus, 300, hard_vocab_limit=False)
+    cfg = model.get("tiny", vocab_size=tok.vocab_size)
+    graphdef, _ = model.abstract_model(cfg)
+    params = model.init_params(cfg, jax.random.key(0))
+    prompts = [f"Q: {a}+{b}=" for a, b in rng.integers(0, 50, (8, 2)).tolist()]
+    prompt_ids = [chat.encode_prompt(tok, p) for p in prompts]
+    sampler = Sampler(graphdef, cfg)
+
+    def greedy(stop_tokens):
+        scfg = SamplingConfig(
+            max_new_tokens=16,
+            temperature=0.0,
+            stop_tokens=stop_tokens,
+            pad_id=tok.padding_id,
+            buckets=(16,),
+        )
+        out = sampler(params, prompt_ids, jax.random.key(0), scfg)
+        return np.asarray(out.tokens), np.asarray(out.lengths)
+
+    # A random policy never says the EOS: give the EOS the output column of a token row 0
+    # says (scaled up, so it wins wherever that token would), and stop at a token row 1 says.
+    first, _ = greedy((tok.eos_id,))
+    said = int(first[0, 2])
+    other = next(int(t) for t in first[1, 1:] if t not in (said, tok.eos_id))
+    head = params["lm_head"][...]
+    params["lm_head"] = params["lm_head"].replace(head.at[:, tok.eos_id].set(1.05 * head[:, said]))
+    stop = (tok.eos_id, other)
+    ours, lengths = greedy(stop)
+    last = ours[np.arange(len(ours)), lengths - 1]
+    # Some completions stop at each stop token and some run to the budget: all three compared.
+    assert (last == tok.eos_id).any() and (last == other).any() and (lengths == 16).any()
+
+    hf.save_hf(str(tmp_path), cfg, params, tokenizer=tok, stop_tokens=stop)
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((tmp_path / name).read_text())
+        assert ids["eos_token_id"] == list(stop)
+        assert (ids["bos_token_id"], ids["pad_token_id"]) == (tok.bos_id, tok.pad_id)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = [*corpus[:50], "  two  spaces,\ttab\nnewline ", "naïve café 世界 🙂", ""]
+    for text in texts:
+        assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text), text
+        assert hf_tok.decode(tok.encode(text)) == text
+    batch = hf_tok(prompts, padding=True, return_tensors="pt")  # Left-padded, with the BOS.
+    for row, mask, ids in zip(
+        batch["input_ids"].numpy(), batch["attention_mask"].numpy(), prompt_ids
+    ):
+        assert row[mask.astype(bool)].tolist() == ids
+    policy = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        out = policy.generate(**batch, max_new_tokens=16, do_sample=False)
+    theirs = out[:, batch["input_ids"].shape[1] :].numpy()
+    # Stopped rows are padded with the pad id on both sides; generate ends with the longest.
+    np.testing.assert_array_equal(theirs, ours[:, : theirs.shape[1]])
+    assert (ours[:, theirs.shape[1] :] == tok.pad_id).all()

@@ -223,3 +223,15 @@ def test_load_picks_the_backend(tmp_path, hf_dir):
         tokenizer_lib.load(empty)
     with pytest.raises(FileNotFoundError, match="tokenizer path not found"):
         tokenizer_lib.load(tmp_path / "missing")
+
+
+def test_save_round_trips_with_the_config(tmp_path):
+    config = {"bos_token": BOS, "eos_token": EOT, "pad_token": PAD, "chat_template": "{{ x }}"}
+    tok = HFTokenizer(_write_dir(tmp_path / "src", _backend(), config))
+    assert tok.to_hf() is tok
+    tok.save(tmp_path / "out")
+    again = HFTokenizer(tmp_path / "out")
+    assert (again.bos_id, again.eos_id, again.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert again.encode_batch(HELD_OUT) == tok.encode_batch(HELD_OUT)
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == "{{ x }}"

@@ -107,6 +107,9 @@ def test_rl_on_a_hf_checkpoint_and_gsm8k_file_then_export(inputs, tmp_path):
     assert (export / "tokenizer.json").exists()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(export)).float().eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    # Generation stops where the sampler stopped: the chat template's end of turn.
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
     ids = tok("Tom has 3 apples.")["input_ids"]
     with torch.no_grad():
         theirs = reloaded(torch.tensor([ids])).logits.numpy()

@@ -39,24 +39,18 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
     version. Checked on the learner's own inputs, not on the driver's metrics."""
     k = 2
     seen = []  # (trainer version, versions of the trained tokens, their rows' spread)
-    prepare = learner.Learner.prepare
+    update = learner.Learner.update
 
-    def recording(self, state, ref_params, rollouts):
+    def recording(self, state, ref_params, rollouts, step):
         v, m = rollouts.version_NM, rollouts.mask_NM
         spread = [np.ptp(row[mask]) for row, mask in zip(v, m) if mask.any()]
         seen.append((int(state.step), v[m], max(spread)))
-        return prepare(self, state, ref_params, rollouts)
-
-    monkeypatch.setattr(learner.Learner, "prepare", recording)
-    if slow == "trainer":
-        update = learner.Learner.update
-
-        def slow_update(self, *args):
+        if slow == "trainer":
             time.sleep(0.4)
-            return update(self, *args)
+        return update(self, state, ref_params, rollouts, step)
 
-        monkeypatch.setattr(learner.Learner, "update", slow_update)
-    else:
+    monkeypatch.setattr(learner.Learner, "update", recording)
+    if slow == "generator":
         step = engine.Generator.step
 
         def slow_step(self, max_steps):
@@ -66,6 +60,9 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
         monkeypatch.setattr(engine.Generator, "step", slow_step)
     config = _config(warm, mode=mode, max_staleness=k, generator_devices=4, decode_chunk=2)
     config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 4, 4
+    # One update program: a compile for a new length bucket would stall the trainer for
+    # seconds, long enough for the slow generator to finish every batch on one version.
+    config.learner.length_buckets = 1
     rl.run(config, str(tmp_path))
     assert len(seen) == 4
     lags = np.concatenate([version - v for version, v, _ in seen])

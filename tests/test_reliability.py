@@ -229,20 +229,20 @@ def _config(**overrides):
 
 
 def _nan_on(monkeypatch, steps):
-    """Makes the loss NaN on the optimizer steps whose (1-based) index is in `steps`."""
+    """Makes the loss NaN on the updates (one optimizer step each) whose (1-based) index is in
+    `steps`: the generator's logprobs, which the ratio reads, arrive NaN."""
     from rlscale import programs
 
     original, calls = programs.Programs.run, []
 
     def patched(self, name, fn, args, static=None):
-        out = original(self, name, fn, args, static)
-        if name != "micro_grads":
-            return out
-        calls.append(None)
-        if len(calls) in steps:
-            grads, loss_sum, *rest = out
-            out = (grads, loss_sum * float("nan"), *rest)
-        return out
+        if name == "update_step":
+            calls.append(None)
+            if len(calls) in steps:
+                state, ref_params, batch, *rest = args
+                batch = {**batch, "sampler_logp": batch["sampler_logp"] * float("nan")}
+                args = (state, ref_params, batch, *rest)
+        return original(self, name, fn, args, static)
 
     monkeypatch.setattr(programs.Programs, "run", patched)
 

@@ -5,16 +5,13 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines
 
-from rlscale import objectives, programs, rl, sharding
+from rlscale import rl
 from rlscale.rl import learner, rollouts
 from rlscale.sampling import SamplingConfig, scoring
 
@@ -105,37 +102,36 @@ def test_recipe_runs(name, recipe_runs):
         assert all(0 <= x["train/interrupted_frac"] <= 1 for x in train)
 
 
-def _program(workdir, name):
-    entries = [e for e in json.load(open(workdir / "programs.json")) if e["name"] == name]
-    assert entries, f"no {name} in programs.json"
+def _program(workdir):
+    """The update program of the run's first length bucket."""
+    entries = [e for e in json.load(open(workdir / "programs.json")) if e["name"] == "update_step"]
+    assert entries, "no update_step in programs.json"
     return entries[0]
 
 
 def test_learner_is_data_parallel(golden_runs, recipe_runs):
     """The same config on 8 devices: each does an eighth of the 1-device learner's work (the
-    gradient step, and GRPO's no-gradient reference pass)."""
-    for recipe, name in (("quickstart", "micro_grads"), ("grpo", "forward_terms")):
+    update, with GRPO's no-gradient reference pass), bucket for bucket."""
+    for recipe in ("quickstart", "grpo"):
         workdir = recipe_runs(recipe)[2]
-        one, eight = _program(golden_runs(recipe), name), _program(workdir, name)
+        one, eight = _program(golden_runs(recipe)), _program(workdir)
         assert one["devices"] == 1 and eight["devices"] == 8
         assert eight["mesh_shape"] == {"data": 8, "fsdp": 1, "tensor": 1}
         ratio = eight["flops_per_device"] / (one["flops_per_device"] / 8)
-        assert 0.8 < ratio < 1.2, (name, one["flops_per_device"], eight["flops_per_device"])
+        assert 0.8 < ratio < 1.2, (recipe, one["flops_per_device"], eight["flops_per_device"])
     for entry in json.load(open(workdir / "programs.json")):
         assert entry["flops_per_device"] > 0 and entry["argument_bytes"] > 0
         assert {"bytes_accessed_per_device", "output_bytes", "temp_bytes"} <= set(entry)
 
 
 def test_one_program_per_shape(recipe_runs):
-    """Three steps and two evaluations compile each learner program once: the state the
-    optimizer step returns is laid out as the one it was given. The quickstart's ratio reads
-    the generator's logprobs: no no-gradient pass; GRPO's KL reads the reference's."""
-    for recipe, counts in (
-        ("quickstart", {"forward_terms": 0, "micro_grads": 1, "apply_grads": 1}),
-        ("grpo", {"forward_terms": 1, "micro_grads": 1, "apply_grads": 1}),
-    ):
-        names = [e["name"] for e in json.load(open(recipe_runs(recipe)[2] / "programs.json"))]
-        assert {name: names.count(name) for name in counts} == counts, (recipe, names)
+    """Three steps and two evaluations compile the update once per length bucket the steps
+    used: the state it returns is laid out as the one it was given."""
+    for recipe in ("quickstart", "grpo"):
+        workdir = recipe_runs(recipe)[2]
+        names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
+        buckets = {x["train/length_bucket"] for x in metric_lines(workdir)[1:]}
+        assert names.count("update_step") == len(buckets), (recipe, names, buckets)
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,7 +269,6 @@ class _Source(rollouts.RolloutSource):
 
 
 def scoring_cfg():
-    from rlscale.sampling import SamplingConfig
 
     return SamplingConfig(max_new_tokens=4, num_samples=2, pad_id=0)
 
@@ -357,77 +352,6 @@ def test_logp_match_over_chunks_equals_numpy(scale, noise, tol):
         assert got["train/prob_pearson"] == pytest.approx(expected["train/prob_pearson"], abs=tol)
     none = learner.logp_match([learner.logp_match_stats(logp, sampler_logp, mask & False)])
     assert all(np.isnan(v) for v in none.values())  # Undefined without tokens: null.
-
-
-def _learner(chain, mesh, graphdef, G, M):
-    return learner.Learner(
-        graphdef=graphdef,
-        objective=objectives.build(chain, group_size=G, max_len=M),
-        optimizer=optax.sgd(0.5),
-        mesh=mesh,
-        logits_cfg=SamplingConfig(temperature=0.7),
-        epochs=1,
-        minibatches=2,
-        micro_batches=2,
-        group_size=G,
-        seed=0,
-        programs=programs.Programs(mesh),
-    )
-
-
-def test_learner_ratio_is_against_the_generator_and_match_is_the_first_minibatch(
-    tiny_cfg, tiny_model
-):
-    """The generator's logprobs are the trainer's plus noise: the first micro-batch's CISPO
-    ratio is exp(-noise), with no old_logp pass, and the logprob match is the noise over the
-    first minibatch's tokens (the second minibatch runs after an optimizer step). With
-    behaviour=trainer, the old_logp pass runs and reports its gap over the batch."""
-    graphdef, params = tiny_model
-    mesh = sharding.make_mesh((2, 1, 1))
-    G, N, P, M = 2, 16, 3, 5
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, tiny_cfg.vocab_size, (N, P + M)).astype(np.int32)
-    attn = np.ones((N, P + M), bool)
-    mask = np.arange(M)[None] < rng.integers(1, M + 1, (N, 1))
-    value_params = {"w": jnp.zeros(tiny_cfg.d_model), "b": jnp.zeros(())}
-    static = dict(graphdef=graphdef, P=P, logits_cfg=SamplingConfig(temperature=0.7))
-    logp = learner.forward_terms(params, value_params, tokens, attn, terms=("logp",), **static)
-    logp = np.asarray(logp["logp"])
-    noise = rng.normal(0, 0.3, (N, M)).astype(np.float32)
-    roll = types.SimpleNamespace(
-        tokens_NL=tokens,
-        attn_mask_NL=attn,
-        mask_NM=mask,
-        reward_N=rng.integers(0, 2, N).astype(np.float32),
-        correct_N=np.zeros(N, bool),
-        row_weight_N=np.ones(N, np.float32),
-        sampler_logp_NM=logp + noise,
-        prompt_len=P,
-    )
-    chain = "group_advantages | token_ratio{} | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
-
-    learn = _learner(chain.format(""), mesh, graphdef, G, M)
-    state, batch, prep = learn.prepare(learn.init(params, value_params), None, roll)
-    state, mets, _ = learn.update(state, batch, P, step=1)
-    assert learn.forward_passes == 0 and not prep and "old_logp" not in batch
-    assert "forward_terms" not in {e["name"] for e in learn.programs.entries}
-    first = np.array_split(np.random.default_rng([0, 1, 0]).permutation(N // G), 2)[0]
-    rows = (first[:, None] * G + np.arange(G)).reshape(-1)  # The first minibatch's rows.
-    micro = rows[: len(rows) // 2]  # Its first micro-batch's.
-    ratio = np.exp(-noise[micro])[mask[micro]].mean()
-    assert float(mets["train/ratio_mean"][0]) == pytest.approx(ratio, rel=1e-4)
-    assert len(mets["train/logp_match_stats"]) == 2  # The first minibatch's micro-batches.
-    match = learner.logp_match(mets["train/logp_match_stats"])
-    m = mask[rows]
-    x, y = np.exp(logp[rows][m]), np.exp(logp[rows][m] + noise[rows][m])
-    assert match["train/logp_gap_abs"] == pytest.approx(np.abs(noise[rows][m]).mean(), rel=1e-4)
-    assert match["train/prob_pearson"] == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-4)
-
-    learn = _learner(chain.format("(behaviour=trainer)"), mesh, graphdef, G, M)
-    _, batch, prep = learn.prepare(learn.init(params, value_params), None, roll)
-    assert learn.forward_passes == 1 and "old_logp" in batch
-    gap = float(prep["train/trainer_logp_gap"])
-    assert gap == pytest.approx(np.abs(noise[mask]).mean(), rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------

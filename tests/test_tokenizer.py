@@ -281,3 +281,45 @@ def test_fixed_ids_are_exported():
         tokenizer_lib.BOS_ID,
         tokenizer_lib.EOS_ID,
     ) == (0, 1, 2, 3)
+
+
+def _random_texts(n: int, seed: int = 0) -> list[str]:
+    """Strings over the corpus's characters and others: runs of spaces, tabs, newlines, the
+    user-defined symbols inside words, characters only bytes can encode."""
+    rng = random.Random(seed)
+    alphabet = [*"abcdefghijklmnopqrstuvwxyz0123456789+-=*.?", " ", " ", "  ", "\t", "\n"]
+    alphabet += [*SYMBOLS, "é", "世", "🙂", "▁"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(40))) for _ in range(n)]
+    words = [line.split(" ") for line in make_corpus(seed=1)]
+    return texts + ["  ".join(w[::-1]) for w in words]
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_hugging_face_form_encodes_and_decodes_like_sentencepiece(model_type):
+    # A corpus with whitespace runs, so the model learns whitespace-only pieces too.
+    corpus = make_corpus() + ["  indented   text\twith    spaces ==== **  aaa aaaa"] * 5
+    t = train(corpus, model_type=model_type, hard_vocab_limit=False)
+    converted = t.to_hf()
+    assert (converted.bos_id, converted.eos_id, converted.pad_id) == (2, 3, 0)
+    assert converted.vocab_size == t.vocab_size
+    for text in [*HELD_OUT, *corpus[::10], *_random_texts(1500)]:
+        ids = t.encode(text)
+        assert converted.encode(text) == ids, text
+        assert converted.decode(ids) == t.decode(ids), text
+    # The post-processor adds the BOS (what transformers' `tokenizer(text)` gives), and only
+    # there: `encode` adds nothing unless asked.
+    ids = t.encode(HELD_OUT[3])
+    assert converted.backend.encode(HELD_OUT[3]).ids == [2, *ids]
+
+
+def test_hugging_face_form_rejects_settings_it_cannot_reproduce(tok):
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto.FromString(tok.serialized)
+    proto.normalizer_spec.add_dummy_prefix = True
+    proto.normalizer_spec.remove_extra_whitespaces = True
+    other = SentencePieceTokenizer.from_bytes(proto.SerializeToString())
+    with pytest.raises(ValueError, match="add_dummy_prefix=true; remove_extra_whitespaces=true"):
+        other.to_hf()
+    with pytest.raises(ValueError, match="model_type CHAR"):
+        train(model_type="char", hard_vocab_limit=False).to_hf()

@@ -342,8 +342,13 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, _kernel_init(0, 1), (D, V), ("embed", "vocab"), pd)
         self.cfg = cfg
 
-    def hidden(self, tokens_BT, positions_BT, mask_BT, cache: KVCache | None = None):
-        """Final-norm hidden states [B, T, D], and the updated cache when one is given."""
+    def hidden(
+        self, tokens_BT, positions_BT, mask_BT, cache: KVCache | None = None, segments_BT=None
+    ):
+        """Final-norm hidden states [B, T, D], and the updated cache when one is given.
+
+        `segments_BT` (no cache): packed rows, where a token attends only to the earlier
+        tokens of its own segment (ids > 0; 0 is padding) and `mask_BT` is ignored."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
         if cfg.embed_scale:
@@ -351,7 +356,11 @@ class Decoder(nnx.Module):
         T = tokens_BT.shape[1]
         if cache is None:
             causal_TT = jnp.tril(jnp.ones((T, T), bool))
-            mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+            if segments_BT is None:
+                mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+            else:
+                same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
+                mask_BTS = causal_TT[None] & same_BTT & (segments_BT > 0)[:, None, :]
             index = None
         else:
             index = cache.index
@@ -420,8 +429,8 @@ def forward(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, mask_BT, cache)
 
 
-def hidden(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):
-    return nnx.merge(graphdef, params).hidden(tokens_BT, positions_BT, mask_BT, cache)
+def hidden(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None, segments_BT=None):
+    return nnx.merge(graphdef, params).hidden(tokens_BT, positions_BT, mask_BT, cache, segments_BT)
 
 
 def logits(graphdef, params, h_BTD):

@@ -7,13 +7,15 @@ directory with `config.json` and one `model.safetensors` or several files listed
 
 Import reads one tensor at a time from the memory-mapped files and builds each parameter with
 `jax.make_array_from_callback`, so every device receives only its shard and no device ever
-holds a full copy of a large model.
+holds a full copy of a large model. Export (`save_hf`) writes the same format back and, given
+the run's tokenizer and stop tokens, the tokenizer files and special ids that make the
+directory serve the policy as rlscale samples it.
 """
 
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -326,10 +328,44 @@ def load_hf(
 
 
 def save_hf(
-    path: str, cfg: ModelConfig, params, family: str | None = None, max_shard_bytes: int = 5 << 30
+    path: str,
+    cfg: ModelConfig,
+    params,
+    family: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    *,
+    tokenizer=None,
+    stop_tokens: Sequence[int] | None = None,
 ):
-    """Writes params as a Hugging Face checkpoint (config.json + safetensors, sharded above
-    `max_shard_bytes` with an index), loadable by transformers and vLLM."""
+    """Writes params as a Hugging Face checkpoint, loadable by transformers and vLLM.
+
+    `config.json` and safetensors (sharded above `max_shard_bytes`, with an index); with a
+    tokenizer also its files and the special ids, so that `AutoTokenizer.from_pretrained(path)`
+    and `AutoModelForCausalLM.from_pretrained(path).generate(...)` serve the policy as rlscale
+    samples it: the same prompt ids, and generation stops where rlscale's sampler stops.
+
+    Args:
+      path: the directory to write.
+      cfg: the model's config.
+      params: its params (any sharding; gathered one tensor at a time).
+      family: the `model_type` to write (default: `family_of(cfg)`).
+      max_shard_bytes: the largest safetensors file.
+      tokenizer: an `rlscale.tokenizer.Tokenizer`, written as `tokenizer.json` +
+        `tokenizer_config.json` (`Tokenizer.to_hf`: a SentencePiece model is converted); its
+        bos/eos/pad ids go into `config.json` and `generation_config.json`.
+      stop_tokens: the ids rlscale's sampler stops at (`SamplingConfig.stop_tokens`: the EOS
+        and, for a chat template, its end of turn); written as `eos_token_id`, a list when
+        several. Default: the tokenizer's EOS.
+
+    Returns:
+      The bytes of tensors written.
+
+    Raises:
+      ValueError: naming every id the model's vocabulary does not hold, or a tokenizer the
+        conversion cannot reproduce.
+    """
+    ids = _special_ids(cfg, tokenizer, stop_tokens)
+    hf_tokenizer = tokenizer.to_hf() if tokenizer is not None else None
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for p, v in jax.tree_util.tree_flatten_with_path(
@@ -359,5 +395,38 @@ def save_hf(
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg, family), f, indent=2)
+        json.dump({**config_to_hf(cfg, family), **ids}, f, indent=2)
+    if ids:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(ids, f, indent=2)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save(path)
     return math.fsum(t.nbytes for t in tensors.values())
+
+
+def _special_ids(cfg: ModelConfig, tokenizer, stop_tokens) -> dict:
+    """`bos_token_id`, `eos_token_id` (an int, or the list of stop tokens when several) and
+    `pad_token_id` (what rlscale pads with: `Tokenizer.padding_id`), those that exist."""
+    if stop_tokens is None:
+        has_eos = tokenizer is not None and tokenizer.eos_id >= 0
+        stop_tokens = (tokenizer.eos_id,) if has_eos else ()
+    stop = [int(t) for t in stop_tokens]
+    problems = []
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        problems.append(
+            f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={cfg.vocab_size}"
+        )
+    bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
+    if bad:
+        problems.append(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+    if problems:
+        raise ValueError("save_hf: " + "; ".join(problems))
+    ids = {}
+    if tokenizer is not None and tokenizer.bos_id >= 0:
+        ids["bos_token_id"] = tokenizer.bos_id
+    if stop:
+        ids["eos_token_id"] = stop[0] if len(stop) == 1 else stop
+    if tokenizer is not None and tokenizer.padding_id >= 0:
+        ids["pad_token_id"] = tokenizer.padding_id
+    return ids

@@ -127,6 +127,14 @@ def validate(config) -> None:
             f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
             f"by learner.micro_batches={u.micro_batches}"
         )
+    if not isinstance(u.length_buckets, int) or u.length_buckets < 1:
+        problems.append(f"learner.length_buckets={u.length_buckets!r} must be an integer >= 1")
+    M = config.sampling.max_new_tokens
+    if not isinstance(u.pack_length, int) or not (u.pack_length == 0 or u.pack_length > M):
+        problems.append(
+            f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "
+            f"sampling.max_new_tokens={M}"
+        )
     problems += _mesh_problems(config)
     if config.task.name not in (*tasks.TASKS, "math"):
         problems.append(

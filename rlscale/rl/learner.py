@@ -1,14 +1,23 @@
-"""The learner: its train state, the per-token terms an objective needs, and one update on a
-batch of rollouts (place, compute the trainer's old terms and the reference terms where the
-chain reads them, batch-stage transforms, then epochs x minibatches of accumulated
-micro-batch gradients), with how far the trainer's logprobs are from the generator's.
+"""The learner: its train state, the per-token terms an objective needs, and one compiled
+update on a batch of rollouts.
+
+Each batch is trained on its real tokens only. Completions are trimmed to the longest in the
+batch, rounded up to one of `learner.length_buckets` lengths (one compiled program per
+bucket), and with `learner.pack_length` the sequences that carry trained tokens are packed
+into rows of that many tokens (segment ids keep them apart in attention and positions) while
+rows with nothing to train are left out. The host builds this forward plan (`plan`); one
+jitted function (`update_step`) then runs everything else: the trainer's old terms and the
+reference's logprobs where the chain reads them, the batch-stage transforms (advantages), and
+epochs x minibatches optimizer steps, each a `lax.scan` over its micro-batches' gradients.
 
 Every jitted function is module-level and pure; the batch arrives as global arrays with rows
 sharded over the mesh's batch axes (`sharding.put_batch`), so each device does its share.
 Only the terms the objective's chain requires are computed (`Objective.model_terms`).
 
-Dimension letters: N rows (prompts x group), G group size, P padded prompt length,
-M completion length, L = P + M, V vocab, D model width.
+Dimension letters: N rows (prompts x group), G group size, P padded prompt length, M
+completion length (the batch's bucket), S optimizer steps per batch (epochs x minibatches),
+U micro-batches per step, n rows per micro-batch, R forward rows per micro-batch and T tokens
+per forward row (R = n and T = P + M unpacked), d batch shards, V vocab, D model width.
 """
 
 import dataclasses
@@ -38,84 +47,171 @@ class TrainState(NamedTuple):
 FORWARD_TERMS = ("logp", "entropy", "value")
 
 
-def token_terms(graphdef, params, value_params, tokens_NL, attn_NL, *, P, logits_cfg, terms):
-    """Per completion token, under the sampler's logits transform (temperature, top-k, top-p:
-    the distribution the tokens were drawn from): `logp` of the taken token, `entropy`, and
-    `value` (of the state before the token). Computes only `terms`."""
-    positions = decoder.positions_from_mask(attn_NL)
-    h, _ = decoder.hidden(graphdef, params, tokens_NL, positions, attn_NL)
-    h_NMD = h[:, P - 1 : -1]
+def length_bucket(length: int, max_len: int, buckets: int) -> int:
+    """The smallest of `buckets` evenly spaced lengths (max_len / buckets, ..., max_len)
+    that holds `length`: what a batch's completions are trimmed to."""
+    step = -(-max_len // buckets)
+    return min(max_len, max(step, -(-length // step) * step))
+
+
+def row_bucket(rows: int) -> int:
+    """`rows` rounded up to four steps per doubling (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16,
+    20, ...): at most 1/8 of the rows are padding, over few compiled shapes."""
+    step = max(1, (1 << max(rows - 1, 1).bit_length()) // 8)
+    return max(1, -(-rows // step) * step)
+
+
+def plan(rollouts, micro_rows, *, max_len: int, buckets: int, pack_length: int, shards: int):
+    """The forward plan of one batch on the host: its trimmed length M and, for each
+    micro-batch k (the rows `micro_rows[k]`), the forward rows and where each completion
+    token's prediction lies in them.
+
+    Unpacked, a micro-batch's forward rows are its rows cut to P + M tokens. Packed, each
+    batch shard's sequences that have trained tokens (their prompt without padding, then
+    their completion) are packed first-fit-decreasing into rows of `pack_length` tokens; the
+    rows per shard are rounded up by `row_bucket` (capped at the rows it would have
+    unpacked), so a run compiles few shapes. Sequences stay on their batch shard: the gather
+    of their hidden states needs no communication.
+
+    Args:
+      rollouts: the batch (`rollouts.Rollouts`).
+      micro_rows: [K, n] int, the rows of each micro-batch (n divisible by `shards`).
+      max_len: the completion budget (`sampling.max_new_tokens`).
+      buckets: `learner.length_buckets`.
+      pack_length: `learner.pack_length` (0: unpacked).
+      shards: the batch's shard count (`sharding.batch_divisor`).
+
+    Returns:
+      (M, {"tokens", "positions", "segments": [K, R, T] int32, "gather": [K, n, M] int32}):
+      `segments` is 0 on padding (unpacked: the attention mask) and `gather[k, i, m]` is the
+      flat index, within row i's shard of the forward rows ([R / shards * T]), of the hidden
+      state that predicts completion token m of row `micro_rows[k, i]`.
+    """
+    P = rollouts.prompt_len
+    attn_NL = rollouts.attn_mask_NL.astype(np.int32)
+    completion_N = attn_NL[:, P:].sum(1)
+    M = length_bucket(int(completion_N.max(initial=1)), max_len, buckets)
+    K, n = micro_rows.shape
+    per = n // shards
+    m_M = np.arange(M)
+    if not pack_length:
+        T = P + M
+        rows = micro_rows.reshape(-1)
+        attn = attn_NL[rows, :T]
+        out = {
+            "tokens": rollouts.tokens_NL[rows, :T],
+            "positions": np.maximum(np.cumsum(attn, 1) - 1, 0),
+            "segments": attn,
+        }
+        out = {k: v.reshape(K, n, T).astype(np.int32) for k, v in out.items()}
+        gather_nM = (np.arange(n) % per)[:, None] * T + P - 1 + m_M
+        out["gather"] = np.broadcast_to(gather_nM, (K, n, M)).astype(np.int32)
+        return M, out
+
+    T = pack_length
+    prompt_N = attn_NL[:, :P].sum(1)
+    length_N = prompt_N + completion_N
+    if length_N.max() > T:
+        raise ValueError(
+            f"learner.pack_length={T} is shorter than a sequence of the batch "
+            f"({int(length_N.max())} tokens: prompt and completion)"
+        )
+    trained_N = rollouts.mask_NM.any(1)
+    # For each (micro-batch, shard): its packed rows, each a list of (position in shard, row).
+    packs = []
+    for k in range(K):
+        for s in range(shards):
+            shard_rows = micro_rows[k, s * per : (s + 1) * per]
+            bins, room = [], []
+            order = sorted(range(per), key=lambda i: -length_N[shard_rows[i]])
+            for i in order:
+                row = shard_rows[i]
+                if not trained_N[row]:
+                    continue
+                fit = next((b for b, r in enumerate(room) if r >= length_N[row]), None)
+                if fit is None:
+                    bins.append([])
+                    room.append(T)
+                    fit = len(bins) - 1
+                bins[fit].append((i, row))
+                room[fit] -= length_N[row]
+            packs.append(bins)
+    R_shard = min(per, row_bucket(max(len(b) for b in packs)))
+    R = R_shard * shards
+    tokens = np.zeros((K, R, T), np.int32)
+    positions = np.zeros((K, R, T), np.int32)
+    segments = np.zeros((K, R, T), np.int32)
+    gather = np.zeros((K, n, M), np.int32)
+    for (k, s), bins in zip(np.ndindex(K, shards), packs):
+        for b, members in enumerate(bins):
+            r, offset = s * R_shard + b, 0
+            for segment, (i, row) in enumerate(members, start=1):
+                p, c = prompt_N[row], completion_N[row]
+                seq = np.concatenate(
+                    [rollouts.tokens_NL[row, P - p : P], rollouts.tokens_NL[row, P : P + c]]
+                )
+                tokens[k, r, offset : offset + p + c] = seq
+                positions[k, r, offset : offset + p + c] = np.arange(p + c)
+                segments[k, r, offset : offset + p + c] = segment
+                start = b * T + offset + p - 1  # Predicts completion token 0.
+                gather[k, s * per + i] = np.minimum(start + m_M, R_shard * T - 1)
+                offset += p + c
+    return M, {"tokens": tokens, "positions": positions, "segments": segments, "gather": gather}
+
+
+class Spec(NamedTuple):
+    """What the compiled update is specialized on (hashable: jit's static argument)."""
+
+    graphdef: Any
+    logits_cfg: SamplingConfig  # The sampler's logits transform: the distribution sampled.
+    objective: Any
+    optimizer: optax.GradientTransformation
+    mesh: Any
+    train_terms: tuple[str, ...]  # Computed with gradients.
+    old_terms: tuple[str, ...]  # The trainer's terms before the update (`old_logp`, ...).
+    ref: bool  # The chain reads `ref_logp`.
+    packed: bool
+    minibatches: int
+
+
+def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
+    """Per completion token, under the sampler's logits transform: `logp` of the taken token
+    (`targets_nM`), `entropy`, and `value` (of the state before the token). Computes only
+    `terms`. The forward rows `fwd` (one micro-batch of the plan) run through the decoder and
+    each completion token's hidden state is gathered within its batch shard."""
+    tokens_RT = fwd["tokens"]
+    if spec.packed:
+        h_RTD, _ = decoder.hidden(
+            spec.graphdef, params, tokens_RT, fwd["positions"], None, segments_BT=fwd["segments"]
+        )
+    else:
+        h_RTD, _ = decoder.hidden(
+            spec.graphdef, params, tokens_RT, fwd["positions"], fwd["segments"] > 0
+        )
+    R, T, D = h_RTD.shape
+    n, M = targets_nM.shape
+    d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
+    shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
+    h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
+    index_dX = _rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
+    h_nMD = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
     out = {}
     if "logp" in terms or "entropy" in terms:
-        logits = transform_logits(decoder.logits(graphdef, params, h_NMD), logits_cfg)
+        logits = transform_logits(decoder.logits(spec.graphdef, params, h_nMD), spec.logits_cfg)
         logp_all = jax.nn.log_softmax(logits)
         if "logp" in terms:
-            out["logp"] = jnp.take_along_axis(logp_all, tokens_NL[:, P:, None], axis=-1)[..., 0]
+            out["logp"] = jnp.take_along_axis(logp_all, targets_nM[..., None], axis=-1)[..., 0]
         if "entropy" in terms:
             out["entropy"] = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     if "value" in terms:
-        out["value"] = h_NMD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+        out["value"] = h_nMD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "P", "logits_cfg", "terms"))
-def forward_terms(params, value_params, tokens_NL, attn_NL, *, graphdef, P, logits_cfg, terms):
-    """`token_terms` without gradients: the trainer's terms at the start of the update
-    (`old_logp`, `old_value`) or the reference's, once per sampled batch."""
-    return token_terms(
-        graphdef, params, value_params, tokens_NL, attn_NL, P=P, logits_cfg=logits_cfg, terms=terms
+def _rows_sharded(x, mesh):
+    return jax.lax.with_sharding_constraint(
+        x, sharding.batch_sharding(mesh, x.ndim, sharding.TRAIN_RULES)
     )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "P", "logits_cfg", "terms", "loss_tx", "mesh")
-)
-def micro_grads(
-    params,
-    value_params,
-    loss_state,
-    batch,
-    rows,
-    update,
-    *,
-    graphdef,
-    P,
-    logits_cfg,
-    terms,
-    loss_tx,
-    mesh,
-):
-    """Gradients of one micro-batch's loss_sum (the batch's `rows`), with its denominator,
-    metrics and the loss transforms' new state. The rows are gathered here and kept sharded
-    over the batch axes, so every device differentiates its share."""
-    mb = {k: v[rows] for k, v in batch.items()}
-    mb = {
-        k: jax.lax.with_sharding_constraint(
-            v, sharding.batch_sharding(mesh, v.ndim, sharding.TRAIN_RULES)
-        )
-        for k, v in mb.items()
-    }
-
-    def loss_fn(params, value_params):
-        t = token_terms(
-            graphdef,
-            params,
-            value_params,
-            mb["tokens"],
-            mb["attn_mask"],
-            P=P,
-            logits_cfg=logits_cfg,
-            terms=terms,
-        )
-        data = {k: v for k, v in mb.items() if k not in ("tokens", "attn_mask")}
-        out, new_state = loss_tx.update({**data, **t, "update": update}, loss_state)
-        match = logp_match_stats(jax.lax.stop_gradient(t["logp"]), mb["sampler_logp"], mb["mask"])
-        return out["loss_sum"], (out["denominator"], out.get("metrics", {}), new_state, match)
-
-    (loss_sum, (denom, mets, new_state, match)), grads = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True
-    )(params, value_params)
-    return grads, loss_sum, denom, mets, new_state, match
 
 
 def logp_match_stats(logp, sampler_logp, mask) -> dict:
@@ -175,8 +271,7 @@ def logp_match(chunks: list[dict]) -> dict[str, float]:
     }
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0,))
-def apply_grads(state: TrainState, grads, loss_sum, denom, *, optimizer):
+def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
     """One optimizer step on the accumulated gradient sums; skipped (state unchanged, bit for
     bit) when the loss or the gradient norm is not finite."""
     grads = jax.tree.map(lambda g: g / jnp.maximum(denom, 1.0), grads)
@@ -195,7 +290,110 @@ def apply_grads(state: TrainState, grads, loss_sum, denom, *, optimizer):
         opt_state=opt_state,
         step=state.step + ok.astype(state.step.dtype),
     )
-    return new, {"train/grad_norm": optax.tree.norm(grads), "ok": ok}
+    return new, optax.tree.norm(grads), ok
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
+def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Spec):
+    """One batch's whole update, compiled once per shape.
+
+    1. Where the chain reads them, the trainer's old terms (`old_logp`, `old_value`) and the
+       reference's `ref_logp`, with the params the update starts from, over the first epoch's
+       micro-batches (which hold every row once).
+    2. The batch-stage transforms (advantages) on the whole batch.
+    3. S optimizer steps (`lax.scan`), each accumulating the gradient sums of its U
+       micro-batches (`lax.scan`) and dividing once by their summed denominator.
+
+    Args:
+      state: the train state (donated).
+      ref_params: the reference's params (unused unless `spec.ref`).
+      batch: per row [N] or [N, M]: `targets` (completion tokens), `mask`, `sampler_logp`,
+        `reward`, `correct`, `row_weight`.
+      fwd: the forward plan (`plan`), its arrays reshaped to [S, U, ...].
+      rows_SUn: the rows of each micro-batch.
+      spec: the static specialization.
+
+    Returns:
+      (state, metrics): per micro-batch [S, U] `loss_sum`, `denominator`, the loss
+      transforms' `metrics` and `match` (`logp_match_stats`); per step [S] `grad_norm` and
+      `ok` (False where a non-finite loss or gradient skipped the step); and with `old_logp`,
+      `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's trained tokens).
+    """
+    N, M = batch["mask"].shape
+    terms, metrics = dict(batch), {}
+    if spec.old_terms or spec.ref:
+        first = jax.tree.map(lambda x: x[: spec.minibatches].reshape(-1, *x.shape[2:]), fwd)
+        rows_Kn = rows_SUn[: spec.minibatches].reshape(-1, rows_SUn.shape[-1])
+
+        def no_grad_pass(_, xs):
+            f, rows = xs
+            targets = _rows_sharded(batch["targets"][rows], spec.mesh)
+            out = {}
+            if spec.old_terms:
+                t = token_terms(spec, state.params, state.value_params, f, targets, spec.old_terms)
+                out.update({f"old_{k}": v for k, v in t.items()})
+            if spec.ref:
+                t = token_terms(spec, ref_params, state.value_params, f, targets, ("logp",))
+                out["ref_logp"] = t["logp"]
+            return None, out
+
+        _, outs = jax.lax.scan(no_grad_pass, None, (first, rows_Kn))
+        for k, v_KnM in outs.items():
+            full = jnp.zeros((N, M), v_KnM.dtype).at[rows_Kn.reshape(-1)].set(v_KnM.reshape(-1, M))
+            terms[k] = _rows_sharded(full, spec.mesh)
+    if "old_logp" in terms:  # How far the sampler's numerics are from the learner's.
+        mask_f = batch["mask"].astype(jnp.float32)
+        metrics["trainer_logp_gap"] = jnp.sum(
+            jnp.abs(terms["old_logp"] - batch["sampler_logp"]) * mask_f
+        ) / jnp.maximum(jnp.sum(mask_f), 1.0)
+    terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
+    terms.pop("metrics", None)
+
+    def optimizer_step(train: TrainState, xs):
+        fwd_U, rows_Un = xs
+
+        def micro(carry, xs):
+            grads_acc, loss_state = carry
+            f, rows = xs
+            mb = {k: _rows_sharded(v[rows], spec.mesh) for k, v in terms.items()}
+            targets = mb.pop("targets")
+
+            def loss_fn(params, value_params):
+                t = token_terms(spec, params, value_params, f, targets, spec.train_terms)
+                out, new_state = spec.objective.loss.update(
+                    {**mb, **t, "update": train.step}, loss_state
+                )
+                match = logp_match_stats(
+                    jax.lax.stop_gradient(t["logp"]), mb["sampler_logp"], mb["mask"]
+                )
+                aux = (out["denominator"], out.get("metrics", {}), new_state, match)
+                return out["loss_sum"], aux
+
+            (loss_sum, (denom, mets, loss_state, match)), grads = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True
+            )(train.params, train.value_params)
+            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            out = {"loss_sum": loss_sum, "denominator": denom, "metrics": mets, "match": match}
+            return (grads_acc, loss_state), out
+
+        zeros = jax.tree.map(jnp.zeros_like, (train.params, train.value_params))
+        (grads, loss_state), per_micro = jax.lax.scan(
+            micro, (zeros, train.loss_state), (fwd_U, rows_Un)
+        )
+        train = train._replace(loss_state=loss_state)
+        train, grad_norm, ok = _apply_grads(
+            train,
+            grads,
+            jnp.sum(per_micro["loss_sum"]),
+            jnp.sum(per_micro["denominator"]),
+            spec.optimizer,
+        )
+        return train, {**per_micro, "grad_norm": grad_norm, "ok": ok}
+
+    state, per_step = jax.lax.scan(
+        optimizer_step, state._replace(batch_state=batch_state), (fwd, rows_SUn)
+    )
+    return state, {**per_step, **metrics}
 
 
 def make_optimizer(c) -> optax.GradientTransformation:
@@ -225,6 +423,9 @@ class Learner:
       logits_cfg: the sampler's logits transform (temperature, top-k, top-p).
       epochs, minibatches, micro_batches: optimizer steps per batch and their accumulation.
       group_size: samples per prompt (minibatches hold whole groups).
+      max_len: the completion budget (`sampling.max_new_tokens`).
+      length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
+      pack_length: tokens per packed row (0: unpacked).
       seed: seeds the minibatch order.
       programs: records each compiled program's cost.
     """
@@ -238,16 +439,29 @@ class Learner:
     minibatches: int
     micro_batches: int
     group_size: int
+    max_len: int
+    length_buckets: int
+    pack_length: int
     seed: int
     programs: Any
 
     def __post_init__(self):
         need = self.objective.model_terms
-        self.train_terms = tuple(t for t in FORWARD_TERMS if t in need or t == "logp")
-        self.old_terms = tuple(t for t in ("logp", "value") if f"old_{t}" in need)
+        old_terms = tuple(t for t in ("logp", "value") if f"old_{t}" in need)
+        self.spec = Spec(
+            graphdef=self.graphdef,
+            logits_cfg=self.logits_cfg,
+            objective=self.objective,
+            optimizer=self.optimizer,
+            mesh=self.mesh,
+            train_terms=tuple(t for t in FORWARD_TERMS if t in need or t == "logp"),
+            old_terms=old_terms,
+            ref="ref_logp" in need,
+            packed=bool(self.pack_length),
+            minibatches=self.minibatches,
+        )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs.
-        self.forward_passes = int(bool(self.old_terms)) + int("ref_logp" in need)
-        self._batch_update = jax.jit(self.objective.batch.update)
+        self.forward_passes = int(bool(old_terms)) + int(self.spec.ref)
 
     def init(self, params, value_params) -> TrainState:
         state = TrainState(
@@ -270,116 +484,69 @@ class Learner:
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
 
-    def _forward(self, params, value_params, tokens, attn, P, terms):
-        static = dict(graphdef=self.graphdef, P=P, logits_cfg=self.logits_cfg, terms=terms)
-        args = (params, value_params, tokens, attn)
-        return self.programs.run("forward_terms", forward_terms, args, static)
+    def micro_rows(self, num_rows: int, step: int) -> np.ndarray:
+        """[S, U, n]: the rows of each optimizer step's micro-batches. Each epoch shuffles the
+        groups (seeded by the step) and splits them into minibatches, then micro-batches."""
+        G = self.group_size
+        out = []
+        for epoch in range(self.epochs):
+            order = np.random.default_rng([self.seed, step, epoch]).permutation(num_rows // G)
+            for mb in np.split(order, self.minibatches):
+                micro = np.stack(np.split(mb, self.micro_batches))  # [U, groups]
+                out.append((micro[..., None] * G + np.arange(G)).reshape(len(micro), -1))
+        return np.stack(out).astype(np.int32)
 
-    def prepare(self, state: TrainState, ref_params, rollouts) -> tuple[TrainState, dict, dict]:
-        """The learner batch (global arrays) from host rollouts: the trainer's old terms and
-        the reference terms the chain needs, then the batch-stage transforms (advantages).
-        Where the chain reads `old_logp`, also `train/trainer_logp_gap`: the mean over the
-        batch's masked tokens of |old_logp - sampler_logp|.
+    def update(self, state: TrainState, ref_params, rollouts, step: int):
+        """One batch's update (`update_step`) from host rollouts, dispatched without waiting.
 
-        Returns (state with the batch transforms' new state, batch, metrics).
+        Returns (state, metrics: device arrays, applied: [S] device bools, False where a
+        non-finite loss or gradient skipped that optimizer step). The metrics include
+        `train/logp_match_stats`: the `logp_match_stats` of the first optimizer step's
+        micro-batches, which `logp_match` merges on the host. Only there is `logp` computed
+        with the params the update started from: in a synchronous run, the generator's
+        params, so the metrics measure the sampler's numerics alone (with asynchronous
+        generation, the policy lag too).
         """
-        need = self.objective.model_terms
+        rows_SUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
+        S, U, n = rows_SUn.shape
+        divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
+        M, fwd = plan(
+            rollouts,
+            rows_SUn.reshape(S * U, n),
+            max_len=self.max_len,
+            buckets=self.length_buckets,
+            pack_length=self.pack_length,
+            shards=divisor,
+        )
+        # What the forward rows hold: a bucket per compiled program, and their padding.
+        shape = {
+            "train/length_bucket": M,
+            "train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0)),
+        }
+        P = rollouts.prompt_len
         host = {
-            "tokens": rollouts.tokens_NL,
-            "attn_mask": rollouts.attn_mask_NL,
-            "mask": rollouts.mask_NM,
+            "targets": rollouts.tokens_NL[:, P : P + M],
+            "mask": rollouts.mask_NM[:, :M],
             "reward": rollouts.reward_N.astype(np.float32),
             "correct": rollouts.correct_N,
             "row_weight": rollouts.row_weight_N.astype(np.float32),
-            "sampler_logp": rollouts.sampler_logp_NM,
+            "sampler_logp": rollouts.sampler_logp_NM[:, :M],
         }
         batch = sharding.put_batch(host, self.mesh, sharding.TRAIN_RULES)
-        P = rollouts.prompt_len
-        metrics = {}
-        if self.old_terms:
-            old = self._forward(
-                state.params,
-                state.value_params,
-                batch["tokens"],
-                batch["attn_mask"],
-                P,
-                self.old_terms,
-            )
-            batch.update({f"old_{k}": v for k, v in old.items()})
-        if "logp" in self.old_terms:  # How far the sampler's numerics are from the learner's.
-            mask_f = batch["mask"].astype(jnp.float32)
-            metrics["train/trainer_logp_gap"] = jnp.sum(
-                jnp.abs(batch["old_logp"] - batch["sampler_logp"]) * mask_f
-            ) / jnp.maximum(jnp.sum(mask_f), 1.0)
-        if "ref_logp" in need:
-            ref = self._forward(
-                ref_params, state.value_params, batch["tokens"], batch["attn_mask"], P, ("logp",)
-            )
-            batch["ref_logp"] = ref["logp"]
-        terms, batch_state = self._batch_update(batch, state.batch_state)
-        terms.pop("metrics", None)
-        return state._replace(batch_state=batch_state), terms, metrics
-
-    def update(self, state: TrainState, batch: dict, P: int, step: int):
-        """`epochs` x `minibatches` optimizer steps on the batch, each accumulating
-        `micro_batches` gradient sums and dividing once by their summed denominator.
-
-        The metrics include `train/logp_match_stats`: the `logp_match_stats` of the
-        micro-batches of the first minibatch of the first epoch, which `logp_match` merges on
-        the host. Only there is `logp` computed with the params the update started from,
-        before any optimizer step on this batch: in a synchronous run, the generator's
-        params, so the metrics measure the sampler's numerics alone (with asynchronous
-        generation, the policy lag too).
-
-        Returns (state, metrics: device scalars and lists, applied: one device bool per
-        optimizer step, False where a non-finite loss or gradient skipped it).
-        """
-        G = self.group_size
-        N = batch["mask"].shape[0]
-        step_metrics, applied = {}, []
-        static = dict(
-            graphdef=self.graphdef,
-            P=P,
-            logits_cfg=self.logits_cfg,
-            terms=self.train_terms,
-            loss_tx=self.objective.loss,
-            mesh=self.mesh,
-        )
-        for epoch in range(self.epochs):
-            order = np.random.default_rng([self.seed, step, epoch]).permutation(N // G)
-            for i, mb in enumerate(np.array_split(order, self.minibatches)):
-                grads_acc, denom_acc, loss_acc = None, 0.0, 0.0
-                for micro in np.array_split(mb, self.micro_batches):
-                    rows = (micro[:, None] * G + np.arange(G)).reshape(-1)
-                    args = (
-                        state.params,
-                        state.value_params,
-                        state.loss_state,
-                        batch,
-                        rows.astype(np.int32),
-                        state.step,
-                    )
-                    grads, loss_sum, denom, mets, loss_state, match = self.programs.run(
-                        "micro_grads", micro_grads, args, static
-                    )
-                    if epoch == 0 and i == 0:  # The on-policy view: no update applied yet.
-                        step_metrics.setdefault("train/logp_match_stats", []).append(match)
-                    state = state._replace(loss_state=loss_state)
-                    grads_acc = (
-                        grads if grads_acc is None else jax.tree.map(jnp.add, grads_acc, grads)
-                    )
-                    denom_acc = denom_acc + denom
-                    loss_acc = loss_acc + loss_sum
-                    for k, v in mets.items():
-                        step_metrics.setdefault(f"train/{k}", []).append(v)
-                    step_metrics.setdefault("train/loss_sum", []).append(loss_sum)
-                    step_metrics.setdefault("train/denominator", []).append(denom)
-                state, upd = self.programs.run(
-                    "apply_grads",
-                    apply_grads,
-                    (state, grads_acc, loss_acc, denom_acc),
-                    dict(optimizer=self.optimizer),
-                )
-                step_metrics.setdefault("train/grad_norm", []).append(upd["train/grad_norm"])
-                applied.append(upd["ok"])
-        return state, step_metrics, applied
+        # Forward rows sharded on R (dim 2); the micro-batches' rows are small and replicated.
+        fwd = {k: v.reshape(S, U, *v.shape[1:]) for k, v in fwd.items()}
+        fwd = sharding.put_batch(fwd, self.mesh, sharding.TRAIN_RULES, axis=2)
+        rows = sharding.replicate(rows_SUn, self.mesh)
+        args = (state, ref_params, batch, fwd, rows)
+        state, out = self.programs.run("update_step", update_step, args, dict(spec=self.spec))
+        metrics = {
+            **shape,
+            "train/loss_sum": out["loss_sum"],
+            "train/denominator": out["denominator"],
+            "train/grad_norm": out["grad_norm"],
+            "train/logp_match_stats": out["match"],
+            **{f"train/{k}": v for k, v in out["metrics"].items()},
+        }
+        if "trainer_logp_gap" in out:
+            metrics["train/trainer_logp_gap"] = out["trainer_logp_gap"]
+        return state, metrics, out["ok"]

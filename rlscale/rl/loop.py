@@ -7,6 +7,7 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from rlscale import faults, metrics, preemption
 from rlscale.rl import checks, report, setup, state
@@ -46,7 +47,7 @@ class Loop:
         """Preemption handling and cleanup around the steps (yields the cleanup stack, for a
         driver's own closers); a fresh run's step-0 evaluation first."""
         with preemption.PreemptionGuard() as self.guard, contextlib.ExitStack() as cleanup:
-            for closer in (self.s.close, self.ckpt.close, self.writer.close):
+            for closer in (self.s.close, self.source.close, self.ckpt.close, self.writer.close):
                 cleanup.callback(closer)
             if self.start == 0:
                 self.writer.write(0, self.evaluate(0))
@@ -64,6 +65,7 @@ class Loop:
     def record(self, step: int, stats, learner_metrics, applied, times) -> dict:
         """The step's metrics line (before the compute counters); too many skipped
         (non-finite) updates in a row stop the run here."""
+        applied = np.asarray(applied)  # Waits for the update.
         for ok in map(bool, applied):
             self.skips.update(ok, step, last_checkpoint=self.ckpt.latest_step())
         return report.step_record(

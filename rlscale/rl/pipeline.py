@@ -181,8 +181,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                     f"step {step}: a token {lag['pipeline/staleness_max']} updates stale was "
                     f"about to be trained (pipeline.max_staleness={k})"
                 )
-            train, batch_arrays, prep_metrics = s.learner.prepare(run.train, s.ref_params, roll)
-            train, mets, applied = s.learner.update(train, batch_arrays, roll.prompt_len, step)
+            train, mets, applied = s.learner.update(run.train, s.ref_params, roll, step)
             run.train = jax.block_until_ready(train)
             run.stream = filters.PromptStream.from_state(batch["stream"])
             t_done = time.time()
@@ -201,7 +200,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                 "time/step_s": step_s,
                 "time/trainer_idle_frac": wait_s / max(step_s, 1e-9),
             }
-            record = lp.record(step, stats, {**prep_metrics, **mets}, applied, times)
+            record = lp.record(step, stats, mets, applied, times)
             record.update({**lag, **generator})
             lp.end_step(step, record)
     return lp.finish()

@@ -3,7 +3,6 @@ device-seconds), the per-step metrics record, and the files a finished run leave
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -48,11 +47,13 @@ class Compute:
 
 def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
     """The metrics line of one RL step (before evaluation and compute counters)."""
-    mets = dict(learner_metrics)
+    mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
-    if "train/logp_match_stats" in mets:  # Per micro-batch -> logprob gap and Pearson r.
-        mets.update(learner.logp_match(mets.pop("train/logp_match_stats")))
+    if "train/logp_match_stats" in mets:  # The first step's micro-batches -> gap, Pearson r.
+        match = mets.pop("train/logp_match_stats")
+        chunks = [{k: v[0, u] for k, v in match.items()} for u in range(len(match["n"][0]))]
+        mets.update(learner.logp_match(chunks))
     failures = stats["failures"]
     return {
         "train/reward_mean": float(stats["reward"].mean()),
@@ -71,10 +72,7 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
         "reward/failures": sum(failures.values()),
         **{f"reward/failures_{kind}": n for kind, n in failures.items()},
         **times,
-        **{
-            k: float(np.mean([float(x) for x in v])) if isinstance(v, list) else float(v)
-            for k, v in mets.items()
-        },
+        **{k: float(np.mean(v, dtype=np.float64)) for k, v in mets.items()},
     }
 
 
@@ -125,8 +123,8 @@ def generator_record(before, after) -> dict:
 
 def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict:
     """The run's summary; writes the final params (and, for a run from a Hugging Face
-    checkpoint, a Hugging Face export with the tokenizer files), `summary.json` and
-    `programs.json` (every compiled program's per-device cost)."""
+    checkpoint, a Hugging Face export with the tokenizer and the sampler's stop tokens),
+    `summary.json` and `programs.json` (every compiled program's per-device cost)."""
     evals = run_state.evals
     summary = {
         "start/eval_pass@1": evals[0]["eval/pass@1"],
@@ -141,12 +139,15 @@ def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict
     checkpoint.save_params(os.path.join(workdir, "final"), setup.model_cfg, params)  # Every host.
     hf_init = setup.config.init.hf_checkpoint
     if jax.process_index() == 0:
-        if hf_init:  # Also as a Hugging Face checkpoint, with the tokenizer: servable as is.
+        if hf_init:  # Also as a Hugging Face checkpoint that stops where the sampler stops.
             export = os.path.join(workdir, "hf")
-            hf.save_hf(export, setup.model_cfg, params)
-            for name in os.listdir(hf_init):
-                if name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                    shutil.copy2(os.path.join(hf_init, name), export)
+            hf.save_hf(
+                export,
+                setup.model_cfg,
+                params,
+                tokenizer=setup.tokenizer,
+                stop_tokens=setup.scfg.stop_tokens,
+            )
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         setup.programs.write(os.path.join(workdir, "programs.json"))

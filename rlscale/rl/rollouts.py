@@ -13,6 +13,8 @@ Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded pro
 M new tokens, L = P + M.
 """
 
+import concurrent.futures
+import copy
 import dataclasses
 
 import jax
@@ -20,7 +22,7 @@ import numpy as np
 
 from rlscale.data import filters
 from rlscale.sampling.engine import Request
-from rlscale.sampling.scoring import Samples, encode_prompts, score_completed
+from rlscale.sampling.scoring import Samples, concat, encode_prompts, score_completed
 
 
 @dataclasses.dataclass
@@ -58,15 +60,38 @@ class RolloutSource:
         self.filters = config.filters
         self.max_new_tokens = config.sampling.max_new_tokens
         self.decode_chunk = config.pipeline.decode_chunk
+        self._encoded: dict[int, list[int]] = {}  # Prompt ids, by problem.
+        # Scoring runs beside decoding in one process; with several, it stays in order on the
+        # main thread (it gathers rewards across processes, as decoding does).
+        self._scoring = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
+            if jax.process_count() == 1
+            else None
+        )
+
+    def close(self):
+        if self._scoring is not None:
+            self._scoring.shutdown()
 
     def draw(self) -> list[int]:
         """The next `batch.prompts` training prompt ids (retired ones skipped)."""
         return self.stream.next(self.B, self.history.retired)
 
+    def prefetch(self) -> None:
+        """Encodes the prompts the next `draw` will return, without drawing them (the stream's
+        state is what a checkpoint saves): host work to overlap with the device's."""
+        self._encode(copy.deepcopy(self.stream).next(self.B, self.history.retired))
+
+    def _encode(self, ids) -> list[list[int]]:
+        new = [i for i in dict.fromkeys(ids) if i not in self._encoded]
+        for i, p in zip(new, encode_prompts(self.tokenizer, [self.problems[i] for i in new])):
+            self._encoded[i] = p
+        return [self._encoded[i] for i in ids]
+
     def requests(self, ids, rng, tag=None) -> list[Request]:
         """Generator requests for prompts `ids`: request i has id (tag, i) and samples with
         fold_in(rng, i)."""
-        prompts = encode_prompts(self.tokenizer, [self.problems[i] for i in ids])
+        prompts = self._encode(ids)
         return [Request((tag, i), p, jax.random.fold_in(rng, i)) for i, p in enumerate(prompts)]
 
     def score(self, completed, ids) -> Samples:
@@ -76,14 +101,22 @@ class RolloutSource:
         return score_completed(self.tokenizer, self.scorer, completed, problems, self.scfg)
 
     def _sample(self, params, ids, rng, version) -> Samples:
-        """Every request for `ids` generated with `params` (policy `version`), and scored."""
+        """Every request for `ids` generated with `params` (policy `version`), and scored:
+        requests that complete early are scored while the engine decodes the rest."""
         gen = self.generator
         gen.set_params(params, version)
         gen.submit(self.requests(ids, rng))
-        completed = []
-        while len(completed) < len(ids):
-            completed += gen.step(self.decode_chunk)
-        return self.score(completed, ids)
+        parts, order = [], []
+        while len(order) < len(ids):
+            completed = sorted(gen.step(self.decode_chunk), key=lambda c: c.request.id[1])
+            if completed:
+                order += [c.request.id[1] for c in completed]
+                if self._scoring is None:
+                    parts.append(self.score(completed, ids))
+                else:
+                    parts.append(self._scoring.submit(self.score, completed, ids))
+        parts = [p if isinstance(p, Samples) else p.result() for p in parts]
+        return concat(parts, self.scfg.pad_id).take(np.argsort(order))
 
     def judge(self, ids, s: Samples) -> dict:
         """One round: the reward shaping, the pass-rate history and the filters' verdicts."""

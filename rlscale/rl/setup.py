@@ -123,7 +123,6 @@ def sampling_config(config, tokenizer) -> SamplingConfig:
     stop = (tokenizer.eos_id,)
     if config.task.name == "math" and config.task.chat_template:
         stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))
-    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
     interrupt_ids, think_end = (), ()
     if s.think_budget:
         interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
@@ -144,7 +143,7 @@ def sampling_config(config, tokenizer) -> SamplingConfig:
             top_p=s.top_p,
             num_samples=config.batch.group_size,
             stop_tokens=stop,
-            pad_id=pad_id,
+            pad_id=tokenizer.padding_id,
             buckets=tuple(s.buckets),
         )
     except ValueError as e:  # The one set of sampling rules, reported under the config key.
@@ -175,6 +174,13 @@ def build(config, workdir: str) -> Setup:
         tokenizer = _tokenizer(config, workdir, splits["train"])
     scfg = sampling_config(config, tokenizer)
     G, M = config.batch.group_size, config.sampling.max_new_tokens
+    longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
+    pack = config.learner.pack_length
+    if pack and pack < longest + M:  # Before the warm start's training.
+        raise ValueError(
+            f"learner.pack_length={pack} cannot hold the longest training sequence: its prompt "
+            f"has {longest} tokens, plus sampling.max_new_tokens={M}"
+        )
     objective = objectives.build(config.objective.chain, group_size=G, max_len=M)
     progs = programs.Programs(mesh)
     reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
@@ -195,7 +201,6 @@ def build(config, workdir: str) -> Setup:
     # state's buffers are donated to each update.
     ref = jax.tree.map(jnp.copy, params) if "ref_logp" in objective.model_terms else None
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
-    longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     generator = Generator(
         graphdef,
         model_cfg,
@@ -220,6 +225,9 @@ def build(config, workdir: str) -> Setup:
         minibatches=config.learner.minibatches,
         micro_batches=config.learner.micro_batches,
         group_size=G,
+        max_len=config.sampling.max_new_tokens,
+        length_buckets=config.learner.length_buckets,
+        pack_length=config.learner.pack_length,
         seed=config.seed,
         programs=progs,
     )

@@ -1,9 +1,11 @@
 """The synchronous driver: sample a batch with the current policy, score it, update, repeat.
 
 Each step reshards the params to the generator's layout, draws rollouts from the
-`RolloutSource`, lets the `Learner` update on them and writes one metrics line. Every part
-lives in its own module of `rlscale.rl`; this file only orders them. A workdir holding
-checkpoints resumes from the latest readable one.
+`RolloutSource`, lets the `Learner` update on them and writes one metrics line. Host work
+overlaps device work where the order allows: requests are scored while the rest decode, and
+the next batch's prompts are encoded while the update runs. Every part lives in its own
+module of `rlscale.rl`; this file only orders them. A workdir holding checkpoints resumes
+from the latest readable one.
 """
 
 import dataclasses
@@ -29,8 +31,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
             version = int(sharding.fetch(run.train.step))
             roll, stats = source.next(params, jax.random.fold_in(run.rng, step), version)
             t_update = time.time()
-            train, batch, prep_metrics = s.learner.prepare(run.train, s.ref_params, roll)
-            train, mets, applied = s.learner.update(train, batch, roll.prompt_len, step)
+            train, mets, applied = s.learner.update(run.train, s.ref_params, roll, step)
+            source.prefetch()  # While the device trains.
             run.train = jax.block_until_ready(train)
             t_done = time.time()
             comp.add_step(s.model_cfg, stats, roll, s.learner.forward_passes)
@@ -41,7 +43,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
                 "time/step_s": t_done - t_sample,
                 "time/reshard_s": reshard_s,
             }
-            record = lp.record(step, stats, {**prep_metrics, **mets}, applied, times)
+            record = lp.record(step, stats, mets, applied, times)
             record.update(report.staleness(roll, version))  # Always 0 here: sampled now.
             record.update(report.generator_record(seen, engine))
             lp.end_step(step, record)

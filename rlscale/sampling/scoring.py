@@ -58,6 +58,23 @@ class Samples:
     def prompt_tokens(self) -> int:
         return int(self.prompt_mask_BP.sum())
 
+    def take(self, order_B) -> "Samples":
+        """The prompts `order_B` (and their rows), in that order."""
+        B, N = self.prompt_BP.shape[0], self.tokens_NM.shape[0]
+        G = N // B
+        rows = (np.asarray(order_B)[:, None] * G + np.arange(G)).reshape(-1)
+        fields = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("prompt_BP", "prompt_mask_BP"):
+                v = v[order_B]
+            elif f.name == "texts":
+                v = [v[i] for i in rows]
+            elif f.name != "failures" and v is not None:
+                v = v[rows]
+            fields[f.name] = v
+        return Samples(**fields)
+
 
 def encode_prompts(tokenizer, problems) -> list[list[int]]:
     """Prompt ids, with the BOS when the tokenizer has one (Qwen tokenizers have none)."""
@@ -72,7 +89,7 @@ def completions_text(tokenizer, tokens_NM, lengths_N) -> list[str]:
     ]
 
 
-def _concat(parts: list[Samples], pad_id: int) -> Samples:
+def concat(parts: list[Samples], pad_id: int) -> Samples:
     """One `Samples` from chunks whose prompts may be padded to different buckets."""
     if len(parts) == 1:
         return parts[0]
@@ -192,7 +209,7 @@ def sample_and_score(
         rows = [real[i] for i in out.prompt_index[:N]]
         prompt = (out.prompt_BP[: len(real)], out.prompt_mask_BP[: len(real)])
         parts.append(_score(tokenizer, scorer, host, rows, *prompt))
-    return _concat(parts, cfg.pad_id)
+    return concat(parts, cfg.pad_id)
 
 
 def evaluate(sampler, params, tokenizer, problems, rng, cfg: SamplingConfig, scorer) -> dict:

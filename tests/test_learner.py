@@ -1,0 +1,231 @@
+"""The learner's update, against an independent re-derivation: real tokens only (trimmed,
+bucketed, packed) give the loss and gradients of full-length rows, the one compiled update
+equals a per-micro-batch loop, no recompile within a bucket, the ratio reads the generator's
+logprobs."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rlscale import model, objectives, programs, sharding
+from rlscale.model import decoder
+from rlscale.rl import learner
+from rlscale.sampling import SamplingConfig, transform_logits
+
+G, N, P, M = 2, 16, 6, 12
+TEMPERATURE = 0.7
+CHAIN = "group_advantages | token_ratio | cispo(eps_max=4.0) | aggregate(mode=prompt_mean)"
+
+
+def _learner(mesh, graphdef, chain=CHAIN, *, buckets=1, pack=0, minibatches=2, micro=2):
+    return learner.Learner(
+        graphdef=graphdef,
+        objective=objectives.build(chain, group_size=G, max_len=M),
+        optimizer=optax.sgd(0.5),
+        mesh=mesh,
+        logits_cfg=SamplingConfig(temperature=TEMPERATURE),
+        epochs=1,
+        minibatches=minibatches,
+        micro_batches=micro,
+        group_size=G,
+        max_len=M,
+        length_buckets=buckets,
+        pack_length=pack,
+        seed=0,
+        programs=programs.Programs(mesh),
+    )
+
+
+def _reference_logp(graphdef, params, tokens_NL, attn_NL):
+    """Logprobs of every completion token from a full-length forward pass of each row."""
+    positions = decoder.positions_from_mask(attn_NL)
+    logits, _ = decoder.forward(graphdef, params, tokens_NL, positions, attn_NL)
+    logits = transform_logits(logits[:, P - 1 : -1], SamplingConfig(temperature=TEMPERATURE))
+    logp = jax.nn.log_softmax(logits)
+    return jnp.take_along_axis(logp, tokens_NL[:, P:, None], axis=-1)[..., 0]
+
+
+def _rollouts(graphdef, params, vocab, *, longest=9, seed=0):
+    """Left-padded prompts of 2-6 tokens, completions of 1-`longest` tokens (padding after),
+    a few tokens out of the loss (forced) and one filtered group (no trained tokens); the
+    generator's logprobs are the trainer's plus noise."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, (N, P + M)).astype(np.int32)
+    prompt = rng.integers(2, P + 1, N)
+    completion = rng.integers(1, longest + 1, N)
+    completion[0] = longest
+    attn = np.concatenate(
+        [np.arange(P)[None] >= P - prompt[:, None], np.arange(M)[None] < completion[:, None]], 1
+    )
+    tokens[~attn] = 0
+    mask = attn[:, P:] & (rng.random((N, M)) > 0.1)
+    mask[2 * G : 3 * G] = False  # A filtered group.
+    logp = np.asarray(_reference_logp(graphdef, params, tokens, attn))
+    noise = rng.normal(0, 0.3, (N, M)).astype(np.float32)
+    return types.SimpleNamespace(
+        tokens_NL=tokens,
+        attn_mask_NL=attn,
+        mask_NM=mask,
+        reward_N=rng.integers(0, 2, N).astype(np.float32),
+        correct_N=np.zeros(N, bool),
+        row_weight_N=np.ones(N, np.float32),
+        sampler_logp_NM=np.where(attn[:, P:], logp + noise, 0.0).astype(np.float32),
+        prompt_len=P,
+    ), noise
+
+
+def _update(learn, params, value_params, roll):
+    state = learn.init(params, value_params)
+    state, mets, _ = learn.update(state, None, roll, step=1)
+    return jax.tree.map(np.asarray, (state.params, mets))
+
+
+def _loop_reference(learn, params, value_params, roll):
+    """The update as a plain loop: full-length rows, one `jax.grad` per micro-batch, the
+    gradient sums added up and divided once per minibatch, then an SGD step."""
+    objective = learn.objective
+    host = {
+        "mask": roll.mask_NM,
+        "reward": roll.reward_N,
+        "correct": roll.correct_N,
+        "row_weight": roll.row_weight_N,
+        "sampler_logp": roll.sampler_logp_NM,
+    }
+    terms, _ = objective.batch.update(host, objective.batch.init())
+    terms.pop("metrics", None)
+    terms = jax.tree.map(jnp.asarray, terms)
+    loss_state, losses = objective.loss.init(), []
+
+    @jax.jit
+    def grad_fn(params, rows):
+        def loss_fn(p):
+            logp = _reference_logp(learn.graphdef, p, tokens[rows], attn[rows])
+            mb = {k: v[rows] for k, v in terms.items()}
+            out, _ = objective.loss.update({**mb, "logp": logp, "update": 0}, loss_state)
+            return out["loss_sum"], out["denominator"]
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    tokens, attn = jnp.asarray(roll.tokens_NL), jnp.asarray(roll.attn_mask_NL)
+    for micro_rows in learn.micro_rows(N, step=1):
+        grads, denom = None, 0.0
+        for rows in micro_rows:
+            (loss, d), g = grad_fn(params, rows)
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            denom += float(d)
+            losses.append(float(loss))
+        scale = 0.5 / max(denom, 1.0)
+        params = jax.tree.map(lambda p, g, s=scale: p - s * g, params, grads)
+    return jax.tree.map(np.asarray, params), losses
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A two-layer model (quick to compile), its rollouts and their logprob noise."""
+    cfg = model.get("tiny", num_layers=2)
+    graphdef, _ = model.abstract_model(cfg)
+    params = model.init_params(cfg, jax.random.key(0))
+    value_params = {"w": jnp.zeros(cfg.d_model), "b": jnp.zeros(())}
+    roll, noise = _rollouts(graphdef, params, cfg.vocab_size)
+    return graphdef, params, value_params, roll, noise
+
+
+def test_real_tokens_give_the_full_length_update(setup):
+    """Trimmed to a bucket (12 -> 9 tokens), and also packed into rows of 24 tokens on 2 batch
+    shards (the filtered group left out), the update gives the parameters of a per-micro-batch
+    loop over full-length rows, micro-batch losses included."""
+    graphdef, params, value_params, roll, _ = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    expected, losses = _loop_reference(_learner(mesh, graphdef), params, value_params, roll)
+    for buckets, pack in ((4, 0), (4, 24)):
+        learn = _learner(mesh, graphdef, buckets=buckets, pack=pack)
+        got, mets = _update(learn, params, value_params, roll)
+        np.testing.assert_allclose(mets["train/loss_sum"].reshape(-1), losses, rtol=2e-5, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=f"{buckets=} {pack=}")
+
+
+def test_packed_logprobs_equal_unpacked(setup):
+    """Each completion token's logprob and gradient, from packed rows (several sequences per
+    row, positions restarting per segment) and from unpacked ones."""
+    graphdef, params, value_params, roll, _ = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    rows = np.arange(N).reshape(1, N)
+    out = {}
+    for pack in (0, 24):
+        learn = _learner(mesh, graphdef, buckets=4, pack=pack)
+        T, fwd = learner.plan(roll, rows, max_len=M, buckets=4, pack_length=pack, shards=2)
+        fwd = {k: v[0] for k, v in fwd.items()}
+        targets = roll.tokens_NL[:, P : P + T]
+        mask = roll.mask_NM[:, :T]
+
+        def logp_sum(p, fwd=fwd, learn=learn, targets=targets, mask=mask):
+            logp = learner.token_terms(learn.spec, p, value_params, fwd, targets, ("logp",))["logp"]
+            return jnp.sum(jnp.where(mask, logp, 0.0)), logp
+
+        grads, logp = jax.jit(jax.grad(logp_sum, has_aux=True))(params)
+        out[pack] = (np.where(mask, logp, 0.0), grads, fwd["tokens"].shape)
+    assert out[24][2][0] < out[0][2][0]  # Fewer rows: packed.
+    np.testing.assert_allclose(out[24][0], out[0][0], rtol=1e-5, atol=1e-5)
+    expected = np.where(
+        roll.mask_NM, _reference_logp(graphdef, params, roll.tokens_NL, roll.attn_mask_NL), 0
+    )
+    np.testing.assert_allclose(out[0][0], expected[:, : out[0][0].shape[1]], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[24][1]), jax.tree.leaves(out[0][1])):  # Sums of 100+
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # terms in another order.
+
+
+def test_no_recompile_within_a_bucket(setup, count_compiles):
+    """Completions of at most 7 and 8 tokens share the 9-token bucket: one program; 2 tokens
+    is another bucket. Packed into rows of 32 tokens, any two sequences share a row: the
+    rows per shard stay in one bucket."""
+    graphdef, params, value_params, _, _ = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    learn = _learner(mesh, graphdef, buckets=4, minibatches=1)
+    state = learn.init(params, value_params)
+    for i, longest in enumerate((7, 8, 2)):
+        vocab = int(params["embedding"].shape[0])
+        roll, _ = _rollouts(graphdef, params, vocab, longest=longest, seed=i)
+        with count_compiles() as c:
+            state, mets, ok = learn.update(state, None, roll, step=i + 1)
+            jax.block_until_ready(ok)
+        assert mets["train/length_bucket"] == (9, 9, 3)[i]
+        if i == 1:
+            assert c.count == 0
+    assert [e["name"] for e in learn.programs.entries] == ["update_step"] * 2
+
+
+def test_ratio_is_against_the_generator_and_match_is_the_first_minibatch(setup):
+    """The generator's logprobs are the trainer's plus noise: the first micro-batch's CISPO
+    ratio is exp(-noise), with no old_logp pass, and the logprob match is the noise over the
+    first minibatch's tokens (the second minibatch runs after an optimizer step). With
+    behaviour=trainer, the old_logp pass runs and reports its gap over the batch."""
+    graphdef, params, value_params, roll, noise = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    learn = _learner(mesh, graphdef, buckets=4)
+    _, mets = _update(learn, params, value_params, roll)
+    assert learn.forward_passes == 0 and "train/trainer_logp_gap" not in mets
+    first = learn.micro_rows(N, step=1)[0]  # The first minibatch's micro-batches.
+    mask = roll.mask_NM
+    ratio = np.exp(-noise[first[0]])[mask[first[0]]].mean()
+    assert float(mets["train/ratio_mean"][0, 0]) == pytest.approx(ratio, rel=1e-4)
+    stats = mets["train/logp_match_stats"]
+    match = learner.logp_match([{k: v[0, u] for k, v in stats.items()} for u in range(2)])
+    rows = first.reshape(-1)
+    m = mask[rows]
+    logp = roll.sampler_logp_NM[rows][m] - noise[rows][m]
+    x, y = np.exp(logp), np.exp(roll.sampler_logp_NM[rows][m])
+    assert match["train/logp_gap_abs"] == pytest.approx(np.abs(noise[rows][m]).mean(), rel=1e-4)
+    assert match["train/prob_pearson"] == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-4)
+
+    learn = _learner(
+        mesh, graphdef, CHAIN.replace("token_ratio", "token_ratio(behaviour=trainer)"), buckets=4
+    )
+    _, mets = _update(learn, params, value_params, roll)
+    assert learn.forward_passes == 1
+    gap = float(mets["train/trainer_logp_gap"])
+    assert gap == pytest.approx(np.abs(noise[mask]).mean(), rel=1e-4)
