@@ -3,7 +3,7 @@
 checks    start-up validation of a config, every problem at once
 setup     meshes and layouts, tokenizer, task, models, generator, learner, verifier pool
 rollouts  `RolloutSource`: prompts -> generator requests -> scored, filtered `Rollouts`
-learner   `TrainState`, the per-token terms a chain needs, `Learner.prepare/update`
+learner   `TrainState`, the forward plan of real tokens, one compiled update (`Learner.update`)
 state     `RunState`: everything a checkpoint holds; opening and resuming checkpoints
 report    compute accounting, the step record, the files a finished run leaves
 loop      what both drivers share: start-up, evaluation, the end of each step, the finish
