@@ -108,9 +108,9 @@ class RolloutSource:
         gen.submit(self.requests(ids, rng))
         parts, order = [], []
         while len(order) < len(ids):
-            completed = sorted(gen.step(self.decode_chunk), key=lambda c: c.request.id[1])
+            completed = gen.step(self.decode_chunk)
             if completed:
-                order += [c.request.id[1] for c in completed]
+                order += sorted(c.request.id[1] for c in completed)  # As `score` orders them.
                 if self._scoring is None:
                     parts.append(self.score(completed, ids))
                 else:
