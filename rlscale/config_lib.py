@@ -119,8 +119,20 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (README, "The learner"): completions are trimmed to one of
     # `length_buckets` lengths (1: always sampling.max_new_tokens); with `pack_length` > 0,
-    # the sequences with trained tokens are packed into rows of that many tokens.
-    c.learner = dict(epochs=1, minibatches=1, micro_batches=1, length_buckets=4, pack_length=0)
+    # the sequences with trained tokens are packed into rows of that many tokens. Memory at
+    # real sizes (README, "Memory at real sizes"): logprobs and entropy over the vocabulary
+    # `logprob_chunk` completion tokens at a time; `remat` ("none", "dots", "full") what each
+    # block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory.
+    c.learner = dict(
+        epochs=1,
+        minibatches=1,
+        micro_batches=1,
+        length_buckets=4,
+        pack_length=0,
+        logprob_chunk=1024,
+        remat="none",
+        offload_ref=False,
+    )
     # Generation and training (README, "PipelineRL"): "sync" samples each batch with the
     # current policy, then trains on it; "pipeline" generates continuously and takes new
     # weights between decode steps (in-flight updates, sequences keep their KV cache);

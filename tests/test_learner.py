@@ -1,7 +1,9 @@
 """The learner's update, against an independent re-derivation: real tokens only (trimmed,
 bucketed, packed) give the loss and gradients of full-length rows, the one compiled update
 equals a per-micro-batch loop, no recompile within a bucket, the ratio reads the generator's
-logprobs."""
+logprobs. Memory at real sizes: chunked logprobs and entropy, rematerialized blocks and a
+host-offloaded reference give the plain path's values and gradients; bfloat16 params keep
+float32 master weights and optimizer state."""
 
 import types
 
@@ -21,11 +23,13 @@ TEMPERATURE = 0.7
 CHAIN = "group_advantages | token_ratio | cispo(eps_max=4.0) | aggregate(mode=prompt_mean)"
 
 
-def _learner(mesh, graphdef, chain=CHAIN, *, buckets=1, pack=0, minibatches=2, micro=2):
+def _learner(
+    mesh, graphdef, chain=CHAIN, *, buckets=1, pack=0, minibatches=2, micro=2, optimizer=None, **kw
+):
     return learner.Learner(
         graphdef=graphdef,
         objective=objectives.build(chain, group_size=G, max_len=M),
-        optimizer=optax.sgd(0.5),
+        optimizer=optimizer or optax.sgd(0.5),
         mesh=mesh,
         logits_cfg=SamplingConfig(temperature=TEMPERATURE),
         epochs=1,
@@ -37,6 +41,7 @@ def _learner(mesh, graphdef, chain=CHAIN, *, buckets=1, pack=0, minibatches=2, m
         pack_length=pack,
         seed=0,
         programs=programs.Programs(mesh),
+        **kw,
     )
 
 
@@ -229,3 +234,159 @@ def test_ratio_is_against_the_generator_and_match_is_the_first_minibatch(setup):
     assert learn.forward_passes == 1
     gap = float(mets["train/trainer_logp_gap"])
     assert gap == pytest.approx(np.abs(noise[mask]).mean(), rel=1e-4)
+
+
+@pytest.mark.parametrize("chunk,shards", [(1, 1), (5, 1), (7, 2), (48, 1)])
+def test_chunked_vocab_terms_equal_unchunked(setup, chunk, shards):
+    """logp and entropy `chunk` tokens per batch shard at a time (5 and 7 do not divide the
+    48 tokens per shard: padded, cut off) give the values and gradients (params and hidden
+    states) of all at once."""
+    graphdef, params, _, roll, _ = setup
+    rng = np.random.default_rng(1)
+    D = params["embedding"].shape[1]
+    h_nMD = jnp.asarray(rng.normal(size=(4 * shards, M, D)), jnp.float32)
+    targets = jnp.asarray(roll.tokens_NL[: 4 * shards, P:])
+    logits_cfg = SamplingConfig(temperature=TEMPERATURE)
+    weights = jnp.asarray(rng.normal(size=(2, 4 * shards, M)), jnp.float32)
+
+    def loss(p, h, chunk):
+        t = learner.vocab_token_terms(
+            graphdef, p, h, targets, logits_cfg, ("logp", "entropy"), chunk, shards
+        )
+        return jnp.sum(weights[0] * t["logp"] + weights[1] * t["entropy"]), t
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    want_g, want = grad(params, h_nMD, 0)
+    got_g, got = grad(params, h_nMD, chunk)
+    for k in ("logp", "entropy"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunking_bounds_the_vocabulary_temporaries():
+    """The compiled gradient of the vocabulary terms (a 4,096-token vocabulary, 8 completions
+    of 256 tokens) holds [n, M, V] float32 buffers when unchunked and only [chunk, V] ones
+    when chunked: its temporary memory, read from the compiled program, falls below a
+    quarter of one [n, M, V] buffer with 64-token chunks."""
+    cfg = model.get("tiny", num_layers=1, vocab_size=4096)
+    graphdef, params = model.abstract_model(cfg)
+    n, M_long, V, D = 8, 256, cfg.vocab_size, cfg.d_model
+    h = jax.ShapeDtypeStruct((n, M_long, D), jnp.float32)
+    targets = jax.ShapeDtypeStruct((n, M_long), jnp.int32)
+
+    def temp_bytes(chunk):
+        def loss(p, h, t):
+            out = learner.vocab_token_terms(
+                graphdef, p, h, t, SamplingConfig(), ("logp", "entropy"), chunk
+            )
+            return jnp.sum(out["logp"] + out["entropy"])
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h, targets).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    nMV_bytes = n * M_long * V * 4
+    assert temp_bytes(0) >= 2 * nMV_bytes  # Logits and log-probabilities of every token.
+    assert temp_bytes(64) < nMV_bytes / 4
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_policies_give_the_same_gradients(setup, remat):
+    """Rematerialized blocks recompute what the plain backward pass saved: the same logprobs
+    and gradients."""
+    graphdef, params, value_params, roll, _ = setup
+    mesh = sharding.make_mesh((1, 1, 1))
+    rows = np.arange(N).reshape(1, N)
+    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=1, pack_length=0, shards=1)
+    fwd = {k: v[0] for k, v in fwd.items()}
+    targets = roll.tokens_NL[:, P : P + Mb]
+    spec = _learner(mesh, graphdef).spec
+
+    def logp_sum(p, spec):
+        logp = learner.token_terms(spec, p, value_params, fwd, targets, ("logp",))["logp"]
+        return jnp.sum(jnp.where(roll.mask_NM, logp, 0.0))
+
+    grad = jax.jit(jax.grad(logp_sum), static_argnums=1)
+    want = grad(params, spec)
+    got = grad(params, spec._replace(remat=remat))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_options_give_the_plain_update(setup):
+    """A KL chain with the reference in host memory, chunked logprobs (5 tokens per shard
+    at a time) and fully
+    rematerialized blocks gives the update of the plain path, and the reference stays in
+    pinned host memory."""
+    graphdef, params, value_params, roll, _ = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    chain = CHAIN.replace(" | aggregate", " | kl_penalty(coef=0.1) | aggregate")
+    ref = jax.tree.map(lambda x: x + 0.01, params)  # Not the policy: the KL term is nonzero.
+    out = []
+    for kw in ({}, dict(offload_ref=True, logprob_chunk=5, remat="full")):
+        learn = _learner(mesh, graphdef, chain, buckets=4, **kw)
+        ref_params = learn.reference(sharding.replicate(ref, mesh))
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(ref_params)}
+        assert kinds == {"pinned_host" if kw else "device"}
+        state, mets, _ = learn.update(learn.init(params, value_params), ref_params, roll, step=1)
+        assert float(np.abs(mets["train/kl"]).max()) > 1e-4
+        out.append(jax.tree.map(np.asarray, (state.params, mets["train/loss_sum"])))
+    for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_params_keep_float32_master_weights(setup):
+    """With bfloat16 params the optimizer keeps float32 masters and moments: the masters
+    follow exactly the float32 AdamW run on the same gradients, and the params are the
+    masters rounded to bfloat16. The learner's update keeps the dtypes."""
+    graphdef, params, value_params, roll, _ = setup
+    adam = optax.adamw(1e-2, weight_decay=0.1)
+    p32 = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
+    mixed = learner.master_weights(adam)
+    state16, ref_state = (
+        mixed.init(p16),
+        adam.init(jax.tree.map(lambda x: x.astype(jnp.float32), p16)),
+    )
+    ref = jax.tree.map(lambda x: x.astype(jnp.float32), p16)
+    for i in range(5):
+        g = {"w": jnp.asarray(np.random.default_rng(i).normal(size=(8, 8)), jnp.bfloat16)}
+        u, state16 = mixed.update(g, state16, p16)
+        p16 = optax.apply_updates(p16, u)
+        u, ref_state = adam.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    assert p16["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(state16.master["w"], ref["w"])
+    np.testing.assert_array_equal(p16["w"], ref["w"].astype(jnp.bfloat16))
+    assert {x.dtype for x in jax.tree.leaves(state16.inner) if x.ndim} == {jnp.dtype("float32")}
+
+    mesh = sharding.make_mesh((1, 1, 1))
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    optim = learner.make_optimizer(
+        types.SimpleNamespace(
+            lr=1e-3,
+            warmup_steps=1,
+            schedule="constant",
+            grad_clip=1.0,
+            b1=0.9,
+            b2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+            decay_steps=1,
+            final_lr_frac=0.1,
+        ),
+        bf16,
+    )
+    learn = _learner(mesh, graphdef, buckets=4, optimizer=optim)
+    state, _, ok = learn.update(learn.init(bf16, value_params), None, roll, step=1)
+    assert bool(np.all(ok))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("bfloat16")}
+    opt = [x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert opt and set(opt) == {jnp.dtype("float32")}
+    master = state.opt_state.master[0]
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(master)):
+        np.testing.assert_array_equal(p, m.astype(jnp.bfloat16))
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(bf16))
+    )

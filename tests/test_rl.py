@@ -364,11 +364,15 @@ def test_bad_config_lists_every_problem():
     config.objective.chain = "gae | token_ratio | cispoo | aggregate(mode=token_mean)"
     config.batch.prompts = 6
     config.learner.minibatches = 4
+    config.learner.logprob_chunk = 0
+    config.learner.remat = "dot"
     with pytest.raises(ValueError) as e:
         rl.validate(config)
     text = str(e.value)
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text
+    assert "learner.logprob_chunk=0 must be an integer >= 1" in text
+    assert "learner.remat='dot' is not one of ('none', 'dots', 'full')" in text
     config = load_config("grpo")
     config.objective.chain = "group_advantages | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
     with pytest.raises(ValueError, match="cispo needs term 'ratio'"):

@@ -329,6 +329,28 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
 
 
+# What a block's backward pass keeps from its forward pass (`jax.checkpoint` policies):
+#   none  everything (no rematerialization: the fastest, the most activation memory);
+#   dots  the outputs of the matmuls without batch dimensions (the projections and the MLP);
+#         the rest (norms, activations, attention scores) is recomputed;
+#   full  only the block's input: the whole block is recomputed (the least memory, about one
+#         more forward pass of compute).
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _remat_block(layer, x_BTD, positions_BT, mask_BTS, remat: str):
+    graphdef, state = nnx.split(layer)
+
+    def block(state, x_BTD):
+        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask_BTS)[0]
+
+    return jax.checkpoint(block, policy=REMAT_POLICIES[remat])(state, x_BTD)
+
+
 class Decoder(nnx.Module):
     """Token embedding, `num_layers` pre-norm blocks, final norm and LM head."""
 
@@ -343,12 +365,19 @@ class Decoder(nnx.Module):
         self.cfg = cfg
 
     def hidden(
-        self, tokens_BT, positions_BT, mask_BT, cache: KVCache | None = None, segments_BT=None
+        self,
+        tokens_BT,
+        positions_BT,
+        mask_BT,
+        cache: KVCache | None = None,
+        segments_BT=None,
+        remat: str = "none",
     ):
         """Final-norm hidden states [B, T, D], and the updated cache when one is given.
 
         `segments_BT` (no cache): packed rows, where a token attends only to the earlier
-        tokens of its own segment (ids > 0; 0 is padding) and `mask_BT` is ignored."""
+        tokens of its own segment (ids > 0; 0 is padding) and `mask_BT` is ignored.
+        `remat` (no cache): what each block's backward pass keeps (`REMAT_POLICIES`)."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
         if cfg.embed_scale:
@@ -374,6 +403,9 @@ class Decoder(nnx.Module):
                 mask_BTS = causal_TS[None] & valid_BS[:, None, :]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
+            if cache is None and remat != "none":
+                x = _remat_block(layer, x, positions_BT, mask_BTS, remat)
+                continue
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = layer(x, positions_BT, mask_BTS, kv, index)
             if cache is not None:
@@ -429,8 +461,12 @@ def forward(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None):
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, mask_BT, cache)
 
 
-def hidden(graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None, segments_BT=None):
-    return nnx.merge(graphdef, params).hidden(tokens_BT, positions_BT, mask_BT, cache, segments_BT)
+def hidden(
+    graphdef, params, tokens_BT, positions_BT, mask_BT, cache=None, segments_BT=None, remat="none"
+):
+    return nnx.merge(graphdef, params).hidden(
+        tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat
+    )
 
 
 def logits(graphdef, params, h_BTD):

@@ -8,6 +8,7 @@ import jax
 
 from rlscale import objectives, sharding
 from rlscale.data import tasks
+from rlscale.model import decoder
 from rlscale.sampling.sampler import think_budget_problems
 
 # Config keys that may change between a run and its resumption: they do not change what the
@@ -130,6 +131,12 @@ def validate(config) -> None:
     if not isinstance(u.length_buckets, int) or u.length_buckets < 1:
         problems.append(f"learner.length_buckets={u.length_buckets!r} must be an integer >= 1")
     M = config.sampling.max_new_tokens
+    if not isinstance(u.logprob_chunk, int) or u.logprob_chunk < 1:
+        problems.append(f"learner.logprob_chunk={u.logprob_chunk!r} must be an integer >= 1")
+    if u.remat not in decoder.REMAT_POLICIES:
+        problems.append(f"learner.remat={u.remat!r} is not one of {tuple(decoder.REMAT_POLICIES)}")
+    if not isinstance(u.offload_ref, bool):
+        problems.append(f"learner.offload_ref={u.offload_ref!r} must be True or False")
     if not isinstance(u.pack_length, int) or not (u.pack_length == 0 or u.pack_length > M):
         problems.append(
             f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "

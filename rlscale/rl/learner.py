@@ -172,6 +172,9 @@ class Spec(NamedTuple):
     ref: bool  # The chain reads `ref_logp`.
     packed: bool
     minibatches: int
+    chunk: int  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
+    remat: str  # The decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
+    offload_ref: bool  # The reference's params arrive in host memory.
 
 
 def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
@@ -182,11 +185,22 @@ def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
     tokens_RT = fwd["tokens"]
     if spec.packed:
         h_RTD, _ = decoder.hidden(
-            spec.graphdef, params, tokens_RT, fwd["positions"], None, segments_BT=fwd["segments"]
+            spec.graphdef,
+            params,
+            tokens_RT,
+            fwd["positions"],
+            None,
+            segments_BT=fwd["segments"],
+            remat=spec.remat,
         )
     else:
         h_RTD, _ = decoder.hidden(
-            spec.graphdef, params, tokens_RT, fwd["positions"], fwd["segments"] > 0
+            spec.graphdef,
+            params,
+            tokens_RT,
+            fwd["positions"],
+            fwd["segments"] > 0,
+            remat=spec.remat,
         )
     R, T, D = h_RTD.shape
     n, M = targets_nM.shape
@@ -196,16 +210,66 @@ def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
     index_dX = _rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
     h_nMD = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
     out = {}
-    if "logp" in terms or "entropy" in terms:
-        logits = transform_logits(decoder.logits(spec.graphdef, params, h_nMD), spec.logits_cfg)
-        logp_all = jax.nn.log_softmax(logits)
-        if "logp" in terms:
-            out["logp"] = jnp.take_along_axis(logp_all, targets_nM[..., None], axis=-1)[..., 0]
-        if "entropy" in terms:
-            out["entropy"] = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    vocab_terms = tuple(t for t in ("logp", "entropy") if t in terms)
+    if vocab_terms:
+        out.update(
+            vocab_token_terms(
+                spec.graphdef,
+                params,
+                h_nMD,
+                targets_nM,
+                spec.logits_cfg,
+                vocab_terms,
+                spec.chunk,
+                shards=d,
+            )
+        )
     if "value" in terms:
         out["value"] = h_nMD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
     return out
+
+
+def vocab_token_terms(
+    graphdef, params, h_nMD, targets_nM, logits_cfg, terms, chunk: int = 0, shards: int = 1
+):
+    """`logp` of each target token and the policy's `entropy`, from the final hidden states
+    under the sampler's logits transform, `chunk` tokens per batch shard at a time.
+
+    Unchunked (`chunk=0`) the [n, M, V] float32 log-probabilities exist at once, and the
+    backward pass keeps its own copy: at a real vocabulary (152k for Qwen2.5) and long
+    completions that is most of a device's memory. Chunked, each of the `shards` batch shards
+    flattens its tokens, and a `lax.map` runs the LM head over `chunk` of them (per shard) at
+    a time; `jax.checkpoint` makes the backward pass recompute each chunk's logits instead of
+    saving them, so the vocabulary-sized temporaries per device are [chunk, V]. Values and
+    gradients are the unchunked ones (the tokens are padded to whole chunks and the padding
+    cut off).
+    """
+
+    def terms_of(h_XD, t_X):
+        logits = transform_logits(decoder.logits(graphdef, params, h_XD), logits_cfg)
+        logp_all = jax.nn.log_softmax(logits)
+        out = {}
+        if "logp" in terms:
+            out["logp"] = jnp.take_along_axis(logp_all, t_X[..., None], axis=-1)[..., 0]
+        if "entropy" in terms:
+            out["entropy"] = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return out
+
+    n, M, D = h_nMD.shape
+    X = n // shards * M  # Tokens per batch shard.
+    if not chunk or chunk >= X:
+        return terms_of(h_nMD, targets_nM)
+    K = -(-X // chunk)
+    pad = K * chunk - X
+    h_dXD = jnp.pad(h_nMD.reshape(shards, X, D), ((0, 0), (0, pad), (0, 0)))
+    t_dX = jnp.pad(targets_nM.reshape(shards, X), ((0, 0), (0, pad)))
+    h_KdCD = h_dXD.reshape(shards, K, chunk, D).swapaxes(0, 1)
+    t_KdC = t_dX.reshape(shards, K, chunk).swapaxes(0, 1)
+    out_KdC = jax.lax.map(lambda xs: jax.checkpoint(terms_of)(*xs), (h_KdCD, t_KdC))
+    return {
+        k: v.swapaxes(0, 1).reshape(shards, K * chunk)[:, :X].reshape(n, M)
+        for k, v in out_KdC.items()
+    }
 
 
 def _rows_sharded(x, mesh):
@@ -321,6 +385,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
     """
     N, M = batch["mask"].shape
     terms, metrics = dict(batch), {}
+    if spec.ref and spec.offload_ref:  # Into device memory for this update only.
+        ref_params = jax.device_put(ref_params, jax.memory.Space.Device)
     if spec.old_terms or spec.ref:
         first = jax.tree.map(lambda x: x[: spec.minibatches].reshape(-1, *x.shape[2:]), fwd)
         rows_Kn = rows_SUn[: spec.minibatches].reshape(-1, rows_SUn.shape[-1])
@@ -372,11 +438,14 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
             (loss_sum, (denom, mets, loss_state, match)), grads = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True
             )(train.params, train.value_params)
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
             out = {"loss_sum": loss_sum, "denominator": denom, "metrics": mets, "match": match}
             return (grads_acc, loss_state), out
 
-        zeros = jax.tree.map(jnp.zeros_like, (train.params, train.value_params))
+        # Summed in float32 whatever the params' dtype.
+        zeros = jax.tree.map(
+            lambda x: jnp.zeros(x.shape, jnp.float32), (train.params, train.value_params)
+        )
         (grads, loss_state), per_micro = jax.lax.scan(
             micro, (zeros, train.loss_state), (fwd_U, rows_Un)
         )
@@ -396,7 +465,10 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
     return state, {**per_step, **metrics}
 
 
-def make_optimizer(c) -> optax.GradientTransformation:
+def make_optimizer(c, params=None) -> optax.GradientTransformation:
+    """AdamW with warmup, a constant or cosine schedule and global-norm clipping
+    (`config.optim`). With low-precision `params` (bfloat16), it keeps float32 master weights
+    and float32 moments (`master_weights`)."""
     warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
     if c.schedule == "cosine":
         main = optax.cosine_decay_schedule(c.lr, max(c.decay_steps, 1), alpha=c.final_lr_frac)
@@ -405,10 +477,47 @@ def make_optimizer(c) -> optax.GradientTransformation:
     else:
         raise ValueError(f"optim.schedule={c.schedule!r} is not 'constant' or 'cosine'")
     lr = optax.join_schedules([warmup, main], [c.warmup_steps])
-    return optax.chain(
+    optimizer = optax.chain(
         optax.clip_by_global_norm(c.grad_clip),
         optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
     )
+    low = [x for x in jax.tree.leaves(params) if jnp.dtype(x.dtype) != jnp.float32]
+    return master_weights(optimizer) if low else optimizer
+
+
+class MasterState(NamedTuple):
+    master: Any  # float32 copies of the params.
+    inner: Any  # The wrapped optimizer's state, over the float32 copies.
+
+
+def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Mixed-precision training: low-precision (bfloat16) params for the forward and backward
+    passes, float32 master weights and optimizer state (Micikevicius et al. 2018, "Mixed
+    Precision Training").
+
+    The wrapped optimizer sees float32 gradients and updates the float32 masters; the update
+    it returns moves each low-precision param exactly onto its master rounded to the param's
+    dtype (the difference is taken in float32, where it is exact, and `optax.apply_updates`
+    adds it in float32 before casting back). Small updates accumulate in the masters instead
+    of vanishing in bfloat16 rounding.
+    """
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return MasterState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        to_master = jax.tree.map(
+            lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32),
+            master,
+            params,
+        )
+        return to_master, MasterState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
 
 
 @dataclasses.dataclass
@@ -426,6 +535,10 @@ class Learner:
       max_len: the completion budget (`sampling.max_new_tokens`).
       length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
       pack_length: tokens per packed row (0: unpacked).
+      logprob_chunk: completion tokens per batch shard in each chunk of the logprob and
+        entropy computation (`vocab_token_terms`).
+      remat: the decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
+      offload_ref: keep the reference's params in pinned host memory between updates.
       seed: seeds the minibatch order.
       programs: records each compiled program's cost.
     """
@@ -444,6 +557,9 @@ class Learner:
     pack_length: int
     seed: int
     programs: Any
+    logprob_chunk: int = 0
+    remat: str = "none"
+    offload_ref: bool = False
 
     def __post_init__(self):
         need = self.objective.model_terms
@@ -459,9 +575,23 @@ class Learner:
             ref="ref_logp" in need,
             packed=bool(self.pack_length),
             minibatches=self.minibatches,
+            chunk=self.logprob_chunk,
+            remat=self.remat,
+            offload_ref=self.offload_ref,
         )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs.
         self.forward_passes = int(bool(old_terms)) + int(self.spec.ref)
+
+    def reference(self, params):
+        """The frozen reference: a copy of `params` (the train state's buffers are donated to
+        each update), in pinned host memory with `offload_ref` (each update brings it into
+        device memory, so between updates it takes none)."""
+        ref = jax.tree.map(jnp.copy, params)
+        if not self.offload_ref:
+            return ref
+        return jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), ref
+        )
 
     def init(self, params, value_params) -> TrainState:
         state = TrainState(

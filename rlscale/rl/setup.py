@@ -197,9 +197,6 @@ def build(config, workdir: str) -> Setup:
         graphdef, params, summary = warm_start.train_or_load(
             config, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
         )
-    # The reference is the same function with frozen params; copied because the train
-    # state's buffers are donated to each update.
-    ref = jax.tree.map(jnp.copy, params) if "ref_logp" in objective.model_terms else None
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
     generator = Generator(
         graphdef,
@@ -218,7 +215,7 @@ def build(config, workdir: str) -> Setup:
     learn = learner.Learner(
         graphdef=graphdef,
         objective=objective,
-        optimizer=learner.make_optimizer(config.optim),
+        optimizer=learner.make_optimizer(config.optim, params),
         mesh=mesh,
         logits_cfg=logits_cfg,
         epochs=config.learner.epochs,
@@ -230,7 +227,12 @@ def build(config, workdir: str) -> Setup:
         pack_length=config.learner.pack_length,
         seed=config.seed,
         programs=progs,
+        logprob_chunk=config.learner.logprob_chunk,
+        remat=config.learner.remat,
+        offload_ref=config.learner.offload_ref,
     )
+    # The reference is the same function with frozen params.
+    ref = learn.reference(params) if "ref_logp" in objective.model_terms else None
     return Setup(
         config=config,
         mesh=mesh,
