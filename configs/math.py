@@ -1,18 +1,21 @@
-"""Any recipe on a local Hugging Face checkpoint and a local math dataset (GSM8K, MATH or
-Polaris style, jsonl or parquet).
+"""Any recipe on a local Hugging Face checkpoint and local problem files (verl parquet, TRL,
+GSM8K, MATH or Polaris style, or a `datasets` directory: the files task).
 
     python -m rlscale.main --config configs/math.py:checkpoint=/models/Qwen2.5-0.5B-Instruct,\\
-        train=/data/gsm8k/train.jsonl,test=/data/gsm8k/test.jsonl,format=gsm8k,template=qwen2.5 \\
+        train=/data/gsm8k/train.parquet,test=/data/gsm8k/test.parquet,template=qwen2.5 \\
         --workdir /tmp/rlscale_math
 
 Variants: `checkpoint` (a HF model directory: config.json, safetensors, tokenizer.json),
-`train` / `test` (files), `format` (gsm8k | math | polaris), `template` (llama3 | qwen2 |
-qwen2.5 | qwen3 | gemma, or none), `recipe` (grpo | dapo | drgrpo | gspo | cispo | scalerl:
-the objective and filters of that recipe file), `smoke` (2 tiny steps: the tests).
-The policy starts from the checkpoint (no SFT), rewards come from the math verifier
-(`MathTask.verify`, run in the reward worker pool with the verifier's deadline per sample), and
-the trained policy is exported to WORKDIR/hf with the tokenizer files, loadable by transformers
-and vLLM.
+`train` / `test` (.jsonl, .json, .parquet or `datasets` directories), `format` (auto | gsm8k |
+math | polaris | verl | trl | fields: `rlscale.data.formats`; `fields` reads the columns that
+`--config.task.fields.prompt=...` and `--config.task.fields.answer=...` name), `verifier`
+(auto | math | exact | gsm8k), `template` (llama3 | qwen2 | qwen2.5 | qwen3 | gemma, or none),
+`recipe` (grpo | dapo | drgrpo | gspo | cispo | scalerl: the objective and filters of that
+recipe file), `smoke` (2 tiny steps: the tests). The policy starts from the checkpoint (no
+SFT), rewards come from the task's verifier (`FilesTask.verify`: math-verify, or verl's GSM8K
+rule for `openai/gsm8k` rows; run in the reward worker pool with the verifier's deadline per
+sample), and the trained policy is exported to WORKDIR/hf with the tokenizer files, loadable
+by transformers and vLLM.
 
 Runtime and result depend on the model and hardware: a 0.5B model needs an accelerator (this
 config has not been run at that scale here: the tests run it on a tiny random Qwen2-shaped
@@ -43,7 +46,8 @@ def get_config(arg=None):
         checkpoint="",
         train="",
         test="",
-        format="gsm8k",
+        format="auto",
+        verifier="auto",
         template="qwen2.5",
         recipe="grpo",
         smoke=False,
@@ -53,13 +57,12 @@ def get_config(arg=None):
     c = _recipe(arg.recipe)
     c.recipe = f"math_{arg.recipe}"
     c.init.hf_checkpoint = arg.checkpoint
-    c.task = dict(
-        name="math",
+    c.task = config_lib.files_task(
         format=arg.format,
         files={"train": arg.train, "test": arg.test},
+        verifier=arg.verifier,
         chat_template="" if arg.template == "none" else arg.template,
         instruction="Please reason step by step, and put your final answer within \\boxed{}.",
-        system="",
     )
     c.model.dtype = "bfloat16"
     c.steps = 200

@@ -68,6 +68,35 @@ def sampling_config(**overrides) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(d)
 
 
+def files_task(**overrides) -> ml_collections.ConfigDict:
+    """`config.task` of the files task (`rlscale.data.math_data`): problems from the user's
+    files, every key present so that `--config.task.x=...` can set it.
+
+    Keys: `files` ({split: path}: .jsonl, .json, .parquet or a `datasets` directory), `format`
+    ("auto", or gsm8k | math | polaris | verl | trl | fields), `fields` (the column names of
+    the `fields` layout: prompt, answer, demo), `verifier` (auto | math | exact | gsm8k),
+    `chat_template` (a family of `rlscale.chat`, "" for text prompts), `instruction` (appended
+    to text prompts, "" for none), `system` (a system message, "" for none).
+    """
+    c = dict(
+        name="files",
+        files={"train": "", "test": ""},
+        format="auto",
+        fields=dict(prompt="", answer="", demo=""),
+        verifier="auto",
+        chat_template="",
+        instruction="",
+        system="",
+    )
+    unknown = sorted(set(overrides) - set(c)) + [
+        f"fields.{k}" for k in sorted(set(overrides.get("fields", {})) - set(c["fields"]))
+    ]
+    if unknown:
+        raise ValueError(f"files_task: unknown keys {unknown}; keys: {', '.join(c)}")
+    fields = {**c["fields"], **overrides.pop("fields", {})}
+    return ml_collections.ConfigDict({**c, **overrides, "fields": fields})
+
+
 def rl_config(**variant) -> ml_collections.ConfigDict:
     """Shared defaults of every RL recipe: one place, overridden by each recipe file."""
     c = ml_collections.ConfigDict()

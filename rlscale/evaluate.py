@@ -13,12 +13,13 @@ The data is materialized in `WORKDIR/data` exactly as the RL loop does (so a run
 dataset is reused), and the tokenizer is the run's `WORKDIR/tokenizer.model`, or the
 checkpoint directory's own `tokenizer.json` / `tokenizer.model`, or `--tokenizer PATH`.
 
-Tasks (`config.task.name`): the synthetic tasks of `rlscale.data.tasks`, and `math`, a local
-math dataset read with `rlscale.data.math_data`, configured by
+Tasks: whatever the config's `task` names, loaded as the RL loop loads it
+(`rlscale.data.load.load_task`): the synthetic tasks of `rlscale.data.tasks`, a user's problem
+files (`task.name="files"`, `config_lib.files_task`: format, fields, verifier, chat template)
+or a reasoning-gym generator (`task.name="reasoning_gym"`).
 
-    task = dict(name="math", format="gsm8k" | "math" | "polaris",
-                files={"train": PATH, "test": PATH}, chat_template="qwen2.5" (or "" for none),
-                instruction=math_data.DEFAULT_INSTRUCTION, system="" (none))
+A user's mistake (a missing `--checkpoint`, a bad flag or config key) ends the command with
+one `error: ...` line naming it (`rlscale.cli`).
 
 Metrics: `pass@j` for j = 1, 2, 4, ... up to k (unbiased, from the k samples), `avg@k` (mean
 reward), `maj@k` (majority vote over extracted answers; tasks with an answer extractor),
@@ -37,7 +38,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlscale import checkpoint, eval_metrics, rl, sharding
+from rlscale import checkpoint, cli, eval_metrics, rl, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.data import tasks
@@ -149,6 +150,8 @@ def run(
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
     if k < 1 or n < 1:
         raise ValueError(f"--k={k} and --n={n} must be >= 1")
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     rules = sharding.SAMPLE_RULES
     model_cfg, graphdef, params = checkpoint.load_params(checkpoint_dir, mesh, rules)
@@ -226,7 +229,7 @@ def define_flags():
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     f = flags.FLAGS
     result = run(
         f.config,
@@ -247,4 +250,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

@@ -5,10 +5,15 @@ any field with `--config.a.b=value`. Runs the RL loop (`rlscale.rl.run`) or the 
 Under several processes (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) it
 joins the job first. After an RL run it fits the run's scaling curve (`scaling.fit_run`:
 `WORKDIR/scaling/`).
+
+The console shows one line per step, rlscale's status lines, warnings and the summary;
+`--verbosity=1` adds the libraries' INFO logs and the config (`rlscale.console`). A user's
+mistake (a bad flag, key, file or value) ends the command with one `error: ...` line
+(`rlscale.cli`). Compiled programs persist across runs in `--compilation_cache`
+(default ~/.cache/rlscale/jax).
 """
 
 import os
-import re
 import socket
 import sys
 import threading
@@ -17,6 +22,8 @@ import time
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from rlscale import cli, console
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a :variant suffix.", lock_config=True
@@ -27,28 +34,17 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     False,
     "Resume a workdir's checkpoint even though the config differs from the saved one.",
 )
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    os.path.join(os.path.expanduser("~"), ".cache", "rlscale", "jax"),
+    "JAX's persistent compilation cache: a run loads the programs an earlier run on this "
+    "machine compiled instead of compiling them again ('' turns it off; "
+    "JAX_COMPILATION_CACHE_DIR, when set, takes precedence).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def parse_flags(argv):
-    """absl flag parsing, with bad config keys and values reported in one line, not a traceback.
-
-    ml_collections applies `--config.a.b=v` overrides while parsing, and a key the locked
-    config does not have raises deep inside it; the message it carries names the key.
-    """
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        sys.exit(f"error: {e}\nPass --helpshort to see the flags.")
-    except (AttributeError, KeyError) as e:
-        # A key the locked config lacks; ml_collections' message quotes it (repr, nested).
-        bad = " ".join(a for a in argv[1:] if a.startswith("--config."))
-        key = re.search(r"'([^'\\]+)", str(e))
-        hint = re.search(r'Did you mean "[^"]+"', str(e))
-        sys.exit(
-            f"error: {bad}: no such config key {key.group(1) if key else str(e)!r}"
-            + (f"; {hint.group(0).lower()}?" if hint else "")
-        )
+parse_flags = cli.parse_flags  # Bad flags, config keys and files as one `error:` line.
 
 
 # Environment variables of a multi-process launch (one process per host or per GPU).
@@ -146,16 +142,23 @@ def maybe_initialize_distributed(env=os.environ):
         )
 
 
+def use_compilation_cache(directory: str, env=os.environ) -> None:
+    """Points JAX's persistent compilation cache at `directory` (every program, however
+    quick to compile), unless it is '' or JAX_COMPILATION_CACHE_DIR already chose one."""
+    if directory and not env.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        maybe_initialize_distributed()
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    use_compilation_cache(_COMPILATION_CACHE.value)
+    maybe_initialize_distributed()
     config, workdir = _CONFIG.value, _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
-    logging.info("config:\n%s", config)
+    cli.make_dir(workdir, "--workdir")
+    if console.verbosity() > 0:
+        logging.info("config:\n%s", config)
     if config.recipe == "demo":
         from rlscale import demo
 
@@ -171,8 +174,6 @@ def main(argv):
     except rl.PreemptedError as e:
         print(f"\n{e}", file=sys.stderr)
         sys.exit(143)
-    except ValueError as e:  # Bad config or input: the message names it; no traceback.
-        sys.exit(f"error: {e}")
     print("\nrlscale run finished")
     for k, v in summary.items():
         print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
@@ -183,4 +184,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main)

@@ -1,14 +1,15 @@
-"""The one metrics writer: JSONL (`WORKDIR/metrics.jsonl`), TensorBoard events, a progress
-line. Every record carries `step`, `compute/flops` and `compute/device_seconds`."""
+"""The one metrics writer: JSONL (`WORKDIR/metrics.jsonl`), TensorBoard events, one console
+line per step (`console.StepLines`). Every record carries `step`, `compute/flops` and
+`compute/device_seconds`."""
 
 import json
 import math
 import os
-import sys
-import time
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+from rlscale import console
 
 
 def _plain(v):
@@ -35,8 +36,7 @@ class MetricWriter:
         resume_offset: int | None = None,
     ):
         self.enabled = enabled
-        self.total = total_steps
-        self.start = time.time()
+        self._lines = console.StepLines(total_steps)
         if enabled:
             os.makedirs(workdir, exist_ok=True)
             self.path = os.path.join(workdir, "metrics.jsonl")
@@ -68,31 +68,14 @@ class MetricWriter:
                 # TensorBoard tags allow no "@": eval/pass@1 -> eval/pass_at_1.
                 self._tb.add_scalar(k.replace("@", "_at_"), v, step)
         if progress:
-            self._progress(step, record)
-
-    def _progress(self, step, record):
-        keys = [
-            k
-            for k in ("train/reward_mean", "eval/pass@1", "train/loss", "train/kl")
-            if record.get(k) is not None
-        ]
-        parts = [f"{k.split('/')[-1]} {record[k]:.3f}" for k in keys]
-        total = f"/{self.total}" if self.total else ""
-        elapsed = time.time() - self.start
-        print(
-            f"\rstep {step}{total} [{elapsed:6.0f}s] " + "  ".join(parts),
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-        if "eval/pass@1" in record:
-            print(file=sys.stderr)
+            self._lines.write(step, record)
 
     def offset(self) -> int:
         """Length of metrics.jsonl so far: saved with a checkpoint, to resume from."""
         return self._jsonl.tell() if self.enabled else 0
 
     def close(self):
+        self._lines.close()
         if self.enabled:
             self._jsonl.close()
             self._tb.close()

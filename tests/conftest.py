@@ -1,12 +1,14 @@
 """Test setup: eight CPU devices, so sharding tests can build a 2x2x2 mesh."""
 
 import os
+import shutil
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import filelock  # noqa: E402
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
@@ -104,11 +106,20 @@ def golden_config(name):
 
 
 @pytest.fixture(scope="session")
-def warm(tmp_path_factory):
+def warm(tmp_path_factory, worker_id):
     """The golden quickstart smoke run's workdir: its data, tokenizer and SFT warm start are
-    the one warm start every RL test reuses (`sft.reuse_from`)."""
+    the one warm start every RL test reuses (`sft.reuse_from`; tests only read it). Under
+    pytest-xdist the workers share one, made by the first worker that needs it."""
     from rlscale import rl
 
-    workdir = tmp_path_factory.mktemp("warm")
-    rl.run(golden_config("quickstart"), str(workdir))
+    if worker_id == "master":
+        workdir = tmp_path_factory.mktemp("warm")
+        rl.run(golden_config("quickstart"), str(workdir))
+        return workdir
+    root = tmp_path_factory.getbasetemp().parent  # Shared by the workers of this session.
+    workdir = root / "warm"
+    with filelock.FileLock(str(root / "warm.lock")):
+        if not (workdir / "summary.json").exists():  # The run's last file.
+            shutil.rmtree(workdir, ignore_errors=True)
+            rl.run(golden_config("quickstart"), str(workdir))
     return workdir

@@ -10,11 +10,11 @@ import sys
 from fractions import Fraction
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
+from test_main import one_error_line
 
-from rlscale import chat, checkpoint, eval_metrics, evaluate, model, sharding
+from rlscale import chat, checkpoint, config_lib, eval_metrics, evaluate, model, sharding
 from rlscale.data import math_data, tasks
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.tokenizer import train_sentencepiece
@@ -174,6 +174,27 @@ def run_dir(tmp_path_factory, tok):
     return workdir
 
 
+@pytest.mark.parametrize(
+    "checkpoint, expected",
+    [
+        ("nosuch", "--checkpoint={d}/nosuch: no such directory"),
+        ("empty", "{d}/empty/model_config.json does not exist: not an rlscale params checkpoint"),
+    ],
+)
+def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "rlscale.evaluate", "--config", "configs/quickstart.py:smoke"]
+        + ["--checkpoint", str(tmp_path / checkpoint)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one_error_line(r, expected.format(d=tmp_path))
+
+
 def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir):
     k, n = 4, 6
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
@@ -234,15 +255,12 @@ def test_load_task_reads_a_math_dataset_with_its_chat_template(tmp_path):
         )
     )
     config = _quickstart_smoke()
-    config.task = ml_collections.ConfigDict(
-        dict(
-            name="math",
-            format="polaris",
-            files={"train": str(path), "test": str(path)},
-            chat_template="qwen2.5",
-            instruction="Box it.",
-            system="",
-        )
+    config.task = config_lib.files_task(
+        name="math",  # The files task's old name.
+        format="polaris",
+        files={"train": str(path), "test": str(path)},
+        chat_template="qwen2.5",
+        instruction="Box it.",
     )
     task, splits = evaluate.load_task(config, str(tmp_path))
     assert isinstance(task, math_data.MathTask) and sorted(splits) == ["test", "train"]

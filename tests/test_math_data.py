@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlscale import chat
-from rlscale.data import math_data
+from rlscale.data import formats, math_data
 from rlscale.rewards import isolation
 from rlscale.rewards import math as math_reward
 
@@ -72,7 +72,9 @@ def test_gsm8k_jsonl(tmp_path):
     assert golds[:5] == ["3", "5", "7", "9", "11"]
     assert golds[5:7] == ["1234567", "-8"]
     assert [p.source for p in problems][:2] == ["gsm8k.jsonl:1", "gsm8k.jsonl:2"]
-    assert all(p.demo == "" and p.id == "" for p in problems)
+    assert all(p.id == "" for p in problems)
+    # No demonstration in the file: the gold in the math verifier's format.
+    assert problems[0].demo == "\\boxed{3}" and problems[0].verifier == "math"
 
 
 def test_math_jsonl_gold_extraction(tmp_path):
@@ -124,7 +126,7 @@ def test_materializing_twice_reuses_the_cache(tmp_path, monkeypatch):
     def no_reading(*args):
         raise AssertionError("the cached dataset should be reused, not rebuilt")
 
-    monkeypatch.setattr(math_data, "read_rows", no_reading)
+    monkeypatch.setattr(formats, "read_rows", no_reading)
     second = math_data.materialize(files, "gsm8k", data_dir)
     assert math_data.problems(second["test"]) == math_data.problems(first["test"])
     assert {p: os.path.getmtime(p) for p in built} == built
@@ -188,7 +190,7 @@ def test_malformed_parquet_row_names_the_row_index(tmp_path):
 
 def test_bad_arguments(tmp_path):
     path = write_jsonl(tmp_path / "ok.jsonl", polaris_rows())
-    with pytest.raises(ValueError, match="unknown math dataset format 'aime'"):
+    with pytest.raises(ValueError, match="unknown dataset format 'aime'"):
         math_data.materialize(str(path), "aime", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         math_data.materialize(str(tmp_path / "missing.jsonl"), "polaris", str(tmp_path))
@@ -215,12 +217,12 @@ def test_bad_arguments(tmp_path):
     ],
 )
 def test_boxed_answer(solution, gold):
-    assert math_data.boxed_answer(solution) == gold
+    assert formats.boxed_answer(solution) == gold
 
 
 def test_gsm8k_gold():
-    assert math_data.gsm8k_gold("so #### 1,000") == "1000"
-    assert math_data.gsm8k_gold("no marker") is None
+    assert formats.gsm8k_gold("so #### 1,000") == "1000"
+    assert formats.gsm8k_gold("no marker") is None
 
 
 def test_math_task_verifies_with_the_math_verifier():

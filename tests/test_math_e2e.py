@@ -1,6 +1,7 @@
 """End to end on real-format inputs: a tiny random Qwen2-shaped Hugging Face checkpoint (with
-its own tokenizer.json) and a 20-row GSM8K-style jsonl, through a few RL steps of
-`configs/math.py`, then the exported policy loaded by transformers."""
+its own tokenizer.json) and 20 GSM8K rows in verl's RL parquet layout (chat-message prompts,
+`reward_model.ground_truth`), through two RL steps of `configs/math.py`, then the exported
+policy loaded by transformers."""
 
 import importlib.util
 import json
@@ -8,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from test_data_formats import verl_gsm8k, write_verl_parquet
 
 from rlscale import checkpoint, rl
 
@@ -56,8 +58,7 @@ def _tokenizer_dir(path, corpus):
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("math_e2e")
     rows = _rows()
-    data = root / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_verl_parquet(root / "train.parquet", verl_gsm8k(rows, "train"))
     model_dir = root / "qwen"
     model_dir.mkdir()
     corpus = [r["question"] + r["answer"] for r in rows] + [
@@ -89,9 +90,10 @@ def _math_config(arg):
     return module.get_config(arg)
 
 
-def test_rl_on_a_hf_checkpoint_and_gsm8k_file_then_export(inputs, tmp_path):
+def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path):
     _, data, model_dir = inputs
     config = _math_config(f"checkpoint={model_dir},train={data},test={data},smoke")
+    assert config.task.format == "auto" and config.task.chat_template == "qwen2.5"
     # A random model never answers right: an easy reward (any digit) gives the update signal.
     config.reward.fn = "reward_fixtures:digits"
     config.optim.lr = 1e-3
@@ -102,6 +104,9 @@ def test_rl_on_a_hf_checkpoint_and_gsm8k_file_then_export(inputs, tmp_path):
     gaps = [x["train/logp_gap_abs"] for x in lines[1:] if x["train/logp_gap_abs"] is not None]
     assert gaps and max(gaps) < 1e-4
     assert summary["compute/flops"] > 0
+    # The layout was detected as verl's (the dataset is named after the layouts it holds).
+    built = [p.name for p in (tmp_path / "data" / "math_files").iterdir() if p.name[0] != "."]
+    assert len(built) == 1 and built[0].startswith("verl_")
     # The export loads in transformers and computes what rlscale's final params compute.
     export = tmp_path / "hf"
     assert (export / "tokenizer.json").exists()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlscale.data import tasks
-from rlscale.rewards import isolation
+from rlscale.rewards import isolation, sandbox
 
 TIMEOUT = 0.5
 
@@ -53,7 +53,9 @@ def with_faults(faults):
 
 @pytest.fixture(scope="module")
 def pool():
-    with isolation.verifier_pool(2, start_method="forkserver") as p:
+    # The verifier's module preloaded, as the RL loop does: importing it in a worker on its
+    # first call would count against that call's deadline.
+    with isolation.verifier_pool(2, start_method="forkserver", preload=[__name__]) as p:
         yield p
 
 
@@ -109,3 +111,14 @@ def test_task_verifier_in_pool_matches_in_process(pool):
     # An empty batch is fine too.
     rewards, _ = isolation.score_isolated(task.verify, [], [], pool=pool, timeout=5.0)
     assert rewards.shape == (0,)
+
+
+def test_a_verifier_the_workers_cannot_import_is_refused_naming_it():
+    def from_main(text, problem):
+        return 1.0
+
+    from_main.__module__ = "__main__"  # As if defined in a script or a notebook cell.
+    with pytest.raises(ValueError, match="'.*from_main' is defined in the main script"):
+        sandbox.WorkerPool(from_main, 1)
+    with pytest.raises(RuntimeError, match="cannot load the verifier: ModuleNotFoundError.*nosuch"):
+        isolation.verifier_pool(1, preload=["rlscale.nosuch"])

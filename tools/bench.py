@@ -25,7 +25,6 @@ then times:
 Prints a table; `--out` writes the same numbers as JSON.
 """
 
-import argparse
 import heapq
 import json
 import statistics
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlscale import model, next_token
+from rlscale import cli, model, next_token
 from rlscale.sampling import engine
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
@@ -269,7 +268,7 @@ PARTS = ("decode", "train", "generator")
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", choices=model.config.NAMES)
     p.add_argument("--batch", type=int, default=128, help="decode batch")
     p.add_argument("--prompt_len", type=int, default=64)
@@ -407,4 +406,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.guard(main)()

@@ -12,10 +12,9 @@ its run's `WORKDIR/tokenizer.model`, or --tokenizer) with its bos/eos/pad ids, s
 copies the directory's tokenizer into the rlscale checkpoint, where `rlscale.evaluate` finds it.
 """
 
-import argparse
 import os
 
-from rlscale import checkpoint, evaluate
+from rlscale import checkpoint, cli, evaluate
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.model import hf
 
@@ -37,7 +36,7 @@ def _source_tokenizer(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="src_format", choices=("hf", "rlscale"), required=True)
     p.add_argument("--to", dest="dst_format", choices=("hf", "rlscale"), required=True)
     p.add_argument("src")
@@ -86,4 +85,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.guard(main)()

@@ -18,11 +18,12 @@ reported with the reason and skipped; the exit status is 1 when none fits.
 import argparse
 import sys
 
+from rlscale import cli
 from rlscale.scaling import runs
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
@@ -83,4 +84,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.guard(main)())

@@ -3,14 +3,17 @@ against rlscale's sampler.
 
     pip install -e .[peers]
     python tools/peers.py [--seeds 0,1] [--steps 80] [--workdir /tmp/rlscale_peers]
-        [--out peers.json] [--skip_trl] [--skip_rlscale] [--skip_generate]
+        [--out peers.json] [--skip_trl] [--skip_rlscale] [--skip_warm] [--skip_generate]
 
 1. The quickstart's warm start (`configs/quickstart.py`, trained once in WORKDIR/warm or
    reused from there), exported with `save_hf` (tokenizer and stop tokens included) to
    WORKDIR/warm/hf.
 2. rlscale: the quickstart RL loop from that warm start (`python -m rlscale.main --config
    configs/quickstart.py --config.sft.reuse_from=WORKDIR/warm --config.seed=S`), one process
-   per seed; its metrics.jsonl gives the step times and the held-out evaluations.
+   per seed; its metrics.jsonl gives the step times and the held-out evaluations. Each seed
+   runs twice: with an empty persistent compilation cache (`rlscale`: every program compiled
+   in the run, a first run on a machine) and again with the cache the first run filled
+   (`rlscale_warm`: what a sweep's later runs and a resumed run pay; `--skip_warm` skips it).
 3. TRL: `GRPOTrainer` on the exported warm start with the closest settings (`trl_config`
    lists them and what cannot be matched), rewarded by the quickstart task's verifier through
    rlscale's scorer, prompts as rlscale formats them (the exported tokenizer adds the BOS as
@@ -27,7 +30,6 @@ evaluation at or above X (rlscale's includes its compilation); final pass@1 is t
 evaluation. Results: docs/benchmarks.md.
 """
 
-import argparse
 import dataclasses
 import importlib.util
 import json
@@ -40,10 +42,12 @@ import sys
 import tempfile
 import time
 
+from rlscale import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLDS = (0.5, 0.7)
 STEP_WINDOW = (5, 20)  # Steps whose median time is "seconds per step": past warm-up.
-SYSTEMS = ("rlscale", "trl")
+SYSTEMS = ("rlscale", "rlscale_warm", "trl")
 
 
 # ------------------------------------------------------------------------------------------
@@ -134,9 +138,13 @@ def warm_start(config, workdir: str):
     return s, hf_dir
 
 
-def run_rlscale(workdir: str, seed: int, steps: int) -> list[dict]:
-    """The quickstart from the shared warm start, in its own process; its metric records."""
-    run_dir = os.path.join(workdir, f"rlscale_seed{seed}")
+def run_rlscale(workdir: str, seed: int, steps: int, warm: bool = False) -> list[dict]:
+    """The quickstart from the shared warm start, in its own process; its metric records.
+    The seed's compilation cache starts empty, or with `warm` holds what the cold run put in."""
+    run_dir = os.path.join(workdir, f"rlscale{'_warm' if warm else ''}_seed{seed}")
+    cache = os.path.join(workdir, "jax_cache", f"seed{seed}")
+    if not warm:
+        shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # A fresh run, not a resumed one.
     os.makedirs(run_dir)
     cmd = [
@@ -150,10 +158,12 @@ def run_rlscale(workdir: str, seed: int, steps: int) -> list[dict]:
         f"--config.seed={seed}",
         f"--config.steps={steps}",
         f"--config.sft.reuse_from={os.path.join(workdir, 'warm')}",
+        f"--compilation_cache={cache}",
     ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     print(f"rlscale seed {seed}: {' '.join(cmd)}", flush=True)
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
@@ -460,13 +470,14 @@ def print_report(report: dict) -> None:
         for seed, numbers in report[system]["seeds"].items():
             print(f"| {system} | {seed} | " + " | ".join(_fmt(numbers[k]) for k in keys) + " |")
         print(f"| {system} | mean | " + " | ".join(_fmt(report[system][k]) for k in keys) + " |")
-    if "ratios" in report:
-        r = report["ratios"]
-        print(
-            "\nTRL / rlscale: "
-            + ", ".join(f"{k} {_fmt(r[k])}x" for k in timed)
-            + f"; final pass@1 rlscale - TRL {_fmt(r['final_pass@1_diff'], '+.3f')}"
-        )
+    for key, ours in (("ratios", "rlscale"), ("ratios_warm", "rlscale_warm")):
+        if key in report:
+            r = report[key]
+            print(
+                f"\nTRL / {ours}: "
+                + ", ".join(f"{k} {_fmt(r[k])}x" for k in timed)
+                + f"; final pass@1 {ours} - TRL {_fmt(r['final_pass@1_diff'], '+.3f')}"
+            )
     if "sampler_vs_generate" in report:
         print("\n| batch | rlscale tokens/s | generate tokens/s | identical |")
         print("| --- | --- | --- | --- |")
@@ -478,17 +489,18 @@ def print_report(report: dict) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1", help="comma-separated RL seeds")
     p.add_argument("--steps", type=int, default=80, help="RL steps per run")
     p.add_argument("--workdir", default="/tmp/rlscale_peers")
     p.add_argument("--out", default=None, help="write the numbers as JSON here")
     p.add_argument("--skip_rlscale", action="store_true")
+    p.add_argument("--skip_warm", action="store_true", help="no second, warm-cache rlscale run")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--skip_generate", action="store_true")
     args = p.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
-    os.makedirs(args.workdir, exist_ok=True)
+    cli.make_dir(args.workdir, "--workdir")
     config = quickstart_config(args.steps)
     report = {
         "machine": machine(),
@@ -503,7 +515,8 @@ def main():
         },
     }
     s, hf_dir = warm_start(config, args.workdir)
-    systems = [x for x in SYSTEMS if not getattr(args, f"skip_{x}")]
+    skip = {"rlscale": args.skip_rlscale, "rlscale_warm": args.skip_rlscale or args.skip_warm}
+    systems = [x for x in SYSTEMS if not skip.get(x, args.skip_trl)]
     runs = {x: {} for x in systems}
     try:
         if not args.skip_generate:
@@ -512,8 +525,8 @@ def main():
         # machine. The load averages (1, 5, 15 min) after each run say what that load was.
         for seed in seeds:
             for system in systems:
-                if system == "rlscale":
-                    records = run_rlscale(args.workdir, seed, args.steps)
+                if system.startswith("rlscale"):
+                    records = run_rlscale(args.workdir, seed, args.steps, system == "rlscale_warm")
                 else:
                     records = run_trl(s, hf_dir, args.workdir, seed)
                 runs[system][seed] = records
@@ -527,8 +540,10 @@ def main():
         report[system] = {**mean_over_seeds(per_seed), "seeds": per_seed}
         with open(os.path.join(args.workdir, f"{system}_records.json"), "w") as f:
             json.dump({str(k): v for k, v in by_seed.items()}, f)
-    if "rlscale" in report and "trl" in report:
-        report["ratios"] = ratios(report["rlscale"], report["trl"])
+    if "trl" in report:
+        for ours, key in (("rlscale", "ratios"), ("rlscale_warm", "ratios_warm")):
+            if ours in report:
+                report[key] = ratios(report[ours], report["trl"])
     print_report(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -537,4 +552,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.guard(main)()

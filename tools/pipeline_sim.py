@@ -25,11 +25,12 @@ Model (an event simulation over `--steps` batches, reported in steady state):
 Prints the predicted seconds per step of sync and the pipelined mode and their ratio.
 """
 
-import argparse
 import json
 import os
 
 import numpy as np
+
+from rlscale import cli
 
 
 def from_run(workdir: str) -> dict:
@@ -100,7 +101,7 @@ def simulate(
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--from_run", default="", help="a synchronous run's workdir")
     p.add_argument("--gen_s", type=float, default=None)
     p.add_argument("--train_s", type=float, default=None)
@@ -142,4 +143,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.guard(main)()

@@ -37,20 +37,22 @@ def main(argv):
     from absl import flags
     from ml_collections import config_flags
 
-    from rlscale import rl
+    from rlscale import cli, rl
 
+    # The default goes in as an argument: a flag default would have ml_collections apply the
+    # `--config.a.b=v` overrides while defining the flag, before `cli.parse_flags` can report a
+    # bad key.
+    if not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+        argv = [argv[0], "--config", os.path.join(ROOT, "configs", "quickstart.py"), *argv[1:]]
     config = config_flags.DEFINE_config_file(
-        "config",
-        os.path.join(ROOT, "configs", "quickstart.py"),
-        "RL config file, optionally with a :variant suffix.",
-        lock_config=True,
+        "config", None, "RL config file, optionally with a :variant suffix.", lock_config=True
     )
     workdir = flags.DEFINE_string("workdir", None, "Directory for the run's outputs.")
     warm_from = flags.DEFINE_string(
         "warm_from", None, "A quickstart workdir whose data, tokenizer and SFT warm start to reuse."
     )
     flags.mark_flag_as_required("workdir")
-    flags.FLAGS(argv)
+    cli.parse_flags(argv)
 
     # The reward workers fork from a server started with this process's sys.path; running as
     # `python tools/rl_sanity.py` puts this directory first, but say so rather than rely on it.
@@ -58,7 +60,7 @@ def main(argv):
         sys.path.insert(0, TOOLS_DIR)
     cfg = config.value
     cfg.reward.fn = REWARD_FN
-    os.makedirs(workdir.value, exist_ok=True)
+    cli.make_dir(workdir.value, "--workdir")
     if warm_from.value:
         for name in ("sft", "data", "tokenizer.model"):
             src, dst = os.path.join(warm_from.value, name), os.path.join(workdir.value, name)
@@ -69,4 +71,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    from rlscale import cli
+
+    cli.guard(main)(sys.argv)

@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 
+from rlscale import cli
 from rlscale.scaling import runs
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -115,7 +116,7 @@ def plan(config, grid_text, root, shard="0/1"):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
@@ -162,4 +163,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.guard(main)())

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import tensorflow_datasets as tfds
 
+from rlscale import console
 from rlscale.data import tasks
 
 
@@ -82,7 +83,8 @@ def materialize(
         n_test=n_test,
     )
     builder = SyntheticTasks(data_dir=data_dir, config=config, file_format="array_record")
-    builder.download_and_prepare()
+    with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
+        builder.download_and_prepare()
     return builder.as_data_source()
 
 

@@ -1,30 +1,42 @@
-"""Local math datasets (GSM8K, MATH and Polaris style files) as TFDS array_record datasets.
+"""Problem files as TFDS array_record datasets, their prompts, and the files task's verifiers.
 
-The user passes the files; nothing is downloaded. Three row formats, in JSON lines (`.jsonl`)
-or Parquet (`.parquet`) files:
+The user passes the files; nothing is downloaded. `rlscale.data.formats` reads them (JSON lines,
+JSON, Parquet or Hugging Face `datasets` directories, in the gsm8k, math, polaris, verl, trl or
+user-named `fields` layouts, or `format="auto"`); this module materializes the validated rows
+once per (layouts, files' contents) as a TFDS dataset, formats the prompts at read time, and
+owns the task that verifies completions against the golds (`FilesTask`, the RL loop's
+`task.name="files"`).
 
-  gsm8k    {"question": ..., "answer": "... #### 42"}: the gold is the text after the last
-           `####`, stripped, with thousands commas removed (as OpenAI's GSM8K reference code
-           does).
-  math     {"problem": ..., "solution": "... \\boxed{...} ..."[, "answer": ...]}: the gold is
-           the `answer` field when the row has one (MATH-500 style), else the brace-matched
-           argument of the solution's last `\\boxed{}` (or `\\fbox{}`, or `\\boxed 5`).
-  polaris  {"problem": ..., "answer": ...}.
-
-Each row becomes a record {prompt (the raw question), answer (the gold string), source
-(`file:line` for JSON lines, `file:row` with the 0-based row index for Parquet), id (the row's
-own `unique_id` or `id` field, else "")}. A malformed row (bad JSON, not an object, a missing
-or empty field, no extractable gold) is a ValueError naming the file and the line (or row).
-
-    sources = math_data.materialize({"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
-                                    "gsm8k", data_dir=WORKDIR + "/data")
+    sources = math_data.materialize({"train": "gsm8k/train.parquet", "test": "gsm8k/test.parquet"},
+                                    "auto", data_dir=WORKDIR + "/data")
     problems = math_data.problems(sources["test"], chat.get("qwen2.5"))
     problems[0].prompt   # the chat-formatted prompt, ending with the assistant header
     problems[0].answer   # "18"
 
-The dataset is built once per (format, files' contents) and reused afterwards. Prompts are
-formatted at read time (`format_prompt`), so one materialized dataset serves every chat
-template and instruction.
+Prompts. A text prompt (a question) becomes the user message `{question}\\n{instruction}`
+(`format_prompt`), after the `system` message when one is given, in the chat template's format
+(or the bare user text without a template). A chat prompt (a list of messages: verl, TRL
+conversational) is rendered as written by the chat template, its own system message kept
+(`system` is added only to a conversation without one, and `instruction` is not appended: the
+dataset's authors wrote the instruction into the messages); a chat prompt without a chat
+template is an error naming the file and row. Formatting at read time lets one materialized
+dataset serve every template and instruction.
+
+Verifiers (`VERIFIERS`, each `fn(completion, gold) -> 1.0 or 0.0`):
+  math    `rewards.math.grade`: math-verify on the last `\\boxed{}` (else an `Answer:` line)
+          after `</think>`.
+  exact   the final answer, as a string, equals the gold (both stripped): the last `\\boxed{}`
+          argument, else the rest of the last `Answer:` line, else the whole completion (the
+          text after `</think>` in all three).
+  gsm8k   verl's GSM8K rule (`verl.utils.reward_score.gsm8k`, strict): the number after the
+          last `#### ` in the completion's final 300 characters, commas and `$` removed,
+          equals the gold string.
+  auto    math, except a row whose `data_source` has its own rule in verl's
+          `default_compute_score` (`DATA_SOURCE_VERIFIERS`: `openai/gsm8k` -> gsm8k).
+
+A problem's `demo` (what the from-scratch warm start imitates) is the row's demonstration (a
+TRL completion or solution, `fields.demo`), else the gold in its verifier's answer format
+(`demonstration`: `\\boxed{42}`, or `#### 42` for gsm8k).
 """
 
 import dataclasses
@@ -37,171 +49,124 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from rlscale import chat
-from rlscale.data import tasks
+from rlscale import chat, console
+from rlscale.data import formats, tasks
 from rlscale.rewards import math as math_reward
 
-FORMATS = ("gsm8k", "math", "polaris")
-EXTENSIONS = (".jsonl", ".parquet")
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ID_FIELDS = ("unique_id", "id")
 
 
 @dataclasses.dataclass(frozen=True)
 class MathProblem(tasks.Problem):
-    """A math problem: the formatted prompt, the gold answer, where it came from.
-
-    `demo` (from `tasks.Problem`) is empty: these datasets carry no worked completion in the
-    reasoning format.
-    """
+    """A problem from a file: the formatted prompt, the gold answer, a demonstration (the
+    row's, else the gold in the verifier's format), where it came from, and the name of the
+    verifier that grades it (a key of `VERIFIERS`)."""
 
     source: str = ""
     id: str = ""
+    verifier: str = "math"
 
 
 # ------------------------------------------------------------------------------------------
-# Gold answers.
+# Verifiers.
 # ------------------------------------------------------------------------------------------
 
+_ANSWER_LINE_RE = re.compile(r"^[ \t]*(?:final[ \t]+)?answer[ \t]*:(.*)$", re.I | re.M)
+_GSM8K_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_CLIP_CHARS = 300  # verl's `_SOLUTION_CLIP_CHARS`.
 
-def gsm8k_gold(answer: str) -> str | None:
-    """The text after the last `####`, stripped and without commas; None if there is none."""
-    if "####" not in answer:
+
+def _final_section(completion: str) -> str | None:
+    """The text after the last `</think>`; None for a `<think>` that never ends."""
+    if chat.THINK_END in completion:
+        return completion.rsplit(chat.THINK_END, 1)[1]
+    return None if chat.THINK_START in completion else completion
+
+
+def exact_answer(completion: str) -> str | None:
+    """The `exact` verifier's answer (module docstring), stripped; None when there is none."""
+    text = _final_section(completion)
+    if text is None:
         return None
-    return answer.rsplit("####", 1)[1].strip().replace(",", "")
-
-
-def boxed_answer(solution: str) -> str | None:
-    """The argument of the last `\\boxed{...}` or `\\fbox{...}` in a solution, brace-matched.
-
-    The unbraced form `\\boxed 5` (a few MATH solutions) gives the text after the space up to
-    the next `$` or line end, as Hendrycks et al.'s `last_boxed_only_string` does. Returns None
-    when there is no box or the last one is malformed (an earlier box is never used instead).
-    """
-    boxes = list(_BOX_RE.finditer(solution))
-    if not boxes:
-        return None
-    i = boxes[-1].end()
-    rest = solution[i:]
-    if rest.startswith(" ") and not rest.lstrip(" \t").startswith("{"):
-        return rest.split("$", 1)[0].split("\n", 1)[0].strip() or None
-    while i < len(solution) and solution[i] in " \t":
-        i += 1
-    if i >= len(solution) or solution[i] != "{":
-        return None
-    return math_reward.braced_argument(solution, i)
-
-
-# ------------------------------------------------------------------------------------------
-# Reading and validating files.
-# ------------------------------------------------------------------------------------------
-
-
-def _text_field(record: dict, field: str, *, numbers: bool = False) -> str:
-    if field not in record or record[field] is None:
-        raise ValueError(f"missing field {field!r}")
-    value = record[field]
-    if numbers and isinstance(value, int | float) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str):
-        raise ValueError(f"field {field!r} must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise ValueError(f"field {field!r} is empty")
-    return value
-
-
-def _parse_record(record, fmt: str) -> tuple[str, str]:
-    """(question, gold) of one row; ValueError says what is wrong with it."""
-    if not isinstance(record, dict):
-        raise ValueError(f"a row must be a JSON object, got {type(record).__name__}")
-    if fmt == "gsm8k":
-        question = _text_field(record, "question")
-        gold = gsm8k_gold(_text_field(record, "answer"))
-        if gold is None:
-            raise ValueError("field 'answer' has no '####' before the final answer")
-    elif fmt == "math":
-        question = _text_field(record, "problem")
-        if record.get("answer") is not None:
-            gold = _text_field(record, "answer", numbers=True).strip()
-        else:
-            gold = boxed_answer(_text_field(record, "solution"))
-            if gold is None:
-                raise ValueError(
-                    "field 'solution' has no \\boxed{...} answer (or its last box is unbalanced)"
-                )
-    elif fmt == "polaris":
-        question = _text_field(record, "problem")
-        gold = _text_field(record, "answer", numbers=True).strip()
+    if formats.BOX_RE.search(text):
+        answer = formats.boxed_answer(text)  # None for a malformed last box: no answer.
     else:
-        raise ValueError(f"unknown math dataset format {fmt!r}; formats: {', '.join(FORMATS)}")
-    if not gold.strip():
-        raise ValueError("the gold answer is empty")
-    return question, gold
+        lines = _ANSWER_LINE_RE.findall(text)
+        answer = lines[-1] if lines else text
+    return answer.strip() if answer is not None and answer.strip() else None
 
 
-def _row_id(record: dict) -> str:
-    for field in _ID_FIELDS:
-        if record.get(field) is not None:
-            return str(record[field])
-    return ""
+def exact(completion: str, gold: str) -> float:
+    """1.0 when `exact_answer(completion)` equals the gold (stripped), else 0.0."""
+    return float(exact_answer(completion) == gold.strip())
 
 
-def _records(path: str):
-    """Yields (where, source, record) for each row of a `.jsonl` or `.parquet` file.
+def gsm8k_answer(completion: str) -> str | None:
+    """verl's strict GSM8K extraction: the last `#### number`, commas and `$` removed."""
+    found = _GSM8K_RE.findall(completion[-_GSM8K_CLIP_CHARS:])
+    return found[-1].replace(",", "").replace("$", "") if found else None
 
-    `where` names the row in error messages, `source` is its short id, and `record` is the
-    parsed row or, for a line that is not JSON, the ValueError to report.
+
+def gsm8k(completion: str, gold: str) -> float:
+    """1.0 when `gsm8k_answer(completion)` equals the gold string, else 0.0 (as verl)."""
+    return float(gsm8k_answer(completion) == gold)
+
+
+VERIFIERS = {"math": math_reward.grade, "exact": exact, "gsm8k": gsm8k}
+_EXTRACTORS = {"math": math_reward.extract_answer, "exact": exact_answer, "gsm8k": gsm8k_answer}
+VERIFIER_NAMES = ("auto", *VERIFIERS)
+# verl's `default_compute_score` rules for data sources whose answers are not graded as math.
+DATA_SOURCE_VERIFIERS = {"openai/gsm8k": "gsm8k"}
+
+
+def check_verifier(verifier: str) -> None:
+    """Raises ValueError naming the known verifiers if `verifier` is not one."""
+    if verifier not in VERIFIER_NAMES:
+        raise ValueError(
+            f"unknown verifier {verifier!r}; verifiers: {', '.join(VERIFIER_NAMES)} (or a "
+            "reward function: reward.fn='module:function')"
+        )
+
+
+def row_verifier(verifier: str, data_source: str) -> str:
+    """The verifier of one row: `verifier`, or for "auto" its data source's rule (else math)."""
+    check_verifier(verifier)
+    if verifier != "auto":
+        return verifier
+    return DATA_SOURCE_VERIFIERS.get(data_source, "math")
+
+
+def demonstration(gold: str, verifier: str) -> str:
+    """A completion that states `gold` in the answer format `verifier` reads."""
+    return f"#### {gold}" if verifier == "gsm8k" else f"\\boxed{{{gold}}}"
+
+
+class FilesTask:
+    """The verifier side of a problem file, with the interface of `tasks.Task`.
+
+    `verify(completion, problem)` runs the problem's own verifier (`problem.verifier`, a key
+    of `VERIFIERS`) against `problem.answer`: the whole check, in the calling process and with
+    no deadline, so that the RL loop's reward pool (`rewards.isolation.verifier_pool`) runs it
+    in parallel worker processes with its per-sample timeout. Run untrusted completions
+    through such a pool, never in the trainer's process: a hostile answer can keep
+    math-verify busy for minutes. `extract_answer` is the task's verifier's answer
+    extraction (math's for "auto"), for majority voting.
     """
-    if path.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue  # Blank lines (a trailing one, say) hold no row.
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    record = ValueError(f"not UTF-8: {e}")
-                except json.JSONDecodeError as e:
-                    record = ValueError(f"bad JSON: {e}")
-                yield f"line {line_no}", f"{os.path.basename(path)}:{line_no}", record
-    elif path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # A dependency of tensorflow-datasets.
 
-        for i, record in enumerate(pq.read_table(path).to_pylist()):
-            yield f"row index {i}", f"{os.path.basename(path)}:row{i}", record
-    else:
-        raise ValueError(f"{path!r}: unsupported file type; expected one of {EXTENSIONS}")
+    name = "files"
+
+    def __init__(self, verifier: str = "auto"):
+        check_verifier(verifier)
+        self.verifier = verifier
+
+    def verify(self, completion: str, problem: MathProblem) -> float:
+        return VERIFIERS[problem.verifier](completion, problem.answer)
+
+    def extract_answer(self, completion: str) -> str | None:
+        return _EXTRACTORS["math" if self.verifier == "auto" else self.verifier](completion)
 
 
-def read_rows(path: str, fmt: str) -> list[dict]:
-    """Reads and validates a file: [{prompt, answer, source, id}], in file order.
-
-    Args:
-      path: A `.jsonl` or `.parquet` file.
-      fmt: One of `FORMATS`.
-
-    Raises:
-      FileNotFoundError: If `path` does not exist.
-      ValueError: On an unknown format or file type, an empty file, or a malformed row,
-        naming the file and the 1-based line (JSON lines) or 0-based row index (Parquet).
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown math dataset format {fmt!r}; formats: {', '.join(FORMATS)}")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"math dataset file not found: {path!r}")
-    rows = []
-    for where, source, record in _records(path):
-        try:
-            if isinstance(record, ValueError):
-                raise record
-            question, gold = _parse_record(record, fmt)
-        except ValueError as e:
-            raise ValueError(f"{path}, {where}: {e}") from None
-        rows.append({"prompt": question, "answer": gold, "source": source, "id": _row_id(record)})
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+MathTask = FilesTask  # Its name when it read math files only.
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,24 +176,32 @@ def read_rows(path: str, fmt: str) -> list[dict]:
 
 @dataclasses.dataclass
 class MathFilesConfig(tfds.core.BuilderConfig):
-    format: str = "math"
-    files: tuple[tuple[str, str], ...] = ()  # (split, absolute path) pairs.
+    # (split, absolute path, layout) triples; a `datasets` directory is resolved to its split.
+    files: tuple[tuple[str, str, str], ...] = ()
+    fields: tuple[tuple[str, str], ...] = ()  # The `fields` layout's column names.
 
 
 class MathFiles(tfds.core.GeneratorBasedBuilder):
-    """One config per (format, files' contents); one split per file."""
+    """One config per (layouts, fields, files' contents); one split per file."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    VERSION = tfds.core.Version("2.0.0")
+    RELEASE_NOTES = {
+        "1.0.0": "gsm8k, math and polaris files.",
+        "2.0.0": "Chat-message prompts, demonstrations, data sources (verl, trl, fields).",
+    }
     BUILDER_CONFIGS = [MathFilesConfig(name="default")]
 
     def _info(self):
         return self.dataset_info_from_configs(
-            description="Local math problems with gold answers (rlscale.data.math_data).",
+            description="Local problems with gold answers (rlscale.data.math_data).",
             disable_shuffling=True,  # Record i is row i of the file.
             features=tfds.features.FeaturesDict(
                 {
                     "prompt": tfds.features.Text(),
+                    "messages": tfds.features.Text(),  # JSON; "" for a text prompt.
                     "answer": tfds.features.Text(),
+                    "demo": tfds.features.Text(),
+                    "data_source": tfds.features.Text(),
                     "source": tfds.features.Text(),
                     "id": tfds.features.Text(),
                     "index": np.int64,
@@ -238,64 +211,79 @@ class MathFiles(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         del dl_manager
-        return {split: self._generate_examples(split) for split, _ in self.builder_config.files}
+        return {split: self._generate_examples(split) for split, _, _ in self.builder_config.files}
 
     def _generate_examples(self, split):
         # `materialize` has just read and validated the files; reading again would be the
         # fallback if the builder were driven by TFDS directly.
         rows = getattr(self, "validated_rows", {}).get(split)
         if rows is None:
-            path = dict(self.builder_config.files)[split]
-            rows = read_rows(path, self.builder_config.format)
+            c = self.builder_config
+            _, path, fmt = next(f for f in c.files if f[0] == split)
+            rows = formats.read_rows(path, fmt, dict(c.fields))
         for i, row in enumerate(rows):
             yield i, {**row, "index": i}
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def config_name(files: Sequence[tuple[str, str, str]], fields: formats.Fields) -> str:
+    """`{layouts}_{digest}`: the digest covers the splits, layouts, fields and the files'
+    bytes, so an edited file gets a new dataset and an unchanged one (anywhere on disk) reuses
+    the old."""
+    h = hashlib.sha256(json.dumps(dataclasses.astuple(fields)).encode())
+    for split, path, fmt in sorted(files):
+        h.update(f"\0{split}\0{fmt}\0{formats.digest(path)}".encode())
+    layouts = "_".join(sorted({fmt for _, _, fmt in files}))
+    return f"{layouts}_{h.hexdigest()[:16]}"
 
 
-def config_name(fmt: str, files: Mapping[str, str]) -> str:
-    """`{format}_{digest}`: the digest covers the splits and the files' bytes, so an edited
-    file gets a new dataset and an unchanged one (anywhere on disk) reuses the old."""
-    h = hashlib.sha256(fmt.encode())
-    for split in sorted(files):
-        h.update(f"\0{split}\0{_file_digest(files[split])}".encode())
-    return f"{fmt}_{h.hexdigest()[:16]}"
-
-
-def materialize(files: str | Mapping[str, str], fmt: str, data_dir: str) -> dict:
+def materialize(
+    files: str | Mapping[str, str],
+    fmt: str,
+    data_dir: str,
+    fields: formats.Fields | Mapping | None = None,
+) -> dict:
     """Builds the dataset once (reused afterwards) and returns {split: data source}.
 
     Args:
       files: {split: path} (e.g. {"train": ..., "test": ...}), or one path for split "train".
-      fmt: The rows' format, one of `FORMATS`.
+        A path is a `.jsonl`, `.json` or `.parquet` file or a `datasets` directory (a
+        `DatasetDict`'s split named like the key is read).
+      fmt: The rows' layout, one of `formats.FORMATS`, or "auto" (detected per file).
       data_dir: Where the array_record files go (e.g. `WORKDIR/data`).
+      fields: The `fields` layout's column names ({prompt, answer, demo}).
 
     Raises:
-      FileNotFoundError, ValueError: As `read_rows`, before anything is written.
+      FileNotFoundError, ValueError: As `formats.read_rows`, before anything is written.
     """
     if isinstance(files, str | os.PathLike):
         files = {"train": files}
     if not files:
         raise ValueError("no files given")
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown math dataset format {fmt!r}; formats: {', '.join(FORMATS)}")
-    files = {split: os.path.abspath(os.fspath(path)) for split, path in files.items()}
-    for path in files.values():
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"math dataset file not found: {path!r}")
+    fields = formats.Fields.of(fields)
+    resolved = []
+    for split, path in sorted(files.items()):
+        path = os.path.abspath(os.fspath(path))
+        problem = formats.check_path(path)
+        if problem == "no such file":
+            raise FileNotFoundError(f"dataset file not found: {path!r}")
+        if problem:
+            raise ValueError(f"{path}: {problem}")
+        if os.path.isdir(path):
+            path = formats.dataset_dir(path, split)
+        resolved.append((split, path, formats.resolve_format(path, fmt, fields)))
     config = MathFilesConfig(
-        name=config_name(fmt, files), format=fmt, files=tuple(sorted(files.items()))
+        name=config_name(resolved, fields),
+        files=tuple(resolved),
+        fields=tuple(dataclasses.asdict(fields).items()),
     )
     builder = MathFiles(data_dir=data_dir, config=config, file_format="array_record")
-    if not builder.is_prepared():
-        builder.validated_rows = {split: read_rows(path, fmt) for split, path in files.items()}
-        builder.download_and_prepare()
+    # What `download_and_prepare` checks; `is_prepared` would warn about the missing folder.
+    if not builder.data_path.exists():
+        builder.validated_rows = {
+            split: formats.read_rows(path, f, fields) for split, path, f in resolved
+        }
+        with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
+            builder.download_and_prepare()
     return builder.as_data_source()
 
 
@@ -328,6 +316,33 @@ def format_prompt(
     return template.prompt(user, system=system, **options)
 
 
+def format_messages(
+    messages: Sequence[chat.Message],
+    template: chat.ChatTemplate | None,
+    *,
+    system: str | None = None,
+    **options,
+) -> str:
+    """The prompt for a chat prompt: `messages` rendered by `template`, as written.
+
+    `system` is prepended only when the conversation has no system message of its own.
+
+    Raises:
+      ValueError: Without a template (a chat prompt needs the model's chat format), or when
+        the template rejects the conversation.
+    """
+    if template is None:
+        raise ValueError(
+            "the prompt is a list of chat messages, but no chat template was given to render "
+            "it (task.chat_template is empty: set it to the model's family, one of "
+            f"{', '.join(chat.TEMPLATES)}; a model without a chat template needs text prompts)"
+        )
+    messages = list(messages)
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return template(messages, **options)
+
+
 def decode(example: dict) -> dict:
     """A data-source record with its text fields as `str`."""
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in example.items()}
@@ -339,20 +354,45 @@ def problems(
     *,
     instruction: str | None = DEFAULT_INSTRUCTION,
     system: str | None = None,
+    verifier: str = "auto",
     **options,
 ) -> list[MathProblem]:
     """Reads one split's data source into problems whose prompts are formatted for `template`.
 
-    The arguments after `source` are `format_prompt`'s.
+    Args:
+      source: A data source `materialize` returned.
+      template, instruction, system, **options: As `format_prompt` (a chat prompt:
+        `format_messages`).
+      verifier: A key of `VERIFIERS`, or "auto" (by each row's data source: `row_verifier`).
+
+    Raises:
+      ValueError: For a chat prompt that cannot be rendered, naming the file and row.
     """
+    check_verifier(verifier)
     out = []
     for i in range(len(source)):
         r = decode(source[i])
-        prompt = format_prompt(
-            r["prompt"], template, instruction=instruction, system=system, **options
-        )
+        try:
+            if r["messages"]:
+                prompt = format_messages(
+                    json.loads(r["messages"]), template, system=system, **options
+                )
+            else:
+                prompt = format_prompt(
+                    r["prompt"], template, instruction=instruction, system=system, **options
+                )
+        except ValueError as e:
+            raise ValueError(f"{r['source']}: {e}") from None
+        v = row_verifier(verifier, r["data_source"])
         out.append(
-            MathProblem(prompt=prompt, answer=r["answer"], demo="", source=r["source"], id=r["id"])
+            MathProblem(
+                prompt=prompt,
+                answer=r["answer"],
+                demo=r["demo"] or demonstration(r["answer"], v),
+                source=r["source"],
+                id=r["id"],
+                verifier=v,
+            )
         )
     return out
 
@@ -362,37 +402,18 @@ def load(
     fmt: str,
     data_dir: str,
     template: chat.ChatTemplate | None = None,
+    *,
+    fields: formats.Fields | Mapping | None = None,
+    verifier: str = "auto",
     **prompt_options,
 ) -> dict[str, list[MathProblem]]:
     """`materialize` then `problems` for every split: {split: [MathProblem]}.
 
     `prompt_options` are `format_prompt`'s keyword arguments (instruction, system, ...).
     """
-    sources = materialize(files, fmt, data_dir)
-    return {split: problems(src, template, **prompt_options) for split, src in sources.items()}
-
-
-# ------------------------------------------------------------------------------------------
-# The task: verification with the math verifier.
-# ------------------------------------------------------------------------------------------
-
-
-class MathTask:
-    """The verifier side of a math dataset, with the interface of `tasks.Task`.
-
-    `verify(completion, problem)` is `rewards.math.grade` against `problem.answer` (1.0 or
-    0.0): the whole check, in the calling process and with no deadline, so that the RL loop's
-    reward pool (`rewards.isolation.verifier_pool`) runs it in parallel worker processes with
-    its per-sample timeout. Run untrusted completions through such a pool, never in the
-    trainer's process: a hostile answer can keep math-verify busy for minutes.
-    `extract_answer` is the verifier's answer extraction (for majority voting).
-    """
-
-    name = "math"
-
-    def verify(self, completion: str, problem: tasks.Problem) -> float:
-        return math_reward.grade(completion, problem.answer)
-
-    @staticmethod
-    def extract_answer(completion: str) -> str | None:
-        return math_reward.extract_answer(completion)
+    check_verifier(verifier)
+    sources = materialize(files, fmt, data_dir, fields)
+    return {
+        split: problems(src, template, verifier=verifier, **prompt_options)
+        for split, src in sources.items()
+    }

@@ -49,7 +49,8 @@ def verifier_pool(
         num_workers: Worker processes (samples verified in parallel).
         start_method: 'forkserver' (fast worker restarts) or 'spawn'.
         preload: Modules the fork server imports once (the verifier's module, heavy
-            dependencies), so that each worker and each replacement starts warm.
+            dependencies), so that each worker and each replacement starts warm. The workers
+            never import the caller's `__main__`, so verifiers must live in modules.
         memory_limit_bytes: Address-space limit of each worker, or None.
     """
     return sandbox.WorkerPool(

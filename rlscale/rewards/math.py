@@ -396,9 +396,9 @@ class MathVerifier:
 
     Safe to share between threads, and usable inside worker processes (also daemonic ones,
     such as `multiprocessing.Pool` workers). Workers start when the verifier is built (well
-    under a second with the fork server) and live until `close()` or interpreter exit. As with
-    any 'spawn' or 'forkserver' children, a script that builds one must do so under
-    `if __name__ == "__main__":`, because the workers import the main module.
+    under a second with the fork server) and live until `close()` or interpreter exit. They
+    never import the caller's main module (`rewards.worker`), so a script needs no
+    `if __name__ == "__main__":` guard, and `python -c`, stdin and notebooks work alike.
 
     Args:
         num_workers: Worker processes (default: the usable CPUs, at most 8).

@@ -13,39 +13,43 @@ each check in a persistent worker process instead:
 
 Only the sample at fault is lost, and the pool survives. `WorkerPool.map` is safe to call from
 any thread and from several threads at once: each call checks out idle workers for itself, so
-no two threads ever share a worker's pipe. A call's deadline starts when a ready worker receives
+no two threads ever share a worker's socket. A call's deadline starts when a ready worker receives
 it, so time spent waiting for a free worker, or for a replacement worker to start, is not
 counted against it.
 
-Workers are started with the 'forkserver' method by default (fast restarts: the server has the
-preloaded modules imported already) or 'spawn'; never with 'fork', which is unsafe in a process
-that runs JAX or any other threaded runtime.
+The worker processes run `rlscale.rewards.worker` as their main module, so they never import
+the caller's: scoring works from a script without an `if __name__ == "__main__":` guard, from
+`python -c`, from stdin and from a notebook. By default each pool starts its own fork server (a
+fresh interpreter that imports the preloaded modules and the function once) and each worker is a
+fork of it, so a replacement starts warm; with 'spawn' each worker is a fresh interpreter. Never
+'fork' from the caller, which is unsafe in a process that runs JAX or any other threaded runtime.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import itertools
-import multiprocessing
 import multiprocessing.connection
 import os
-import resource
-import signal
+import pickle
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
+from rlscale.rewards import worker as worker_lib
+
 # Statuses of a `Result`.
-OK = "ok"
+OK = worker_lib.OK
 TIMEOUT = "timeout"
-ERROR = "error"
+ERROR = worker_lib.ERROR
 CRASH = "crash"
 
-_PR_SET_PDEATHSIG = 1  # From <sys/prctl.h>.
 # Workers dying before they report ready, in a row, that mean a broken setup rather than bad luck.
 _MAX_STARTUP_FAILURES = 3
 
@@ -86,119 +90,148 @@ class PoolStats:
     restarts: int = 0
 
 
-def _die_with_parent():
-    """Asks Linux to SIGKILL this process when its parent dies (best effort)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+# The worker processes' main program. `-c`, not `-m rlscale.rewards.worker`: `-m` puts the working
+# directory first on `sys.path` before the worker's own imports, so a user's file named like a
+# standard module (`math.py`, `selectors.py`) there would shadow it. Here `sys.path[0]` is
+# rlscale's root until the worker installs the pool's `sys.path`.
+_BOOTSTRAP = (
+    "import sys; sys.path[0] = sys.argv[1]; "
+    "from rlscale.rewards import worker; worker.main(sys.argv[1:])"
+)
 
 
-def _worker_main(conn, fn, initializer, memory_limit_bytes, die_with_parent):
-    """Worker loop: runs `fn(*args)` for each `(task_id, args)` received, until EOF or None."""
-    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if die_with_parent:
-        # A stuck worker would not notice its parent's death by reading the pipe.
-        _die_with_parent()
-    if memory_limit_bytes:
-        # A runaway big-int or expression tree then fails one call with MemoryError instead of
-        # taking the host down.
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    if initializer is not None:
-        initializer()
-    try:
-        conn.send(("ready", None, None))
-    except OSError:
-        return  # The parent is gone.
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        task_id, args = message
-        try:
-            reply = (task_id, OK, fn(*args))
-        except Exception as e:  # noqa: BLE001  (any failure of the function costs one call)
-            # Only the type name and a bounded message: printing some sympy objects can itself
-            # take unbounded time.
-            reply = (task_id, ERROR, f"{type(e).__name__}: {str(e)[:200]}")
-        try:
-            conn.send(reply)
-        except OSError:
-            return  # The parent is gone.
-        except Exception as e:  # noqa: BLE001  (an unpicklable return value)
-            conn.send((task_id, ERROR, f"cannot send result: {type(e).__name__}"))
+def _launch(
+    role: str, setup: worker_lib.Setup
+) -> tuple[subprocess.Popen, Connection, socket.socket]:
+    """Starts `rlscale.rewards.worker.main` in a fresh interpreter as ROLE and sends it `setup`.
 
-
-_daemon_flag_lock = threading.Lock()
-
-
-def _start(process):
-    """Starts `process`, also from a daemonic process such as a `multiprocessing.Pool` worker.
-
-    `multiprocessing` refuses children of daemonic processes so that they are not orphaned when
-    the daemon is terminated. Ours do not outlive it: a fork server's children get SIGKILL when
-    the server exits, which it does when its client (this process) dies, and idle workers exit
-    on EOF from their pipe. So the daemon flag is lifted for the duration of `start()` (it is
-    private `multiprocessing` state, stable since Python 3.4).
+    Returns the process, a connection to it and the raw socket under that connection (to pass
+    file descriptors on). The process runs `_BOOTSTRAP`, so it never imports the caller's
+    `__main__`; it finds `rlscale` where this process did and gets this process's `sys.path`
+    with its setup.
     """
-    config = multiprocessing.current_process()._config
-    if not config.get("daemon"):
-        process.start()
-        return
-    with _daemon_flag_lock:
-        config["daemon"] = False
+    ours, theirs = socket.socketpair()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(worker_lib.__file__))))
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, root, role, str(theirs.fileno())],
+            stdin=subprocess.DEVNULL,  # A caller reading its script from stdin keeps it.
+            pass_fds=[theirs.fileno()],
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    conn = Connection(os.dup(ours.fileno()))
+    conn.send(setup)
+    return process, conn, ours
+
+
+class _ForkServer:
+    """A `worker` process in its 'server' role: the preloaded modules and the function are
+    imported once there, and each worker is a fork of it (fast to start and to replace).
+
+    Raises:
+        RuntimeError: The server could not import a preload module or the function (the
+            message says which and why), or did not start within `startup_timeout` seconds.
+    """
+
+    def __init__(self, setup: worker_lib.Setup, startup_timeout: float):
+        self._process, self._conn, self._sock = _launch("server", setup)
+        self._lock = threading.Lock()
         try:
-            process.start()
-        finally:
-            config["daemon"] = True
+            if not self._conn.poll(startup_timeout):
+                raise RuntimeError(
+                    f"the reward workers' fork server did not start within {startup_timeout:g} s"
+                )
+            status, _, message = self._conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise RuntimeError(
+                "the reward workers' fork server exited while starting (exit code "
+                f"{self._process.wait()})"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        if status == worker_lib.FAILED:
+            self.close()
+            raise RuntimeError(f"reward workers cannot load the verifier: {message}")
+
+    def fork(self) -> tuple[int, Connection]:
+        """A new worker: its process id and a connection to it."""
+        ours, theirs = socket.socketpair()
+        with self._lock:
+            try:
+                self._conn.send((worker_lib.FORK, None))
+                socket.send_fds(self._sock, [b"F"], [theirs.fileno()])
+                pid = self._conn.recv()
+            except (EOFError, OSError):
+                ours.close()
+                raise RuntimeError(
+                    f"the reward workers' fork server died (exit code {self._process.poll()})"
+                ) from None
+            finally:
+                theirs.close()
+        return pid, Connection(ours.detach())
+
+    def end(self, pid: int) -> int | None:
+        """Kills worker `pid` unless it has exited, and reaps it; its exit code (None if
+        unknown)."""
+        with self._lock:
+            try:
+                self._conn.send((worker_lib.END, pid))
+                return self._conn.recv()
+            except (EOFError, OSError):
+                return None
+
+    def close(self):
+        """Ends the server (it exits when its socket closes); its remaining workers die with it."""
+        with self._lock:
+            self._conn.close()
+            self._sock.close()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 class _Worker:
-    """A worker process and the parent's end of its pipe."""
+    """A worker process and the pool's end of its socket."""
 
-    def __init__(self, ctx, fn, initializer, memory_limit_bytes):
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        # PR_SET_PDEATHSIG fires when the parent *thread* exits. A fork server's children have
-        # the server's main thread as parent; spawned children would have whichever caller
-        # thread started them, which may be a short-lived one.
-        die_with_parent = ctx.get_start_method() == "forkserver"
-        self.process = ctx.Process(
-            target=_worker_main,
-            args=(child_conn, fn, initializer, memory_limit_bytes, die_with_parent),
-            name="rlscale-reward-worker",
-            daemon=True,
-        )
-        _start(self.process)
-        # The child holds its own copy; closing ours lets a recv() see EOF when the child dies.
-        child_conn.close()
+    def __init__(self, server: _ForkServer | None, setup: worker_lib.Setup):
+        if server is not None:
+            self.pid, self.conn = server.fork()
+            self._end = lambda: server.end(self.pid)
+        else:  # 'spawn': a fresh interpreter of its own.
+            process, self.conn, sock = _launch("worker", setup)
+            sock.close()
+            self.pid = process.pid
+            # Popen signals only a process it has not reaped.
+            self._end = lambda: (process.kill(), process.wait())[1]
         self.ready = False
         self.started_at = time.monotonic()
+        self._exitcode: int | None = None
+        self._ended = False
 
-    def kill(self):
-        try:
-            self.process.kill()
-        except (OSError, ValueError):
-            pass
-        self.process.join(timeout=10)
+    def kill(self) -> int | None:
+        """Kills the worker unless it has exited, and reaps it (once); returns its exit code
+        (negative: the signal that ended it; None if unknown)."""
+        if not self._ended:
+            self._exitcode, self._ended = self._end(), True
         self.conn.close()
+        return self._exitcode
 
     def stop(self):
         """Asks an idle worker to exit, then makes sure it did."""
         try:
             self.conn.send(None)
+            self.conn.poll(1)  # EOF once it has exited.
         except (OSError, ValueError):
             pass
-        self.process.join(timeout=1)
-        if self.process.is_alive():
-            self.kill()
-        else:
-            self.conn.close()
+        self.kill()
 
 
 class WorkerPool:
@@ -211,17 +244,24 @@ class WorkerPool:
 
     Args:
         fn: The function to run. It must be picklable by reference (a module-level function of
-            an importable module), and so must its arguments and return value.
+            an importable module, not of the main script), and so must its arguments and return
+            value.
         num_workers: Number of worker processes.
         initializer: Optional module-level function each worker runs once before it reports
             ready (imports, warm-up); time spent there is not charged to any call.
-        start_method: 'forkserver' or 'spawn'.
-        preload: Modules the fork server imports once, so that its forks start warm (only with
-            'forkserver'; ignored when the process's fork server is already running, since
-            `multiprocessing` keeps one per process).
+        start_method: 'forkserver' (the pool's own fork server imports the preload modules and
+            `fn` once, and each worker is a fork of it) or 'spawn' (each worker is a fresh
+            interpreter). Either way the workers run `rlscale.rewards.worker` as their main
+            module and never import the caller's.
+        preload: Modules to import before `fn`'s (in the fork server, or in each spawned worker).
         memory_limit_bytes: Address-space limit of each worker (RLIMIT_AS), or None.
         startup_timeout: Seconds a new worker may take to become ready before the pool gives up
             with a RuntimeError (a broken environment, not a bad sample).
+
+    Raises:
+        ValueError: `fn` or `initializer` is defined in `__main__`.
+        RuntimeError: A worker cannot import a preload module or `fn`, or its initializer
+            raised (here for 'forkserver', or at the first `map` for 'spawn').
     """
 
     def __init__(
@@ -239,12 +279,25 @@ class WorkerPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self._ctx = multiprocessing.get_context(start_method)
-        if start_method == "forkserver" and preload:
-            self._ctx.set_forkserver_preload(list(preload))
-        self._fn = fn
-        self._initializer = initializer
-        self._memory_limit_bytes = memory_limit_bytes
+        for f in (fn, initializer):
+            owner = getattr(f, "__self__", f)  # A bound method pickles its object.
+            module = getattr(owner, "__module__", None) or type(owner).__module__
+            if f is not None and module == "__main__":
+                raise ValueError(
+                    f"{getattr(f, '__qualname__', f)!r} is defined in the main script or "
+                    "notebook, which worker processes never import: define it in a module"
+                )
+        forks = start_method == "forkserver"
+        self._setup = worker_lib.Setup(
+            sys_path=list(sys.path),
+            preload=tuple(preload),
+            payload=pickle.dumps((fn, initializer)),
+            memory_limit_bytes=memory_limit_bytes,
+            # The server's single thread is its workers' parent; a spawned worker's parent is
+            # whichever caller thread started it, which may be a short-lived one.
+            die_with_parent=forks,
+        )
+        self._server = _ForkServer(self._setup, startup_timeout) if forks else None
         self._startup_timeout = startup_timeout
         self._cond = threading.Condition()
         self._idle: collections.deque[_Worker] = collections.deque()
@@ -260,7 +313,7 @@ class WorkerPool:
     # -- pool bookkeeping (all under self._cond) ------------------------------------------------
 
     def _add_worker_locked(self) -> _Worker:
-        worker = _Worker(self._ctx, self._fn, self._initializer, self._memory_limit_bytes)
+        worker = _Worker(self._server, self._setup)
         self._all.add(worker)
         self._idle.append(worker)
         return worker
@@ -285,18 +338,29 @@ class WorkerPool:
                 return
             self._all.discard(worker)
         worker.stop()
+        self._close_server_if_done()
+
+    def _close_server_if_done(self):
+        """The fork server outlives a closed pool's last busy worker (it reaps them), no more."""
+        with self._cond:
+            server = self._server if self._closed and not self._all else None
+            if server is not None:
+                self._server = None
+        if server is not None:
+            server.close()
 
     def _replace(self, worker: _Worker) -> _Worker:
         """Kills `worker` and returns a new one that the caller holds (not yet ready)."""
         worker.kill()
         with self._cond:
             self._all.discard(worker)
-            if self._closed:
-                raise RuntimeError("WorkerPool is closed")
-            self._stats.restarts += 1
-            new = _Worker(self._ctx, self._fn, self._initializer, self._memory_limit_bytes)
-            self._all.add(new)
-            return new
+            if not self._closed:
+                self._stats.restarts += 1
+                new = _Worker(self._server, self._setup)
+                self._all.add(new)
+                return new
+        self._close_server_if_done()
+        raise RuntimeError("WorkerPool is closed")
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -372,7 +436,7 @@ class WorkerPool:
                     except (EOFError, OSError):
                         if worker in running:
                             index, _, _ = running.pop(worker)
-                            code = worker.process.exitcode
+                            code = worker.kill()
                             finish(index, Result(CRASH, error=f"worker died (exit code {code})"))
                         elif not worker.ready:
                             with self._cond:
@@ -385,11 +449,13 @@ class WorkerPool:
                                 ) from None
                         held[held.index(worker)] = self._replace(worker)
                         continue
-                    if task_id == "ready":
+                    if task_id == worker_lib.READY:
                         worker.ready = True
                         with self._cond:
                             self._startup_failures = 0
                         continue
+                    if task_id == worker_lib.FAILED:
+                        raise RuntimeError(f"a reward worker could not start: {payload}")
                     index, expected_id, _ = running.pop(worker)
                     assert task_id == expected_id, (task_id, expected_id)
                     if status == OK:
@@ -424,6 +490,7 @@ class WorkerPool:
                         pass
                 else:
                     self._checkin(worker)
+            self._close_server_if_done()
             raise
         for worker in held:
             self._checkin(worker)
@@ -441,7 +508,7 @@ class WorkerPool:
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (for tests and debugging)."""
         with self._cond:
-            return sorted(w.process.pid for w in self._all)
+            return sorted(w.pid for w in self._all)
 
     def close(self):
         """Stops the idle workers now; workers busy in other threads' calls stop when those end."""
@@ -455,6 +522,7 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in idle:
             worker.stop()
+        self._close_server_if_done()
 
     def __enter__(self):
         return self
@@ -463,7 +531,8 @@ class WorkerPool:
         self.close()
 
     def __del__(self):
-        # Only a safety net: processes are daemonic and also die with the interpreter.
+        # Only a safety net: the workers also end with this process (the fork server sees EOF,
+        # and its workers get SIGKILL with it; idle spawned workers see EOF).
         try:
             if not getattr(self, "_closed", True) and os is not None:
                 self.close()

@@ -6,8 +6,9 @@ import os
 
 import jax
 
-from rlscale import objectives, sharding
-from rlscale.data import tasks
+from rlscale import chat, objectives, sharding
+from rlscale.data import formats, math_data, tasks
+from rlscale.data import load as data_load
 from rlscale.model import decoder
 from rlscale.sampling.sampler import think_budget_problems
 
@@ -109,6 +110,51 @@ def _pipeline_problems(config, gen_div: int) -> list[str]:
     return problems
 
 
+def _files_task_problems(t) -> list[str]:
+    """The files task's keys (`config_lib.files_task`); the rows are checked when read."""
+    problems = []
+    for split in ("train", "test"):
+        path = t.files.get(split, "")
+        if not path:
+            problems.append(
+                f"task.files.{split} is not set (a .jsonl, .json or .parquet file, or a "
+                "Hugging Face datasets directory)"
+            )
+            continue
+        trouble = formats.check_path(path)
+        if not trouble and os.path.isdir(path):
+            try:
+                formats.dataset_dir(path, split)
+            except ValueError as e:
+                trouble = str(e)
+        if trouble:
+            problems.append(f"task.files.{split}={path!r}: {trouble}")
+    if t.format not in ("auto", *formats.FORMATS):
+        problems.append(f"task.format={t.format!r} is not one of {('auto', *formats.FORMATS)}")
+    named = [k for k in ("prompt", "answer", "demo") if t.fields[k]]
+    if named and t.format not in ("auto", "fields"):
+        problems.append(
+            f"task.fields.{named[0]} is only read with task.format='fields' or 'auto' "
+            f"(task.format={t.format!r})"
+        )
+    elif (named or t.format == "fields") and not (t.fields.prompt and t.fields.answer):
+        problems.append(
+            "task.fields.prompt and task.fields.answer must both name a column "
+            f"(prompt={t.fields.prompt!r}, answer={t.fields.answer!r})"
+        )
+    if t.verifier not in math_data.VERIFIER_NAMES:
+        problems.append(
+            f"task.verifier={t.verifier!r} is not a verifier: one of {math_data.VERIFIER_NAMES} "
+            "(any other reward: reward.fn='module:function')"
+        )
+    if t.chat_template and t.chat_template not in chat.TEMPLATES:
+        problems.append(
+            f"task.chat_template={t.chat_template!r} is not one of {tuple(chat.TEMPLATES)} "
+            "(or '' for text prompts)"
+        )
+    return problems
+
+
 def validate(config) -> None:
     """Raises ValueError listing every problem with the config."""
     b, u = config.batch, config.learner
@@ -143,17 +189,17 @@ def validate(config) -> None:
             f"sampling.max_new_tokens={M}"
         )
     problems += _mesh_problems(config)
-    if config.task.name not in (*tasks.TASKS, "math"):
+    if config.task.name not in (*tasks.TASKS, *data_load.FILE_TASKS, "reasoning_gym"):
         problems.append(
-            f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)} or 'math'"
+            f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)}, 'files' or "
+            "'reasoning_gym'"
         )
-    if config.task.name == "math":
-        for split in ("train", "test"):
-            path = config.task.files.get(split, "")
-            if not path or not os.path.exists(path):
-                problems.append(f"task.files.{split}={path!r}: no such file")
-        if not config.init.hf_checkpoint:
-            problems.append("task.name='math' needs init.hf_checkpoint (a pretrained policy)")
+    if config.task.name in data_load.FILE_TASKS:
+        problems += _files_task_problems(config.task)
+    if config.task.name == "reasoning_gym":
+        from rlscale.data import reasoning_gym_tasks  # Imports reasoning-gym: about 2 s.
+
+        problems += reasoning_gym_tasks.config_problems(config.task)
     if config.init.hf_checkpoint and not os.path.isfile(
         os.path.join(config.init.hf_checkpoint, "config.json")
     ):

@@ -46,7 +46,8 @@ class Compute:
 
 
 def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
-    """The metrics line of one RL step (before evaluation and compute counters)."""
+    """The metrics line of one RL step (before evaluation and compute counters); with the
+    step's seconds (`time/step_s`), the generated tokens per second (`time/tokens_per_s`)."""
     mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
@@ -55,6 +56,8 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
         chunks = [{k: v[0, u] for k, v in match.items()} for u in range(len(match["n"][0]))]
         mets.update(learner.logp_match(chunks))
     failures = stats["failures"]
+    if "time/step_s" in times:  # Generated tokens kept for training, per second of the step.
+        times = {**times, "time/tokens_per_s": float(stats["lengths"].sum()) / times["time/step_s"]}
     return {
         "train/reward_mean": float(stats["reward"].mean()),
         "train/pass_rate": float(stats["correct"].mean()),

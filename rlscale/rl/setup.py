@@ -121,8 +121,17 @@ def sampling_config(config, tokenizer) -> SamplingConfig:
     """
     s = config.sampling
     stop = (tokenizer.eos_id,)
-    if config.task.name == "math" and config.task.chat_template:
-        stop = chat.stop_token_ids(tokenizer, chat.get(config.task.chat_template))
+    template = data_load.chat_template(config.task)
+    if template is not None:
+        try:
+            stop = chat.stop_token_ids(tokenizer, template)
+        except ValueError:  # The end-of-turn marker is not one token: not this model's format.
+            raise ValueError(
+                f"task.chat_template={config.task.chat_template!r}: the tokenizer has no "
+                f"{template.end_of_turn!r} token to end the assistant's turn, so the model does "
+                "not use this chat template; set the model's family, or "
+                "task.chat_template='' for text prompts"
+            ) from None
     interrupt_ids, think_end = (), ()
     if s.think_budget:
         interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
@@ -155,9 +164,17 @@ def _tokenizer(config, workdir, problems):
     if os.path.exists(path):
         return tokenizer_lib.SentencePieceTokenizer(path)
     corpus = [p.prompt + p.demo for p in problems]
+    # Chat-formatted prompts: the end-of-turn marker is one token, a stop token when sampling.
+    template = data_load.chat_template(config.task)
+    symbols = (template.end_of_turn,) if template is not None else ()
     # A small task corpus may support fewer pieces than asked: accept the smaller vocabulary.
     return tokenizer_lib.train_sentencepiece(
-        corpus, config.tokenizer.vocab_size, model_type="bpe", path=path, hard_vocab_limit=False
+        corpus,
+        config.tokenizer.vocab_size,
+        model_type="bpe",
+        user_defined_symbols=symbols,
+        path=path,
+        hard_vocab_limit=False,
     )
 
 

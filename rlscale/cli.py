@@ -1,0 +1,184 @@
+"""What every command-line entry point shares: a user's mistake is one `error: ...` line.
+
+A command (`rlscale.main`, `rlscale.evaluate`, the scripts in tools/) that fails on a user's
+mistake ends with one line `error: <what, naming the flag, key, file or row>` on stderr and
+exit status 1 (2 for a bad argparse argument, as argparse does), never a traceback. A user's
+mistake is:
+
+* a bad flag or config key, or a config file that does not load (`parse_flags`), or a bad
+  argparse argument (`ArgumentParser`);
+* raised from `main` (`guard`): an `app.UsageError`, an `OSError` about a file (a missing
+  checkpoint, an unwritable directory), or a `ValueError` raised by rlscale's own code or the
+  command's (the library's "bad config or input" error, whose message names the key, file or
+  row).
+
+Anything else is a bug and keeps its traceback, a `ValueError` from inside JAX or NumPy
+included; `RLSCALE_TRACEBACK=1` prints the traceback of a user's mistake too. absl commands run
+with `run(main)`, which also sets the console (`console.configure` from `--verbosity`);
+argparse commands build `cli.ArgumentParser` and run `sys.exit(guard(main)())`.
+"""
+
+import argparse
+import functools
+import os
+import re
+import sys
+import traceback
+
+from absl import app, flags
+
+from rlscale import console
+
+_CONFIG_ERROR = "Error whilst parsing config file:"
+
+
+def fail(message: str, status: int = 1):
+    """Ends the command with `error: message` on stderr."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def describe(e: BaseException) -> str:
+    """A user's mistake as one message: an OSError about a file names the file."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
+# rlscale's own code: a ValueError raised here is its "bad config or input" error.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _raised_in(e: BaseException, dirs: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of `e`'s traceback is in a file under one of `dirs`."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(dirs)
+
+
+def is_user_error(e: BaseException, own_dirs: tuple[str, ...] = (_PACKAGE_DIR,)) -> bool:
+    """A bad flag, config or input (see the module docstring), not a bug. `own_dirs`: where a
+    `ValueError` must be raised to count (rlscale's package, and the command's directory)."""
+    if isinstance(e, app.UsageError):
+        return True
+    if isinstance(e, OSError):
+        return e.filename is not None or isinstance(
+            e,
+            (
+                FileNotFoundError,
+                PermissionError,
+                IsADirectoryError,
+                NotADirectoryError,
+                FileExistsError,
+            ),
+        )
+    return isinstance(e, ValueError) and _raised_in(e, own_dirs)
+
+
+def guard(main, status: int = 1):
+    """`main` with a user's mistake (`is_user_error`) reported by `fail`."""
+    code = getattr(main, "__code__", None)
+    own_dirs = (_PACKAGE_DIR,)
+    if code is not None:
+        own_dirs += (os.path.dirname(os.path.abspath(code.co_filename)) + os.sep,)
+
+    @functools.wraps(main)
+    def guarded(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except Exception as e:
+            if not is_user_error(e, own_dirs):
+                raise
+            if os.environ.get("RLSCALE_TRACEBACK"):
+                traceback.print_exc()
+            fail(describe(e), status)
+
+    return guarded
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a bad argument reported as one `error: ...` line (exit status 2)."""
+
+    def error(self, message):
+        fail(f"{message} (see {self.prog} --help)", 2)
+
+
+def make_dir(path: str, flag: str) -> None:
+    """Creates directory `path` (and its parents) for `flag`; ValueError naming the flag when
+    that is impossible or the directory is not writable."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag}={path}: cannot create the directory ({e.strerror or e})") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}={path}: the directory is not writable")
+
+
+def _config_file_error(e: flags.Error) -> str:
+    """ml_collections reports a config file that raised as the flag, a banner and the whole
+    traceback; the traceback's last line (the exception, less its type) is the message."""
+    text = str(e)
+    if _CONFIG_ERROR not in text:
+        return text
+    head = text.split(_CONFIG_ERROR)[0].strip().rstrip(":")
+    last = re.sub(r"^\w+(Error|Exception): ", "", text.strip().splitlines()[-1])
+    return f"{head}: {last}"
+
+
+def _unloaded_config_files() -> list[str]:
+    """The config file flags whose file did not load (ml_collections defers that error until
+    the config is read), each as `--flag=path: reason`."""
+    from ml_collections import config_flags
+    from ml_collections.config_flags.config_flags import is_config_flag  # Not re-exported.
+
+    bad = []
+    for name in flags.FLAGS:
+        flag = flags.FLAGS[name]
+        if not is_config_flag(flag) or flag.value is None:
+            continue
+        try:
+            flag.value.keys()
+        except OSError as e:
+            path = config_flags.get_config_filename(flag).split(":")[0]
+            reason = "no such file" if not os.path.exists(path) else _last_line(e)
+            bad.append(f"--{name}={path}: {reason}")
+    return bad
+
+
+def _last_line(e: OSError) -> str:
+    """The cause of ml_collections' "Failed loading config file" error, whose last line
+    names the file and the reason."""
+    last = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+    return re.sub(r"^\[Errno \d+\] ", "", last)
+
+
+def parse_flags(argv, status: int = 1):
+    """absl flag parsing (`app.run(..., flags_parser=parse_flags)`) with a bad flag, config key
+    or config file reported as one `error:` line; then sets the console from `--verbosity`."""
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{_config_file_error(e)} (pass --helpshort to see the flags)", status)
+    except (AttributeError, KeyError) as e:
+        # A key the locked config lacks; ml_collections' message quotes it (repr, nested).
+        bad = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        key = re.search(r"'([^'\\]+)", str(e))
+        hint = re.search(r'Did you mean "[^"]+"', str(e))
+        fail(
+            f"{bad}: no such config key {key.group(1) if key else str(e)!r}"
+            + (f"; {hint.group(0).lower()}?" if hint else ""),
+            status,
+        )
+    except OSError as e:  # A config file that did not load, read to register its overrides.
+        fail(f"config file: {_last_line(e)}", status)
+    for problem in _unloaded_config_files():
+        fail(problem, status)
+    verbosity = flags.FLAGS["verbosity"]
+    console.configure(verbosity.value if verbosity.present else 0)
+    return rest
+
+
+def run(main, status: int = 1):
+    """`app.run(main)` with `parse_flags` and `guard`: the entry point of an absl command."""
+    app.run(guard(main, status), flags_parser=functools.partial(parse_flags, status=status))

@@ -1,0 +1,47 @@
+"""The quickstart notebook (`experiments/notebooks/quickstart.ipynb`) runs headless, end to end,
+with small settings and the shared warm start."""
+
+import json
+import os
+
+import nbclient
+import nbformat
+from conftest import ROOT
+
+NOTEBOOK = os.path.join(ROOT, "experiments", "notebooks", "quickstart.ipynb")
+
+
+def _text(cell) -> str:
+    return "".join(
+        o.get("text", "") for o in cell.get("outputs", []) if o["output_type"] == "stream"
+    )
+
+
+def test_quickstart_notebook_executes(warm, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLSCALE_NB_STEPS", "8")
+    monkeypatch.setenv("RLSCALE_NB_SMOKE", "1")
+    monkeypatch.setenv("RLSCALE_NB_REUSE_FROM", str(warm))
+    monkeypatch.setenv("RLSCALE_NB_ROOT", str(tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "")  # One CPU device in the kernel, as on a laptop.
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
+    )
+    client.execute()  # Raises CellExecutionError, with the cell and traceback, on any error.
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    out = "\n".join(_text(c) for c in code)
+    assert "Traceback" not in out
+    with open(warm / "sft" / "sft.json") as f:  # The warm start was reused, not trained again.
+        assert f"'sft/steps': {json.load(f)['steps']}" in out
+    for name in ("quickstart", "grpo"):  # Both runs' curves were read from their workdirs.
+        assert os.path.isfile(tmp_path / name / "metrics.jsonl")
+        assert f"\n{name} " in out
+    assert "scaling fit" in out
+    images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # The curve with its fit, and the comparison.
+    # The verifiers' verdicts: the arithmetic demo and its answer-less working; math answers.
+    assert out.count("-> 1.0") == 3 and out.count("-> 0.0") == 3
