@@ -1,0 +1,677 @@
+"""Planning a run before launching it: what each device of a target mesh holds and computes
+in one RL step, read from the run's own programs compiled ahead of time, without
+materializing a single parameter.
+
+`plan_run` builds the learner and the generator engine the way `rl/setup.py` does, but from
+abstract arrays (`jax.ShapeDtypeStruct`s carrying the shardings of `sharding`'s rule
+tables), then lowers and compiles the learner's `update_step` (through `Learner.update`, on
+a worst-case batch: every completion `sampling.max_new_tokens` long) and the engine's
+`insert` (prefill) and `decode` programs. Per device it accounts
+
+  params            the policy (training layout) and the value head, from the shard shape
+                    of every leaf;
+  opt_state         the optimizer's state (float32 master weights and moments with
+                    bfloat16 params), likewise;
+  ref_params        the frozen reference, where the chain reads `ref_logp` (0 on the device
+                    with `learner.offload_ref`: it is then in host memory between updates);
+  generator_params  the sampling-layout copy of the policy the generator decodes with
+                    (0 where that layout is the training one and the roles share devices);
+  kv_cache          the engine's state: its KV cache over `slots` x (prompt bucket +
+                    max_new_tokens) columns, and the per-slot next-token logits and rows;
+  grads             the update's float32 gradient accumulators;
+  temp              the update's other temporaries (activations, logits, the reference
+                    brought in from host): the compiled program's `memory_analysis()` temp
+                    size, less the accumulators it includes;
+  generator_temp    the engine programs' temporaries (the largest of insert and decode);
+  total             params + opt_state + ref_params + generator_params + kv_cache
+                    + max(grads + temp, generator_temp): the state every phase keeps, plus
+                    the larger of the update's and the generator's working memory.
+
+FLOPs per step come from the compiled programs' cost analysis (`programs.cost`). XLA counts
+the body of a loop once; the planner scales each program's count by its loops' trip counts,
+read from the program's jaxpr (`loop_factor`: the ratio of its matmul FLOPs with every
+`scan` at its length to those with every loop body once). A decode call's `while_loop` has
+a data-dependent trip count, so its count is one decode step's, multiplied by the steps of a
+worst-case batch (every completion `max_new_tokens` long).
+
+The step-time estimate is a roofline bound from a small table of published peaks
+(`ACCELERATORS`): the update and prefill at the accelerator's dense bfloat16 peak, each
+decode step at max(FLOPs / peak, bytes / HBM bandwidth) with bytes the weights and the KV
+cache it reads.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlscale import model, objectives, programs, sharding
+from rlscale.data import tasks
+from rlscale.model import decoder
+from rlscale.rl import learner as learner_lib
+from rlscale.rl import rollouts as rollouts_lib
+from rlscale.sampling import SamplingConfig, engine
+from rlscale.sampling.sampler import _Layout
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Published per-chip figures: dense bfloat16 peak FLOP/s, HBM bandwidth (bytes/s) and
+    HBM capacity (bytes)."""
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: float
+
+
+# Vendor datasheets; dense (not 2:4-sparse) bfloat16 peaks, per chip.
+ACCELERATORS = {
+    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): BF16 Tensor Core 1,979
+    # TFLOP/s with sparsity, so 989 dense; HBM3 3.35 TB/s; 80 GB.
+    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9),
+    # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): the H100's compute
+    # (1,979 TFLOP/s sparse BF16), HBM3e 4.8 TB/s, 141 GB.
+    "h200": Accelerator("NVIDIA H200 SXM", 989e12, 4.8e12, 141e9),
+    # Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s BF16, 819 GB/s, 16 GB.
+    "tpu_v5e": Accelerator("TPU v5e", 197e12, 819e9, 16e9),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s BF16, 2,765 GB/s, 95 GB.
+    "tpu_v5p": Accelerator("TPU v5p", 459e12, 2765e9, 95e9),
+    # cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOP/s BF16, 1,640 GB/s, 32 GB.
+    "tpu_v6e": Accelerator("TPU v6e", 918e12, 1640e9, 32e9),
+}
+
+# The byte terms of `Plan.per_device_bytes`, in the order they are printed.
+TERMS = (
+    "params",
+    "opt_state",
+    "ref_params",
+    "generator_params",
+    "kv_cache",
+    "grads",
+    "temp",
+    "generator_temp",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Abstract arrays and their bytes per device.
+# ------------------------------------------------------------------------------------------
+
+
+def leaf_bytes(x) -> int:
+    """Bytes of one device's shard of `x` (abstract or concrete, with a sharding)."""
+    shape = x.shape if x.sharding is None else x.sharding.shard_shape(x.shape)
+    return math.prod(shape) * x.dtype.itemsize  # A PRNG key's dtype has its data's size.
+
+
+def device_bytes(tree, memory_kind: str = "device") -> int:
+    """Bytes per device of the leaves of `tree` in `memory_kind` (`device`, or `pinned_host`
+    for host-offloaded arrays). Every shard of a `NamedSharding` has the same shape: the rule
+    tables split only dimensions a mesh axis divides."""
+
+    def kind(x):
+        return getattr(x.sharding, "memory_kind", None) or "device"
+
+    return sum(leaf_bytes(x) for x in jax.tree.leaves(tree) if kind(x) == memory_kind)
+
+
+def _abstract(x, s):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+
+def abstract_params(model_cfg, mesh, rules):
+    """(graphdef, params): every parameter a `ShapeDtypeStruct` with its sharding under
+    `rules` on `mesh`; nothing is allocated."""
+    graphdef, shapes = decoder.abstract_model(model_cfg)
+    shardings = sharding.param_shardings(shapes, mesh, rules)
+    return graphdef, jax.tree.map(_abstract, shapes, shardings)
+
+
+def abstract_train_state(learn, params, value_params):
+    """The `TrainState` that `learn.init(params, value_params)` returns, abstract.
+
+    The shapes and dtypes are `init`'s own (`jax.eval_shape`); the shardings are those `init`
+    gives concrete arrays: a subtree shaped like (params, value_params) or like params (the
+    optimizer's moments, master weights) is laid out as they are, and everything else
+    (counts, the objective's states) is replicated.
+    """
+    shapes = jax.eval_shape(learn.init, params, value_params)
+    replicated = NamedSharding(learn.mesh, PartitionSpec())
+    targets = [(params, value_params), params]
+    treedefs = [jax.tree.structure(t) for t in targets]
+
+    def match(x):
+        try:
+            return jax.tree.structure(x) in treedefs
+        except TypeError:
+            return False
+
+    def assign(subtree):
+        if jax.tree.structure(subtree) in treedefs:
+            target = targets[treedefs.index(jax.tree.structure(subtree))]
+            return jax.tree.map(lambda x, t: _abstract(x, t.sharding), subtree, target)
+        return _abstract(subtree, replicated)
+
+    return jax.tree.map(assign, shapes, is_leaf=match)
+
+
+# ------------------------------------------------------------------------------------------
+# FLOPs: the compiled count, with loops at their trip counts.
+# ------------------------------------------------------------------------------------------
+
+
+def _dot_flops(eqn) -> float:
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+    free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
+    return 2.0 * math.prod(lhs) * math.prod(free)
+
+
+def matmul_flops(jaxpr, loops: bool = True) -> float:
+    """The matmul FLOPs (dot_general, 2 per multiply-add) of a jaxpr and its sub-jaxprs.
+
+    With `loops`, a `scan` body counts `length` times; without, every loop body counts once
+    (XLA's cost-analysis convention). A `while_loop` body counts once either way (its trip
+    count is data-dependent) and a `cond` counts its most expensive branch.
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+            continue
+        subs = list(jex.core.jaxprs_in_params(eqn.params))
+        if not subs:
+            continue
+        inner = [matmul_flops(s, loops) for s in subs]
+        if name == "cond":
+            total += max(inner)
+        elif name == "scan" and loops:
+            total += eqn.params["length"] * sum(inner)
+        else:
+            total += sum(inner)
+    return total
+
+
+def loop_factor(jaxpr) -> float:
+    """How many times more matmul FLOPs a program runs than its loop bodies counted once."""
+    once = matmul_flops(jaxpr, loops=False)
+    return matmul_flops(jaxpr, loops=True) / once if once else 1.0
+
+
+class Compiler(programs.Programs):
+    """A `programs.Programs` that compiles and records but never runs: `run` returns the
+    outputs' abstract values, so a part built to call it (`Learner.update`) goes through its
+    real host path up to the compiled call. Each entry adds `loop_factor` and keeps its
+    executable (`compiled`)."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.compiled: dict[str, Any] = {}
+
+    def run(self, name: str, fn, args: tuple, static: dict | None = None):
+        traced = fn.trace(*args, **(static or {}))
+        executable = traced.lower().compile()
+        self.compiled[name] = executable
+        self.entries.append(
+            {
+                "name": name,
+                **programs.cost(executable),
+                "loop_factor": loop_factor(traced.jaxpr),
+                "mesh_shape": dict(self.mesh.shape),
+                "devices": int(self.mesh.devices.size),
+            }
+        )
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            traced.out_info,
+        )
+
+    def entry(self, name: str) -> dict:
+        return next(e for e in self.entries if e["name"] == name)
+
+
+# ------------------------------------------------------------------------------------------
+# The run's parts, abstract.
+# ------------------------------------------------------------------------------------------
+
+
+def model_config(config, name: str):
+    """The architecture `name` with the numerics the run would give it. A run from a Hugging
+    Face checkpoint (`init.hf_checkpoint`; every task but the synthetic ones, which train a
+    warm start) holds its params in `model.dtype` and computes in it, as `hf.load_hf` loads
+    them; one from the warm start uses `config.model`'s dtypes."""
+    m = config.model
+    if config.init.hf_checkpoint or config.task.name not in tasks.TASKS:
+        return model.get(name, dtype=m.dtype, param_dtype=m.dtype)
+    return model.get(name, dtype=m.dtype, param_dtype=m.param_dtype, fp32_lm_head=m.fp32_lm_head)
+
+
+def sampling_config(config) -> SamplingConfig:
+    """`rl.setup.sampling_config` without a tokenizer: the token ids (stop tokens, padding,
+    the forced-interruption phrase) are placeholders; the compiled shapes do not depend on
+    them."""
+    s = config.sampling
+    return SamplingConfig(
+        think_budget=s.think_budget,
+        interrupt_ids=(1,) if s.think_budget else (),
+        think_end_tokens=(2,) if s.think_budget else (),
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        num_samples=config.batch.group_size,
+        stop_tokens=(0,),
+        pad_id=0,
+        buckets=tuple(s.buckets),
+    )
+
+
+def make_learner(config, graphdef, params, mesh, progs):
+    """The run's `Learner`, built as `rl.setup.build` builds it."""
+    G, M = config.batch.group_size, config.sampling.max_new_tokens
+    u = config.learner
+    return learner_lib.Learner(
+        graphdef=graphdef,
+        objective=objectives.build(config.objective.chain, group_size=G, max_len=M),
+        optimizer=learner_lib.make_optimizer(config.optim, params),
+        mesh=mesh,
+        logits_cfg=SamplingConfig(
+            temperature=config.sampling.temperature,
+            top_k=config.sampling.top_k,
+            top_p=config.sampling.top_p,
+        ),
+        epochs=u.epochs,
+        minibatches=u.minibatches,
+        micro_batches=u.micro_batches,
+        group_size=G,
+        max_len=M,
+        length_buckets=u.length_buckets,
+        pack_length=u.pack_length,
+        seed=config.seed,
+        programs=progs,
+        logprob_chunk=u.logprob_chunk,
+        remat=u.remat,
+        offload_ref=u.offload_ref,
+    )
+
+
+def worst_case_rollouts(rows: int, prompt_len: int, max_new_tokens: int):
+    """A learner batch of `rows` rows whose prompts fill `prompt_len` tokens and whose
+    completions are all `max_new_tokens` long and trained on: the largest update a run
+    with these settings compiles."""
+    N, P, M = rows, prompt_len, max_new_tokens
+    return rollouts_lib.Rollouts(
+        tokens_NL=np.zeros((N, P + M), np.int32),
+        attn_mask_NL=np.ones((N, P + M), bool),
+        mask_NM=np.ones((N, M), bool),
+        sampler_logp_NM=np.zeros((N, M), np.float32),
+        reward_N=np.zeros((N,), np.float32),
+        correct_N=np.zeros((N,), bool),
+        row_weight_N=np.ones((N,), np.float32),
+        version_NM=np.zeros((N, M), np.int32),
+        prompt_len=P,
+    )
+
+
+def _replicated(mesh, x):
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_engine_state(model_cfg, scfg, slots: int, prompt_bucket: int, layout):
+    """The engine's state (`engine.init_state`: the KV cache of `slots` rows over
+    prompt_bucket + max_new_tokens columns, and the per-slot state), abstract: its init is
+    compiled for the state's layout, never run."""
+    init = functools.partial(
+        engine.init_state,
+        model_cfg=model_cfg,
+        cfg=scfg,
+        slots=slots,
+        columns=prompt_bucket + scfg.max_new_tokens,
+        layout=layout,
+    )
+    shardings = jax.jit(init).lower().compile().output_shardings
+    return jax.tree.map(_abstract, jax.eval_shape(init), shardings)
+
+
+def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len, progs):
+    """Compiles the generator engine's programs on abstract params and state (the cache is
+    never allocated): its state's init (for the state's shapes and layout), one `insert`
+    of the first admission (the batch's requests, padded to a power of two) and one
+    `decode` call. Returns the abstract engine state and the admission's request count R."""
+    B, G = config.batch.prompts, config.batch.group_size
+    slots = config.pipeline.slots or B * G
+    P = scfg.bucket(prompt_len)
+    layout = _Layout(mesh, sharding.SAMPLE_RULES)
+    state = abstract_engine_state(model_cfg, scfg, slots, P, layout)
+    static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=scfg, layout=layout)
+    admitted = min(B, slots // G)
+    R = 1 << (admitted - 1).bit_length()
+    keydata = jax.random.key_data(jax.random.key(0))
+    insert_args = (
+        np.zeros((R, P), np.int32),
+        np.zeros((R, P), bool),
+        np.zeros((R, G), np.int32),
+        np.zeros((R, *keydata.shape), keydata.dtype),
+        np.zeros((R, G), np.int32),
+    )
+    extra = tuple(_replicated(mesh, a) for a in insert_args)
+    progs.run("engine_insert", engine.insert, (params, state, *extra), static)
+    steps = (_replicated(mesh, np.int32(0)), _replicated(mesh, np.int32(0)))
+    progs.run("engine_decode", engine.decode, (params, state, *steps), static)
+    return state, R
+
+
+# ------------------------------------------------------------------------------------------
+# The plan.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a run needs per device, and what it does per RL step.
+
+    Attributes:
+      per_device_bytes: `TERMS` and `total` (see the module docstring); on split roles
+        (`pipeline.generator_devices`) the device group whose total is larger.
+      roles: per device group ("trainer", "generator", or "shared") its own terms and total.
+      host_bytes: per device, what `learner.offload_ref` keeps in pinned host memory.
+      flops_per_device: FLOPs per RL step per device (update + prefills + decode steps).
+      programs: per compiled program its cost entry (`programs.cost`, per call, loop bodies
+        counted once), `loop_factor`, calls per step and FLOPs per step.
+      step_seconds: the roofline bound per phase and in all (`estimate`).
+      info: the shapes planned (prompt length, completion length, rows, slots, ...) and, as
+        `settings`, the knob values `advice` names.
+    """
+
+    per_device_bytes: dict
+    roles: dict
+    host_bytes: int
+    flops_per_device: float
+    programs: dict
+    step_seconds: dict
+    info: dict
+
+    def largest_term(self) -> str:
+        b = self.per_device_bytes
+        return max(TERMS, key=lambda k: b[k])
+
+
+def compile_update(config, model_cfg, mesh, prompt_bucket: int):
+    """Compiles the learner's update on `mesh` for a worst-case batch (`worst_case_rollouts`)
+    through `Learner.update`, with the params, train state and reference `Setup` would give
+    it, abstract. Returns (graphdef, params, state, ref, the update's `Compiler` entry)."""
+    B, G = config.batch.prompts, config.batch.group_size
+    graphdef, params = abstract_params(model_cfg, mesh, sharding.TRAIN_RULES)
+    progs = Compiler(mesh)
+    learn = make_learner(config, graphdef, params, mesh, progs)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    value_params = {  # `Setup.initial_state`'s value head.
+        "w": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.float32, sharding=replicated),
+        "b": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+    }
+    state = abstract_train_state(learn, params, value_params)
+    ref = None
+    if learn.spec.ref:  # `Learner.reference`: a copy, in pinned host memory when offloaded.
+        kind = "pinned_host" if learn.offload_ref else "device"
+        ref = jax.tree.map(lambda x: _abstract(x, x.sharding.with_memory_kind(kind)), params)
+    rollouts = worst_case_rollouts(B * G, prompt_bucket, config.sampling.max_new_tokens)
+    learn.update(state, ref, rollouts, step=1)
+    return graphdef, params, state, ref, progs.entry("update_step")
+
+
+def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerator: Accelerator):
+    """Compiles a run's learner update and generator programs for `train_mesh` and
+    `gen_mesh` (the same mesh when the roles share devices) from abstract arrays, and
+    accounts its memory and work per device (`Plan`).
+
+    Args:
+      config: the run's (validated) config.
+      model_cfg: the policy's architecture and numerics (`model_config`).
+      train_mesh, gen_mesh: `sharding.role_meshes(config.mesh.shape, generator_devices)`.
+      prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
+      accelerator: whose peaks the step-time bound uses.
+    """
+    B, G = config.batch.prompts, config.batch.group_size
+    M = config.sampling.max_new_tokens
+    scfg = sampling_config(config)
+    P = scfg.bucket(prompt_len)
+    shared = gen_mesh is train_mesh
+    copy = config.pipeline.mode != "sync"  # `Setup.generator_params` copies in pipeline modes.
+
+    graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P)
+
+    # The generator: its params in the sampling layout, its state, its programs.
+    _, gen_params = abstract_params(model_cfg, gen_mesh, sharding.SAMPLE_RULES)
+    gen_progs = Compiler(gen_mesh)
+    engine_state, R = engine_programs(
+        config, graphdef, model_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
+    )
+    insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
+
+    # Bytes per device.
+    def moved(x, y):  # A leaf the reshard to the generator's layout copies.
+        return copy or not x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+
+    gen_copy = [
+        y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(gen_params)) if moved(x, y)
+    ]
+    trained = (state.params, state.value_params)
+    grads = sum(leaf_bytes(x) // x.dtype.itemsize * 4 for x in jax.tree.leaves(trained))
+    trainer = {
+        "params": device_bytes(trained),
+        "opt_state": device_bytes(state.opt_state),
+        "ref_params": device_bytes(ref),
+        "grads": grads,  # Float32 accumulators (`update_step`), laid out as the params.
+        "temp": max(update["temp_bytes"] - grads, 0),
+    }
+    generator = {
+        "generator_params": device_bytes(gen_copy),
+        "kv_cache": device_bytes(engine_state),
+        "generator_temp": max(insert["temp_bytes"], decode["temp_bytes"]),
+    }
+    roles = {}
+    if shared:
+        roles["shared"] = _with_total({**trainer, **generator})
+    else:
+        roles["trainer"] = _with_total(trainer)
+        roles["generator"] = _with_total(generator)
+    worst = max(roles.values(), key=lambda r: r["total"])
+
+    # Work per step: the update once; the batch's admissions; M decode steps per wave of
+    # requests through the slots (every completion max_new_tokens long).
+    slots = config.pipeline.slots or B * G
+    waves = -(-B * G // slots)
+    calls = {"update_step": 1, "engine_insert": -(-B // R), "engine_decode": waves * M}
+    entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
+    table = {}
+    for name, e in entries.items():
+        flops = e["flops_per_device"] * e["loop_factor"]
+        table[name] = {**e, "calls_per_step": calls[name], "flops_per_step": flops * calls[name]}
+    decode_bytes = device_bytes(gen_params) + generator["kv_cache"]
+    seconds = estimate(table, decode_bytes, accelerator, shared)
+    return Plan(
+        per_device_bytes=worst,
+        roles=roles,
+        host_bytes=device_bytes(ref, "pinned_host"),
+        flops_per_device=sum(t["flops_per_step"] for t in table.values()),
+        programs=table,
+        step_seconds=seconds,
+        info={
+            "prompt_len": prompt_len,
+            "prompt_bucket": P,
+            "max_new_tokens": M,
+            "rows": B * G,
+            "slots": slots,
+            "prefill_requests": R,
+            "train_mesh": dict(train_mesh.shape),
+            "generator_mesh": dict(gen_mesh.shape),
+            "shared_devices": shared,
+            "param_dtype": model_cfg.param_dtype,
+            "dtype": model_cfg.dtype,
+            "num_params": model_cfg.num_params(),
+            "settings": {  # What `advice` names.
+                "mesh": tuple(config.mesh.shape),
+                "param_dtype": model_cfg.param_dtype,
+                "micro_batches": config.learner.micro_batches,
+                "next_micro_batches": next_micro_batches(config, train_mesh),
+                "remat": config.learner.remat,
+                "logprob_chunk": config.learner.logprob_chunk,
+                "slots": slots,
+                "max_new_tokens": M,
+            },
+        },
+    )
+
+
+def to_json(p: Plan, **extra) -> dict:
+    """The plan as a JSON-ready dict, with `extra` fields (the model, accelerator, ...)."""
+    return {**extra, **dataclasses.asdict(p)}
+
+
+def write(path: str, p: Plan, **extra) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_json(p, **extra), f, indent=2)
+
+
+def advice(term: str, s: dict) -> str:
+    """The knobs that shrink `term`, in the order to try, with the run's values
+    (`Plan.info["settings"]`): config keys, and the mesh as `--mesh` (data,fsdp,tensor)."""
+    mesh = ",".join(str(n) for n in s["mesh"])
+    fsdp = f"a larger fsdp axis (--mesh={mesh}: the params are split fsdp x tensor ways)"
+    if term in ("params", "grads"):
+        return f"{fsdp} or tensor parallelism"
+    if term == "opt_state":
+        laid = f"{fsdp} or tensor parallelism (the optimizer state is laid out as the params)"
+        if s["param_dtype"] == "float32":
+            return laid
+        # Low-precision params: float32 masters are a third of the state (with AdamW's moments).
+        return f"{laid}; with float32 params (model.param_dtype) it holds no master copy"
+    if term == "ref_params":
+        return "learner.offload_ref=True (the reference waits in host memory), or " + fsdp
+    if term == "generator_params":
+        return (
+            f"tensor parallelism (--mesh={mesh}: the sampling layout keeps whole matrices on "
+            "each data x fsdp replica and splits them only over tensor)"
+        )
+    if term == "kv_cache":
+        return (
+            f"fewer decode slots (pipeline.slots={s['slots']}), shorter completions "
+            f"(sampling.max_new_tokens={s['max_new_tokens']}), or more data x fsdp devices "
+            f"(--mesh={mesh}: they split the slots)"
+        )
+    if term == "temp":
+        knobs = []
+        if s["next_micro_batches"]:
+            knobs.append(
+                f"learner.micro_batches={s['next_micro_batches']} (now {s['micro_batches']})"
+            )
+        if s["remat"] != "full":
+            knobs.append(
+                f"learner.remat={'dots' if s['remat'] == 'none' else 'full'} (now {s['remat']})"
+            )
+        if s["logprob_chunk"] > 1:
+            knobs.append(
+                f"learner.logprob_chunk={max(s['logprob_chunk'] // 4, 1)} "
+                f"(now {s['logprob_chunk']})"
+            )
+        return ", ".join([*knobs, f"more data x fsdp devices (--mesh={mesh})"])
+    return (  # generator_temp
+        f"fewer decode slots (pipeline.slots={s['slots']}: fewer requests prefilled at once) "
+        "or a shorter prompt bucket (sampling.buckets)"
+    )
+
+
+def next_micro_batches(config, mesh) -> int:
+    """The next larger `learner.micro_batches` the run's checks accept (it divides a
+    minibatch's prompts, and each micro-batch's rows split over the trainer mesh's batch
+    axes), or 0."""
+    b, u = config.batch, config.learner
+    prompts = b.prompts // u.minibatches
+    div = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
+    for k in range(u.micro_batches + 1, prompts + 1):
+        if prompts % k == 0 and (prompts // k * b.group_size) % div == 0:
+            return k
+    return 0
+
+
+def verdict(p: Plan, hbm_bytes: float) -> tuple[bool, str]:
+    """(fits, the sentence that says so): a plan that does not fit names its largest term
+    and the knobs that shrink it."""
+    total = p.per_device_bytes["total"]
+    if total <= hbm_bytes:
+        return True, f"FITS: {size(total)} of {size(hbm_bytes)} per device"
+    big = p.largest_term()
+    return False, (
+        f"DOES NOT FIT: {size(total)} per device > {size(hbm_bytes)}; the largest term is "
+        f"{big} ({size(p.per_device_bytes[big])}): try {advice(big, p.info['settings'])}"
+    )
+
+
+def size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    if nbytes < GIB:
+        return f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
+    """What the run's parts would refuse at these shapes, found before compiling: the cache
+    the model cannot hold, a pack length shorter than a sequence."""
+    problems = []
+    M = config.sampling.max_new_tokens
+    try:
+        P = sampling_config(config).bucket(prompt_len)
+    except ValueError as e:
+        return [f"prompt length {prompt_len}: {e}"]
+    if P + M > model_cfg.max_seq_len:
+        problems.append(
+            f"prompt bucket {P} + sampling.max_new_tokens={M} = {P + M} tokens exceeds the "
+            f"model's max_seq_len={model_cfg.max_seq_len}"
+        )
+    pack = config.learner.pack_length
+    if pack and pack < P + M:
+        problems.append(
+            f"learner.pack_length={pack} cannot hold a prompt of {P} tokens and a completion "
+            f"of sampling.max_new_tokens={M}"
+        )
+    return problems
+
+
+def _with_total(terms: dict) -> dict:
+    out = {k: int(terms.get(k, 0)) for k in TERMS}
+    resident = sum(out[k] for k in TERMS if k not in ("grads", "temp", "generator_temp"))
+    out["total"] = resident + max(out["grads"] + out["temp"], out["generator_temp"])
+    return out
+
+
+def estimate(table: dict, decode_bytes: int, acc: Accelerator, shared: bool) -> dict:
+    """Seconds per RL step, a roofline bound: the update and the prefills at the dense peak,
+    each decode step at max(FLOPs / peak, `decode_bytes` / bandwidth) (the weights and the
+    KV cache it reads). Sequential when the roles share devices, overlapped when split."""
+    update = table["update_step"]["flops_per_step"] / acc.peak_flops
+    prefill = table["engine_insert"]["flops_per_step"] / acc.peak_flops
+    d = table["engine_decode"]
+    per_step = max(
+        d["flops_per_step"] / max(d["calls_per_step"], 1) / acc.peak_flops,
+        decode_bytes / acc.hbm_bandwidth,
+    )
+    decode = per_step * d["calls_per_step"]
+    generate = prefill + decode
+    total = update + generate if shared else max(update, generate)
+    return {"update": update, "prefill": prefill, "decode": decode, "step": total}

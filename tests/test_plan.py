@@ -1,0 +1,303 @@
+"""The AOT planner (`rlscale.plan`, `tools/plan.py`): per-device bytes against the model's own
+parameter count and against the arrays a run really allocates, FLOPs per step independent of
+how the batch is split, the verdict, the JSON, and the CLI's bad input."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import ROOT, load_config
+
+from rlscale import model, plan, sharding
+from rlscale.rl import checks
+from rlscale.sampling import engine
+from rlscale.sampling.sampler import _Layout
+from rlscale.scaling import compute
+
+
+def _norm_params(cfg) -> int:
+    """Parameters of the RMSNorm scales: replicated by every rule table."""
+    return (2 * cfg.num_layers + 1) * cfg.d_model + (2 * cfg.head_dim * cfg.num_layers) * int(
+        cfg.qk_norm
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (1, 4, 2), (2, 2, 2), (8, 1, 1)])
+def test_param_bytes_are_the_model_split_over_fsdp_and_tensor(shape):
+    """Independent reference: the config's parameter count (`num_params`) x bytes per param,
+    the matrices split fsdp x tensor ways (data replicates) and the norm scales whole."""
+    cfg = model.get("tiny", param_dtype="bfloat16")
+    mesh = sharding.make_mesh(shape)
+    _, params = plan.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
+    shards = shape[1] * shape[2]
+    norms = _norm_params(cfg)
+    assert plan.device_bytes(params) == ((cfg.num_params() - norms) // shards + norms) * 2
+
+
+@pytest.mark.parametrize("name,shape", [("llama3_8b", (1, 8, 1)), ("qwen2.5_7b", (1, 4, 2))])
+def test_real_size_param_bytes_within_5_percent_of_an_eighth(name, shape):
+    """The issue's check at the real sizes, without compiling (the CLI does the same)."""
+    cfg = model.get(name)
+    _, params = plan.abstract_params(cfg, sharding.make_mesh(shape), sharding.TRAIN_RULES)
+    eighth = cfg.num_params() * 2 / 8  # bfloat16 params.
+    assert abs(plan.device_bytes(params) / eighth - 1) < 0.05
+
+
+def _learner_config(**learner):
+    c = load_config("grpo")  # Reads `ref_logp`: a reference to account.
+    c.learner.update(learner)
+    return c
+
+
+def test_abstract_train_state_is_learner_init():
+    """The planner's abstract state has the tree, shapes, dtypes and shardings that
+    `Learner.init` gives real arrays (bfloat16 params: float32 masters and moments), and its
+    bytes per device are those of the real arrays' shards."""
+    cfg = model.get("tiny", param_dtype="bfloat16", dtype="bfloat16")
+    mesh = sharding.make_mesh((2, 2, 2))
+    config = _learner_config()
+    graphdef, params = model.init_sharded(cfg, jax.random.key(0), mesh)
+    learn = plan.make_learner(config, graphdef, params, mesh, None)
+    value = sharding.replicate({"w": jnp.zeros((cfg.d_model,)), "b": jnp.zeros(())}, mesh)
+    real = learn.init(params, value)
+
+    _, abstract_params = plan.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
+    abstract_value = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), value
+    )
+    abstract = plan.abstract_train_state(learn, abstract_params, abstract_value)
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+    for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+        assert (a.shape, a.dtype) == (r.shape, r.dtype)
+        assert a.sharding.is_equivalent_to(r.sharding, r.ndim), (a.sharding, r.sharding)
+    master = [x for x in jax.tree.leaves(real.opt_state) if x.dtype == jnp.float32]
+    assert sum(x.size for x in master) >= 3 * cfg.num_params()  # Masters, mu, nu.
+
+    def shard_bytes(tree):
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    for field in ("params", "opt_state"):
+        got = plan.device_bytes(getattr(abstract, field))
+        assert got == shard_bytes(getattr(real, field)), field
+
+
+def test_kv_cache_bytes_are_the_engines():
+    """The abstract engine state's bytes per device equal those of the state a real
+    `Generator` allocates."""
+    config = load_config("quickstart")
+    cfg = model.get("tiny")
+    mesh = sharding.make_mesh((2, 2, 2))
+    scfg = plan.sampling_config(config)
+    slots, P = config.batch.prompts * config.batch.group_size, scfg.buckets[-1]
+    graphdef, _ = model.abstract_model(cfg)
+    real = engine.Generator(graphdef, cfg, scfg, slots, P, mesh)
+    layout = _Layout(mesh, sharding.SAMPLE_RULES)
+    abstract = plan.abstract_engine_state(cfg, scfg, slots, P, layout)
+    expected = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(real.state))
+    assert plan.device_bytes(abstract) == expected
+
+
+# A model whose matmuls dominate its FLOPs (the norms, softmax and optimizer are ~1%).
+WIDE = dict(d_model=256, mlp_dim=1024, num_heads=4, head_dim=64, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    config = load_config("quickstart")
+    config.mesh.shape = (1, 2, 1)
+    train, gen = sharding.role_meshes((1, 2, 1), 0)
+    cfg = dataclasses.replace(plan.model_config(config, "tiny"), **WIDE)
+    p = plan.plan_run(config, cfg, train, gen, 64, plan.ACCELERATORS["h100"])
+    return config, cfg, p
+
+
+def test_plan_json_and_terms(tiny_plan):
+    config, cfg, p = tiny_plan
+    out = json.loads(json.dumps(plan.to_json(p, model="tiny")))
+    b = out["per_device_bytes"]
+    assert {"params", "opt_state", "grads", "temp", "kv_cache", "total"} <= set(b)
+    norms = _norm_params(cfg)
+    value_head = (cfg.d_model + 1) * 4
+    assert b["params"] == ((cfg.num_params() - norms) // 2 + norms) * 4 + value_head
+    assert b["grads"] == b["params"]  # Float32 accumulators of float32 params, same layout.
+    # Sampling keeps whole matrices on each fsdp replica: a copy of every one.
+    assert b["generator_params"] == (cfg.num_params() - norms) * 4  # The norms stay shared.
+    assert out["flops_per_device"] == pytest.approx(
+        sum(e["flops_per_step"] for e in out["programs"].values())
+    )
+    decode = out["programs"]["engine_decode"]
+    assert decode["calls_per_step"] == config.sampling.max_new_tokens
+
+
+def test_generator_flops_match_the_analytic_count(tiny_plan):
+    """Independent reference (`scaling.compute`): a decode step is one token's forward pass
+    per slot over the cache's columns, its slots split over the batch axes (fsdp=2); the
+    prefill is the forward pass of the admitted prompts, the head at their last position
+    only. The engine hands `insert` its prompts replicated, so every device prefills all."""
+    config, cfg, p = tiny_plan
+    S, R, P = p.info["slots"], p.info["prefill_requests"], p.info["prompt_bucket"]
+    C = P + config.sampling.max_new_tokens
+    decode = p.programs["engine_decode"]
+    assert decode["loop_factor"] == 1.0  # A while_loop: one decode step per call counted.
+    assert decode["flops_per_device"] == pytest.approx(
+        compute.forward_flops(cfg, S, C) / 2, rel=0.02
+    )
+    head = 2 * R * (P - 1) * cfg.vocab_size * cfg.d_model  # Not computed before the last.
+    prefill = compute.forward_flops(cfg, R * P, P) - head
+    assert p.programs["engine_insert"]["flops_per_step"] == pytest.approx(prefill, rel=0.02)
+
+
+def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
+    _, _, p = tiny_plan
+    total = p.per_device_bytes["total"]
+    assert plan.verdict(p, total) == (
+        True,
+        f"FITS: {plan.size(total)} of {plan.size(total)} per device",
+    )
+    fits, message = plan.verdict(p, total - 1)
+    big = max(plan.TERMS, key=lambda k: p.per_device_bytes[k])
+    assert not fits
+    assert f"the largest term is {big}" in message
+    assert plan.advice(big, p.info["settings"]) in message
+
+
+def _accepted(config) -> bool:
+    try:
+        checks.validate(config)
+    except ValueError:
+        return False
+    return True
+
+
+def test_next_micro_batches_is_the_next_the_checks_accept():
+    """Reference: the run's own start-up checks, for every micro-batch count (8 prompts x 4
+    on a batch split 8 ways: 1, 2 and 4 micro-batches leave 32, 16 and 8 rows; 8 would leave
+    4, and 3, 5, 6, 7 do not divide the prompts)."""
+    config = load_config("quickstart")
+    config.mesh.shape = (2, 4, 1)
+    mesh = sharding.make_mesh((2, 4, 1))
+    counts = range(1, config.batch.prompts + 1)
+    accepted = [k for k in counts if _accepted(_with_micro_batches(config, k))]
+    assert accepted == [1, 2, 4]
+    for k in accepted:
+        later = [a for a in accepted if a > k]
+        assert plan.next_micro_batches(_with_micro_batches(config, k), mesh) == (
+            later[0] if later else 0
+        )
+
+
+def _with_micro_batches(config, k):
+    c = config.copy_and_resolve_references()
+    c.learner.micro_batches = k
+    return c
+
+
+def test_temp_advice_names_each_knob_with_its_value():
+    settings = {
+        "mesh": (2, 4, 1),
+        "param_dtype": "float32",
+        "micro_batches": 1,
+        "next_micro_batches": 2,
+        "remat": "none",
+        "logprob_chunk": 1024,
+        "slots": 32,
+        "max_new_tokens": 32,
+    }
+    assert plan.advice("temp", settings) == (
+        "learner.micro_batches=2 (now 1), learner.remat=dots (now none), "
+        "learner.logprob_chunk=256 (now 1024), more data x fsdp devices (--mesh=2,4,1)"
+    )
+    # Every knob at its limit: only more devices are left.
+    spent = {**settings, "next_micro_batches": 0, "remat": "full", "logprob_chunk": 1}
+    assert plan.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
+
+
+@pytest.mark.parametrize(
+    "shape,learner",
+    [
+        ((1, 2, 1), {}),
+        ((2, 1, 2), dict(micro_batches=2, logprob_chunk=8)),  # Loops: 2 x 4 chunks.
+        ((1, 2, 1), dict(remat="full")),
+    ],
+)
+def test_update_flops_match_the_analytic_count(shape, learner):
+    """Independent reference: `scaling.compute`'s 2 FLOPs per matmul parameter per token plus
+    attention over the whole sequence, forward and backward (twice the forward), per device.
+    XLA counts a loop body once; the planner's loop factor restores every micro-batch and
+    every logprob chunk, and the count divides over data x fsdp x tensor. With `remat=full`
+    the backward pass recomputes each block's forward but its MLP down-projection, whose
+    output no gradient needs."""
+    config = load_config("quickstart")  # No old or reference terms: only the training pass.
+    config.mesh.shape = shape
+    config.learner.update(learner)
+    cfg = model.get("tiny", **WIDE)
+    mesh = sharding.make_mesh(shape)
+    P = 64
+    entry = plan.compile_update(config, cfg, mesh, P)[-1]
+    rows, T = config.batch.prompts * config.batch.group_size, P + config.sampling.max_new_tokens
+    forward = compute.forward_flops(cfg, rows * T, T)
+    expected = 3 * forward
+    if learner.get("remat") == "full":
+        head = cfg.vocab_size * cfg.d_model
+        expected += forward - 2 * rows * T * (cfg.num_layers * cfg.d_model * cfg.mlp_dim + head)
+    got = entry["flops_per_device"] * entry["loop_factor"]
+    assert got == pytest.approx(expected / mesh.devices.size, rel=0.02)
+    if learner.get("micro_batches", 1) > 1:
+        assert entry["flops_per_device"] < 0.6 * got  # What XLA alone reports.
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, "tools/plan.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_bad_input_every_problem_at_once():
+    r = _cli(
+        "--config=configs/quickstart.py:smoke",
+        "--model=llama3_7b",
+        "--mesh=2,2,2",
+        "--devices=4",
+        "--config.learner.logprob_chunk=0",
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    for text in (
+        "--mesh=2,2,2 has 8 devices (data x fsdp x tensor) but --devices=4",
+        "--model=llama3_7b: no such model; did you mean llama3_8b or llama3_1b? known: tiny,",
+        "learner.logprob_chunk=0 must be an integer >= 1",
+    ):
+        assert text in r.stderr, r.stderr[-2000:]
+
+
+def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli(
+        "--config=configs/quickstart.py:smoke",
+        "--model=tiny",
+        "--mesh=1,1,1",
+        "--hbm_gib=0.001",
+        f"--out={out}",
+    )
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    b = saved["per_device_bytes"]
+    big = max(plan.TERMS, key=lambda k: b[k])
+    assert "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: DOES NOT FIT: {plan.size(b['total'])} per device > 1.0 MiB")
+    assert f"the largest term is {big}" in line
+    assert "params" in r.stdout and "kv_cache" in r.stdout  # The table comes first.
+    assert saved["fits"] is False and saved["flops_per_device"] > 0
+    assert "1 fake CPU devices" in saved["compiled_on"]
