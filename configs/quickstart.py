@@ -2,8 +2,9 @@
 
     python -m rlscale.main --config configs/quickstart.py --workdir /tmp/rlscale_quickstart
 
-Laptop CPU (2 cores): 2 min 23 s measured, SFT warm start (about 1.5 minutes) and
-compilation included; 0.40 s per RL step. Measured result: held-out pass@1 0.15 (the warm
+Laptop CPU (2 cores): 2 min 48 s measured, SFT warm start (about 1.5 minutes) and
+compilation included (2 min 25 s when a previous run filled the compilation cache); 0.45 s
+per RL step. Measured result: held-out pass@1 0.15 (the warm
 start, which works problems out but rarely states the graded answer) -> 0.8125 after 80 RL
 steps (seed 1: 0.794); the run's own fit gives A = 0.92. See the README, "What the
 quickstart shows". In pipeline mode (`--config.pipeline.mode=pipeline

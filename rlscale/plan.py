@@ -53,11 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlscale import model, objectives, programs, sharding
+from rlscale import model, programs, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder
-from rlscale.rl import learner as learner_lib
 from rlscale.rl import rollouts as rollouts_lib
+from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine
 from rlscale.sampling.sampler import _Layout
 
@@ -279,35 +279,6 @@ def sampling_config(config) -> SamplingConfig:
     )
 
 
-def make_learner(config, graphdef, params, mesh, progs):
-    """The run's `Learner`, built as `rl.setup.build` builds it."""
-    G, M = config.batch.group_size, config.sampling.max_new_tokens
-    u = config.learner
-    return learner_lib.Learner(
-        graphdef=graphdef,
-        objective=objectives.build(config.objective.chain, group_size=G, max_len=M),
-        optimizer=learner_lib.make_optimizer(config.optim, params),
-        mesh=mesh,
-        logits_cfg=SamplingConfig(
-            temperature=config.sampling.temperature,
-            top_k=config.sampling.top_k,
-            top_p=config.sampling.top_p,
-        ),
-        epochs=u.epochs,
-        minibatches=u.minibatches,
-        micro_batches=u.micro_batches,
-        group_size=G,
-        max_len=M,
-        length_buckets=u.length_buckets,
-        pack_length=u.pack_length,
-        seed=config.seed,
-        programs=progs,
-        logprob_chunk=u.logprob_chunk,
-        remat=u.remat,
-        offload_ref=u.offload_ref,
-    )
-
-
 def worst_case_rollouts(rows: int, prompt_len: int, max_new_tokens: int):
     """A learner batch of `rows` rows whose prompts fill `prompt_len` tokens and whose
     completions are all `max_new_tokens` long and trained on: the largest update a run
@@ -417,7 +388,7 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int):
     B, G = config.batch.prompts, config.batch.group_size
     graphdef, params = abstract_params(model_cfg, mesh, sharding.TRAIN_RULES)
     progs = Compiler(mesh)
-    learn = make_learner(config, graphdef, params, mesh, progs)
+    learn = rl_setup.make_learner(config, graphdef, params, mesh, progs)
     replicated = NamedSharding(mesh, PartitionSpec())
     value_params = {  # `Setup.initial_state`'s value head.
         "w": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.float32, sharding=replicated),

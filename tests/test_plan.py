@@ -15,6 +15,7 @@ from conftest import ROOT, load_config
 
 from rlscale import model, plan, sharding
 from rlscale.rl import checks
+from rlscale.rl import setup as rl_setup
 from rlscale.sampling import engine
 from rlscale.sampling.sampler import _Layout
 from rlscale.scaling import compute
@@ -62,7 +63,7 @@ def test_abstract_train_state_is_learner_init():
     mesh = sharding.make_mesh((2, 2, 2))
     config = _learner_config()
     graphdef, params = model.init_sharded(cfg, jax.random.key(0), mesh)
-    learn = plan.make_learner(config, graphdef, params, mesh, None)
+    learn = rl_setup.make_learner(config, graphdef, params, mesh, None)
     value = sharding.replicate({"w": jnp.zeros((cfg.d_model,)), "b": jnp.zeros(())}, mesh)
     real = learn.init(params, value)
 

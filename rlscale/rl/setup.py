@@ -178,6 +178,34 @@ def _tokenizer(config, workdir, problems):
     )
 
 
+def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
+    """The run's learner from its config (`build`, and `rlscale.plan` for the same program)."""
+    G, M, u = config.batch.group_size, config.sampling.max_new_tokens, config.learner
+    return learner.Learner(
+        graphdef=graphdef,
+        objective=objectives.build(config.objective.chain, group_size=G, max_len=M),
+        optimizer=learner.make_optimizer(config.optim, params),
+        mesh=mesh,
+        logits_cfg=SamplingConfig(
+            temperature=config.sampling.temperature,
+            top_k=config.sampling.top_k,
+            top_p=config.sampling.top_p,
+        ),
+        epochs=u.epochs,
+        minibatches=u.minibatches,
+        micro_batches=u.micro_batches,
+        group_size=G,
+        max_len=M,
+        length_buckets=u.length_buckets,
+        pack_length=u.pack_length,
+        seed=config.seed,
+        programs=progs,
+        logprob_chunk=u.logprob_chunk,
+        remat=u.remat,
+        offload_ref=u.offload_ref,
+    )
+
+
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from its config (already validated by `checks.validate`)."""
     pipe = config.pipeline
@@ -198,7 +226,6 @@ def build(config, workdir: str) -> Setup:
             f"learner.pack_length={pack} cannot hold the longest training sequence: its prompt "
             f"has {longest} tokens, plus sampling.max_new_tokens={M}"
         )
-    objective = objectives.build(config.objective.chain, group_size=G, max_len=M)
     progs = programs.Programs(mesh)
     reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
     pool = None
@@ -224,32 +251,9 @@ def build(config, workdir: str) -> Setup:
         mesh=gen_mesh,
         programs=progs.on(gen_mesh),
     )
-    logits_cfg = SamplingConfig(
-        temperature=config.sampling.temperature,
-        top_k=config.sampling.top_k,
-        top_p=config.sampling.top_p,
-    )
-    learn = learner.Learner(
-        graphdef=graphdef,
-        objective=objective,
-        optimizer=learner.make_optimizer(config.optim, params),
-        mesh=mesh,
-        logits_cfg=logits_cfg,
-        epochs=config.learner.epochs,
-        minibatches=config.learner.minibatches,
-        micro_batches=config.learner.micro_batches,
-        group_size=G,
-        max_len=config.sampling.max_new_tokens,
-        length_buckets=config.learner.length_buckets,
-        pack_length=config.learner.pack_length,
-        seed=config.seed,
-        programs=progs,
-        logprob_chunk=config.learner.logprob_chunk,
-        remat=config.learner.remat,
-        offload_ref=config.learner.offload_ref,
-    )
+    learn = make_learner(config, graphdef, params, mesh, progs)
     # The reference is the same function with frozen params.
-    ref = learn.reference(params) if "ref_logp" in objective.model_terms else None
+    ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
     return Setup(
         config=config,
         mesh=mesh,
