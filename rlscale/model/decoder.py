@@ -342,13 +342,22 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_block(layer, x_BTD, positions_BT, mask_BTS, remat: str):
-    graphdef, state = nnx.split(layer)
+def _remat_layers(layers, x_BTD, positions_BT, mask_BTS, remat: str):
+    """The blocks as one `lax.scan` over their stacked params, each step under
+    `jax.checkpoint` with the `remat` policy. Inside a loop the backward pass recomputes one
+    block at a time; an unrolled chain of checkpointed blocks leaves that order to XLA's
+    scheduler, and XLA:CPU's keeps every block's activations anyway (measured: an 8-block
+    gradient's temporaries fall by 1% unrolled, by 6x scanned). Stacking copies the blocks'
+    params once per call (sharded as they are)."""
+    graphdef, _ = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
 
-    def block(state, x_BTD):
-        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask_BTS)[0]
+    def block(x_BTD, state):
+        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask_BTS)[0], None
 
-    return jax.checkpoint(block, policy=REMAT_POLICIES[remat])(state, x_BTD)
+    policy = REMAT_POLICIES[remat]
+    x_BTD, _ = jax.lax.scan(jax.checkpoint(block, policy=policy, prevent_cse=False), x_BTD, stacked)
+    return x_BTD
 
 
 class Decoder(nnx.Module):
@@ -401,11 +410,12 @@ class Decoder(nnx.Module):
                 slot_T = index + jnp.arange(T)
                 causal_TS = jnp.arange(S)[None, :] <= slot_T[:, None]
                 mask_BTS = causal_TS[None] & valid_BS[:, None, :]
+        if cache is None and remat != "none":
+            return self.final_norm(
+                _remat_layers(self.layers, x, positions_BT, mask_BTS, remat)
+            ), None
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            if cache is None and remat != "none":
-                x = _remat_block(layer, x, positions_BT, mask_BTS, remat)
-                continue
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = layer(x, positions_BT, mask_BTS, kv, index)
             if cache is not None:
