@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from rlscale import cli
+from rlscale import cli, console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLDS = (0.5, 0.7)
@@ -499,6 +499,7 @@ def main():
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--skip_generate", action="store_true")
     args = p.parse_args()
+    console.configure(0)  # The in-process warm start without TFDS's progress bars.
     seeds = [int(x) for x in args.seeds.split(",")]
     cli.make_dir(args.workdir, "--workdir")
     config = quickstart_config(args.steps)
