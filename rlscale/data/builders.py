@@ -82,13 +82,24 @@ def materialize(
         n_train=n_train,
         n_test=n_test,
     )
-    builder = SyntheticTasks(data_dir=data_dir, config=config, file_format="array_record")
-    with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
-        builder.download_and_prepare()
+    return prepare(SyntheticTasks(data_dir=data_dir, config=config, file_format="array_record"))
+
+
+def prepare(builder: tfds.core.DatasetBuilder) -> dict:
+    """Builds `builder`'s dataset unless it is on disk already; returns {split: data source}.
+    (`data_path`, not `is_prepared`, which warns about a folder it does not find.)"""
+    if not builder.data_path.exists():
+        with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
+            builder.download_and_prepare()
     return builder.as_data_source()
+
+
+def text_fields(example: dict) -> dict:
+    """A data-source record with its text fields as `str`."""
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in example.items()}
 
 
 def decode(example: dict) -> tasks.Problem:
     """A data-source record as a Problem."""
-    text = {k: v.decode() if isinstance(v, bytes) else v for k, v in example.items()}
+    text = text_fields(example)
     return tasks.Problem(prompt=text["prompt"], answer=text["answer"], demo=text["demo"])

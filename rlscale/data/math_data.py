@@ -49,8 +49,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from rlscale import chat, console
-from rlscale.data import formats, tasks
+from rlscale import chat
+from rlscale.data import builders, formats, tasks
 from rlscale.rewards import math as math_reward
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -277,14 +277,11 @@ def materialize(
         fields=tuple(dataclasses.asdict(fields).items()),
     )
     builder = MathFiles(data_dir=data_dir, config=config, file_format="array_record")
-    # What `download_and_prepare` checks; `is_prepared` would warn about the missing folder.
-    if not builder.data_path.exists():
+    if not builder.data_path.exists():  # Read and checked before anything is written.
         builder.validated_rows = {
             split: formats.read_rows(path, f, fields) for split, path, f in resolved
         }
-        with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
-            builder.download_and_prepare()
-    return builder.as_data_source()
+    return builders.prepare(builder)
 
 
 # ------------------------------------------------------------------------------------------
@@ -343,11 +340,6 @@ def format_messages(
     return template(messages, **options)
 
 
-def decode(example: dict) -> dict:
-    """A data-source record with its text fields as `str`."""
-    return {k: v.decode() if isinstance(v, bytes) else v for k, v in example.items()}
-
-
 def problems(
     source: Sequence[dict],
     template: chat.ChatTemplate | None = None,
@@ -371,7 +363,7 @@ def problems(
     check_verifier(verifier)
     out = []
     for i in range(len(source)):
-        r = decode(source[i])
+        r = builders.text_fields(source[i])
         try:
             if r["messages"]:
                 prompt = format_messages(

@@ -49,8 +49,7 @@ import reasoning_gym.utils
 import tensorflow_datasets as tfds
 from reasoning_gym import factory
 
-from rlscale import console
-from rlscale.data import tasks
+from rlscale.data import builders, tasks
 
 NAME = "reasoning_gym"  # config.task.name
 TASK_KEYS = ("dataset", "config", "difficulty", "seed", "n_train", "n_test", "partial_credit")
@@ -348,17 +347,14 @@ def materialize(
         n_train=n_train,
         n_test=n_test,
     )
-    builder = ReasoningGymTasks(
-        data_dir=data_dir, config=builder_config, file_format="array_record"
+    return builders.prepare(
+        ReasoningGymTasks(data_dir=data_dir, config=builder_config, file_format="array_record")
     )
-    with console.library_prints():  # TFDS prints "Downloading and preparing dataset ...".
-        builder.download_and_prepare()
-    return builder.as_data_source()
 
 
 def decode(example: dict) -> GymProblem:
     """A data-source record as a GymProblem."""
-    text = {k: v.decode() if isinstance(v, bytes) else v for k, v in example.items()}
+    text = builders.text_fields(example)
     return GymProblem(
         prompt=text["prompt"], answer=text["answer"], demo=text["demo"], entry=text["entry"]
     )
