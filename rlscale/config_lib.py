@@ -148,7 +148,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (README, "The learner"): completions are trimmed to one of
     # `length_buckets` lengths (1: always sampling.max_new_tokens); with `pack_length` > 0,
-    # the sequences with trained tokens are packed into rows of that many tokens. Memory at
+    # the sequences with trained tokens are packed into rows of that many tokens, micro-
+    # batches of `pack_rows` rows per batch shard (0: batch.group_size), as many micro-batches
+    # per optimizer step as the batch fills (then `micro_batches` is not used). Memory at
     # real sizes (README, "Memory at real sizes"): logprobs and entropy over the vocabulary
     # `logprob_chunk` completion tokens at a time; `remat` ("none", "dots", "full") what each
     # block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory.
@@ -158,6 +160,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         micro_batches=1,
         length_buckets=4,
         pack_length=0,
+        pack_rows=0,
         logprob_chunk=1024,
         remat="none",
         offload_ref=False,

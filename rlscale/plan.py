@@ -32,7 +32,8 @@ the body of a loop once; the planner scales each program's count by its loops' t
 read from the program's jaxpr (`loop_factor`: the ratio of its matmul FLOPs with every
 `scan` at its length to those with every loop body once). A decode call's `while_loop` has
 a data-dependent trip count, so its count is one decode step's, multiplied by the steps of a
-worst-case batch (every completion `max_new_tokens` long).
+worst-case batch (every completion `max_new_tokens` long); a packed update's micro-batch
+loops (also `while_loop`s) count as many trips as that batch fills micro-batches.
 
 The step-time estimate is a roofline bound from a small table of published peaks
 (`ACCELERATORS`): the update and prefill at the accelerator's dense bfloat16 peak, each
@@ -178,12 +179,12 @@ def _dot_flops(eqn) -> float:
     return 2.0 * math.prod(lhs) * math.prod(free)
 
 
-def matmul_flops(jaxpr, loops: bool = True) -> float:
+def matmul_flops(jaxpr, loops: bool = True, while_trips: float = 1.0) -> float:
     """The matmul FLOPs (dot_general, 2 per multiply-add) of a jaxpr and its sub-jaxprs.
 
-    With `loops`, a `scan` body counts `length` times; without, every loop body counts once
-    (XLA's cost-analysis convention). A `while_loop` body counts once either way (its trip
-    count is data-dependent) and a `cond` counts its most expensive branch.
+    With `loops`, a `scan` body counts `length` times and a `while_loop` body (whose trip
+    count is data-dependent) `while_trips` times; without, every loop body counts once
+    (XLA's cost-analysis convention). A `cond` counts its most expensive branch.
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
@@ -195,20 +196,22 @@ def matmul_flops(jaxpr, loops: bool = True) -> float:
         subs = list(jex.core.jaxprs_in_params(eqn.params))
         if not subs:
             continue
-        inner = [matmul_flops(s, loops) for s in subs]
+        inner = [matmul_flops(s, loops, while_trips) for s in subs]
         if name == "cond":
             total += max(inner)
         elif name == "scan" and loops:
             total += eqn.params["length"] * sum(inner)
+        elif name == "while" and loops:
+            total += while_trips * sum(inner)
         else:
             total += sum(inner)
     return total
 
 
-def loop_factor(jaxpr) -> float:
+def loop_factor(jaxpr, while_trips: float = 1.0) -> float:
     """How many times more matmul FLOPs a program runs than its loop bodies counted once."""
     once = matmul_flops(jaxpr, loops=False)
-    return matmul_flops(jaxpr, loops=True) / once if once else 1.0
+    return matmul_flops(jaxpr, loops=True, while_trips=while_trips) / once if once else 1.0
 
 
 class Compiler(programs.Programs):
@@ -220,11 +223,12 @@ class Compiler(programs.Programs):
     def __init__(self, mesh):
         super().__init__(mesh)
         self.compiled: dict[str, Any] = {}
+        self.jaxprs: dict[str, Any] = {}
 
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
         traced = fn.trace(*args, **(static or {}))
         executable = traced.lower().compile()
-        self.compiled[name] = executable
+        self.compiled[name], self.jaxprs[name] = executable, traced.jaxpr
         self.entries.append(
             {
                 "name": name,
@@ -279,27 +283,16 @@ def sampling_config(config) -> SamplingConfig:
     )
 
 
-def worst_case_rollouts(rows: int, prompt_len: int, max_new_tokens: int):
-    """A learner batch of `rows` rows whose prompts fill `prompt_len` tokens and whose
-    completions are all `max_new_tokens` long and trained on: the largest update a run
-    with these settings compiles."""
-    N, P, M = rows, prompt_len, max_new_tokens
-    return rollouts_lib.Rollouts(
-        tokens_NL=np.zeros((N, P + M), np.int32),
-        attn_mask_NL=np.ones((N, P + M), bool),
-        mask_NM=np.ones((N, M), bool),
-        sampler_logp_NM=np.zeros((N, M), np.float32),
-        reward_N=np.zeros((N,), np.float32),
-        correct_N=np.zeros((N,), bool),
-        row_weight_N=np.ones((N,), np.float32),
-        version_NM=np.zeros((N, M), np.int32),
-        prompt_len=P,
-    )
-
-
 def _replicated(mesh, x):
     x = np.asarray(x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def _rows(mesh, x):
+    """`x` as the generator places host rows: split over the batch axes (`put_batch`)."""
+    x = np.asarray(x)
+    s = sharding.batch_sharding(mesh, x.ndim, sharding.SAMPLE_RULES)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
 
 def abstract_engine_state(model_cfg, scfg, slots: int, prompt_bucket: int, layout):
@@ -321,8 +314,9 @@ def abstract_engine_state(model_cfg, scfg, slots: int, prompt_bucket: int, layou
 def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len, progs):
     """Compiles the generator engine's programs on abstract params and state (the cache is
     never allocated): its state's init (for the state's shapes and layout), one `insert`
-    of the first admission (the batch's requests, padded to a power of two) and one
-    `decode` call. Returns the abstract engine state and the admission's request count R."""
+    of the first admission (the requests that fill the free slots, in the engine's own
+    prefill rows: `engine.take_slots`, `engine.prefill_rows`) and one `decode` call.
+    Returns the abstract engine state, the admission's request count and its rows R."""
     B, G = config.batch.prompts, config.batch.group_size
     slots = config.pipeline.slots or B * G
     P = scfg.bucket(prompt_len)
@@ -330,7 +324,10 @@ def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len,
     state = abstract_engine_state(model_cfg, scfg, slots, P, layout)
     static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=scfg, layout=layout)
     admitted = min(B, slots // G)
-    R = 1 << (admitted - 1).bit_length()
+    shards = sharding.batch_divisor(mesh, sharding.SAMPLE_RULES)
+    free = list(range(slots))
+    owned = [engine.take_slots(free, G, slots // shards) for _ in range(admitted)]
+    R = len(engine.prefill_rows(owned, slots, shards))
     keydata = jax.random.key_data(jax.random.key(0))
     insert_args = (
         np.zeros((R, P), np.int32),
@@ -339,11 +336,11 @@ def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len,
         np.zeros((R, *keydata.shape), keydata.dtype),
         np.zeros((R, G), np.int32),
     )
-    extra = tuple(_replicated(mesh, a) for a in insert_args)
+    extra = tuple(_rows(mesh, a) for a in insert_args)
     progs.run("engine_insert", engine.insert, (params, state, *extra), static)
     steps = (_replicated(mesh, np.int32(0)), _replicated(mesh, np.int32(0)))
     progs.run("engine_decode", engine.decode, (params, state, *steps), static)
-    return state, R
+    return state, admitted, R
 
 
 # ------------------------------------------------------------------------------------------
@@ -382,7 +379,7 @@ class Plan:
 
 
 def compile_update(config, model_cfg, mesh, prompt_bucket: int):
-    """Compiles the learner's update on `mesh` for a worst-case batch (`worst_case_rollouts`)
+    """Compiles the learner's update on `mesh` for a worst-case batch (`rollouts.full_length`)
     through `Learner.update`, with the params, train state and reference `Setup` would give
     it, abstract. Returns (graphdef, params, state, ref, the update's `Compiler` entry)."""
     B, G = config.batch.prompts, config.batch.group_size
@@ -399,9 +396,14 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int):
     if learn.spec.ref:  # `Learner.reference`: a copy, in pinned host memory when offloaded.
         kind = "pinned_host" if learn.offload_ref else "device"
         ref = jax.tree.map(lambda x: _abstract(x, x.sharding.with_memory_kind(kind)), params)
-    rollouts = worst_case_rollouts(B * G, prompt_bucket, config.sampling.max_new_tokens)
-    learn.update(state, ref, rollouts, step=1)
-    return graphdef, params, state, ref, progs.entry("update_step")
+    rollouts = rollouts_lib.full_length(B * G, prompt_bucket, config.sampling.max_new_tokens)
+    _, metrics, _ = learn.update(state, ref, rollouts, step=1)
+    entry = progs.entry("update_step")
+    if "train/micro_ran" in metrics:  # Packed: its micro-batch loops run as many times as
+        # the worst case fills micro-batches (per optimizer step, on average).
+        trips = float(np.mean(metrics["train/micro_ran"].sum(1)))
+        entry["loop_factor"] = loop_factor(progs.jaxprs["update_step"], trips)
+    return graphdef, params, state, ref, entry
 
 
 def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerator: Accelerator):
@@ -428,7 +430,7 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
     # The generator: its params in the sampling layout, its state, its programs.
     _, gen_params = abstract_params(model_cfg, gen_mesh, sharding.SAMPLE_RULES)
     gen_progs = Compiler(gen_mesh)
-    engine_state, R = engine_programs(
+    engine_state, admitted, R = engine_programs(
         config, graphdef, model_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
     )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
@@ -466,7 +468,7 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
     # requests through the slots (every completion max_new_tokens long).
     slots = config.pipeline.slots or B * G
     waves = -(-B * G // slots)
-    calls = {"update_step": 1, "engine_insert": -(-B // R), "engine_decode": waves * M}
+    calls = {"update_step": 1, "engine_insert": -(-B // admitted), "engine_decode": waves * M}
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
     table = {}
     for name, e in entries.items():
@@ -487,7 +489,8 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
             "max_new_tokens": M,
             "rows": B * G,
             "slots": slots,
-            "prefill_requests": R,
+            "prefill_requests": admitted,
+            "prefill_rows": R,
             "train_mesh": dict(train_mesh.shape),
             "generator_mesh": dict(gen_mesh.shape),
             "shared_devices": shared,
@@ -499,6 +502,8 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
                 "param_dtype": model_cfg.param_dtype,
                 "micro_batches": config.learner.micro_batches,
                 "next_micro_batches": next_micro_batches(config, train_mesh),
+                "pack_rows": config.learner.pack_rows or G if config.learner.pack_length else 0,
+                "next_pack_rows": next_pack_rows(config, train_mesh, P),
                 "remat": config.learner.remat,
                 "logprob_chunk": config.learner.logprob_chunk,
                 "slots": slots,
@@ -552,6 +557,8 @@ def advice(term: str, s: dict) -> str:
             knobs.append(
                 f"learner.micro_batches={s['next_micro_batches']} (now {s['micro_batches']})"
             )
+        if s.get("next_pack_rows"):
+            knobs.append(f"learner.pack_rows={s['next_pack_rows']} (now {s['pack_rows']})")
         if s["remat"] != "full":
             knobs.append(
                 f"learner.remat={'dots' if s['remat'] == 'none' else 'full'} (now {s['remat']})"
@@ -563,22 +570,39 @@ def advice(term: str, s: dict) -> str:
             )
         return ", ".join([*knobs, f"more data x fsdp devices (--mesh={mesh})"])
     return (  # generator_temp
-        f"fewer decode slots (pipeline.slots={s['slots']}: fewer requests prefilled at once) "
-        "or a shorter prompt bucket (sampling.buckets)"
+        f"fewer decode slots (pipeline.slots={s['slots']}: fewer requests prefilled at once), "
+        f"a shorter prompt bucket (sampling.buckets), or more data x fsdp devices "
+        f"(--mesh={mesh}: each prefills the requests of its own slots)"
     )
 
 
 def next_micro_batches(config, mesh) -> int:
     """The next larger `learner.micro_batches` the run's checks accept (it divides a
     minibatch's prompts, and each micro-batch's rows split over the trainer mesh's batch
-    axes), or 0."""
+    axes), or 0 (also when packed: the packing makes the micro-batches)."""
     b, u = config.batch, config.learner
+    if u.pack_length:
+        return 0
     prompts = b.prompts // u.minibatches
     div = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
     for k in range(u.micro_batches + 1, prompts + 1):
         if prompts % k == 0 and (prompts // k * b.group_size) % div == 0:
             return k
     return 0
+
+
+def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
+    """Half the packed rows per micro-batch (`learner.pack_rows`), if that still holds a
+    group whose samples all run the full length on one batch shard; else (or unpacked) 0."""
+    b, u = config.batch, config.learner
+    if not u.pack_length:
+        return 0
+    per_row = max(1, u.pack_length // (prompt_bucket + config.sampling.max_new_tokens))
+    on_shard = min(
+        b.group_size, b.prompts * b.group_size // sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
+    )
+    half = (u.pack_rows or b.group_size) // 2
+    return half if half >= -(-on_shard // per_row) else 0
 
 
 def verdict(p: Plan, hbm_bytes: float) -> tuple[bool, str]:

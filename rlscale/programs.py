@@ -4,9 +4,11 @@ a sharded program) is recorded, so the work a mesh divides is read from the prog
 
 `Programs.run(name, fn, args, static)` replaces `fn(*args, **static)`: it lowers and compiles
 on a new signature (shapes, dtypes, shardings of `args`; the values of `static`), keeps the
-executable and calls it; `write(path)` saves one JSON entry per compiled program.
+executable and calls it; `prefetch` compiles a signature in the background ahead of its first
+`run`; `write(path)` saves one JSON entry per compiled program.
 """
 
+import concurrent.futures
 import copy
 import json
 import os
@@ -59,6 +61,8 @@ class Programs:
     def __init__(self, mesh):
         self.mesh = mesh
         self._executables = {}
+        self._pending: dict = {}  # Signature -> future of its executable (`prefetch`).
+        self._compiler = None
         self.entries: list[dict] = []
 
     def on(self, mesh) -> "Programs":
@@ -67,13 +71,26 @@ class Programs:
         view.mesh = mesh
         return view
 
+    def prefetch(self, name: str, fn, args: tuple, static: dict | None = None) -> None:
+        """Starts compiling `fn` for the signature of `args` in a background thread (one at a
+        time): the first `run` with that signature waits for it instead of compiling. The
+        host keeps working meanwhile (and an accelerator keeps running what it was given)."""
+        static = static or {}
+        key = (name, _signature(args, static))
+        if key in self._executables or key in self._pending:
+            return
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, "rlscale-compile")
+        self._pending[key] = self._compiler.submit(lambda: fn.lower(*args, **static).compile())
+
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
         """`fn(*args, **static)` through an executable compiled for this signature."""
         static = static or {}
         key = (name, _signature(args, static))
         executable = self._executables.get(key)
         if executable is None:
-            executable = fn.lower(*args, **static).compile()
+            pending = self._pending.pop(key, None)
+            executable = pending.result() if pending else fn.lower(*args, **static).compile()
             self._executables[key] = executable
             self.entries.append(
                 {

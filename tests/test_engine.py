@@ -1,12 +1,14 @@
 """The generator engine against independent references: the static sampler (same keys, same
 tokens), a full forward pass, a hand-built cache for a weight change mid-generation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlscale import model, sharding
+from rlscale import model, programs, sharding
 from rlscale.sampling import Sampler, SamplingConfig, transform_logits
 from rlscale.sampling.engine import Generator, Request
 
@@ -49,16 +51,19 @@ def _requests(rng, prompts=PROMPTS):
     return [Request(i, p, jax.random.fold_in(rng, i)) for i, p in enumerate(prompts)]
 
 
-def test_engine_samples_what_the_static_sampler_samples(policy):
+@pytest.mark.parametrize("shape, slots", [((4, 1, 1), 4), ((1, 2, 2), 8)])
+def test_engine_samples_what_the_static_sampler_samples(policy, shape, slots):
     """With fewer slots than rows (so finished samples hand their slot to queued requests),
     on a 4-device generator mesh: the same tokens, forced phrases and lengths as the static
     sampler given the same keys, logprobs equal to a full forward pass, every token version 0,
-    and every slot-step accounted for."""
+    and every slot-step accounted for. One slot per batch shard (a request's samples span
+    shards, each prefills it), or four (two requests per shard, padding rows, kv heads split
+    over `tensor`)."""
     cfg, graphdef, params = policy
     rng = jax.random.key(3)
     ref = Sampler(graphdef, cfg)(params, PROMPTS, rng, SCFG)
-    mesh = sharding.make_mesh((4, 1, 1))
-    gen = Generator(graphdef, cfg, SCFG, slots=4, max_prompt_len=16, mesh=mesh)
+    mesh = sharding.make_mesh(shape)
+    gen = Generator(graphdef, cfg, SCFG, slots=slots, max_prompt_len=16, mesh=mesh)
     shardings = sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES)
     gen.set_params(sharding.reshard(params, shardings), 0)
     done = _run(gen, _requests(rng), chunk=3)
@@ -76,7 +81,7 @@ def test_engine_samples_what_the_static_sampler_samples(policy):
     np.testing.assert_allclose(cat["logprobs_GM"][sampled], full[sampled], atol=1e-5)
     assert not cat["versions_GM"].any()
     assert gen.stats.tokens == cat["lengths_G"].sum()
-    assert gen.stats.slot_steps == gen.stats.steps * 4 and gen.stats.utilization <= 1.0
+    assert gen.stats.slot_steps == gen.stats.steps * slots and gen.stats.utilization <= 1.0
 
 
 def _full_logprobs(graphdef, params, prompts, prompt_index, tokens_NM, cfg=SCFG):
@@ -144,6 +149,33 @@ def test_no_recompile_for_new_work_and_weights(policy, count_compiles):
         gen.set_params(params, 2)
         _run(gen, _requests(jax.random.key(1), prompts), chunk=3, swap=(2, other, 3))
     assert counter.count == 0, counter.count
+
+
+def test_prefill_work_and_memory_divide_over_the_batch_axes(policy):
+    """A first admission that fills every slot, on 1 device and on 8 (slots and prefill rows
+    split 8 ways), read from the compiled `insert` the generator runs: per device an eighth
+    of the prefill FLOPs and of the temporaries. (Before, every device prefilled every
+    request and built each layer's new rows whole: 2.7 MB of temporaries on 8 devices as on
+    one.)"""
+    cfg, graphdef, params = policy
+    cfg = dataclasses.replace(cfg, max_seq_len=512)
+    scfg = SamplingConfig(max_new_tokens=96, num_samples=4, buckets=(32,))
+    prompts = [list(range(5 + i, 37 + i)) for i in range(8)]  # 8 x 4 samples: 32 slots.
+    insert = {}
+    for shape in [(1, 1, 1), (1, 8, 1)]:
+        mesh = sharding.make_mesh(shape)
+        progs = programs.Programs(mesh)
+        gen = Generator(graphdef, cfg, scfg, slots=32, max_prompt_len=32, mesh=mesh, programs=progs)
+        gen.set_params(
+            sharding.reshard(params, sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES)),
+            0,
+        )
+        gen.submit(_requests(jax.random.key(0), prompts))
+        gen.step(1)
+        (insert[shape],) = [e for e in progs.entries if e["name"] == "engine_insert"]
+    one, eight = insert[(1, 1, 1)], insert[(1, 8, 1)]
+    assert eight["flops_per_device"] == pytest.approx(one["flops_per_device"] / 8, rel=0.01)
+    assert eight["temp_bytes"] < 1.05 * one["temp_bytes"] / 8, (one, eight)
 
 
 def test_bad_generator_input_names_the_problem(policy):

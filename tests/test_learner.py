@@ -142,67 +142,124 @@ def setup():
 
 def test_real_tokens_give_the_full_length_update(setup):
     """Trimmed to a bucket (12 -> 9 tokens), and also packed into rows of 24 tokens on 2 batch
-    shards (the filtered group left out), the update gives the parameters of a per-micro-batch
-    loop over full-length rows, micro-batch losses included."""
+    shards (the filtered group left out; micro-batches of 2 rows per shard, as many as the
+    sequences fill: 2 in the first step, 1 in the second; or of 4 rows: 1 each), the update
+    gives the parameters of a per-micro-batch loop over full-length rows, and its losses (per
+    micro-batch unpacked, per minibatch packed)."""
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((2, 1, 1))
     expected, losses = _loop_reference(_learner(mesh, graphdef), params, value_params, roll)
-    for buckets, pack in ((4, 0), (4, 24)):
-        learn = _learner(mesh, graphdef, buckets=buckets, pack=pack)
+    losses = np.reshape(losses, (2, 2))
+    for buckets, pack, rows in ((4, 0, 0), (4, 24, 0), (4, 24, 4)):
+        learn = _learner(mesh, graphdef, buckets=buckets, pack=pack, pack_rows=rows)
         got, mets = _update(learn, params, value_params, roll)
-        np.testing.assert_allclose(mets["train/loss_sum"].reshape(-1), losses, rtol=2e-5, atol=1e-6)
+        if pack:
+            assert mets["train/micro_ran"].sum(1).tolist() == ([1, 1] if rows else [2, 1])
+            np.testing.assert_allclose(mets["train/loss_sum"].sum(1), losses.sum(1), rtol=2e-5)
+        else:
+            np.testing.assert_allclose(mets["train/loss_sum"], losses, rtol=2e-5, atol=1e-6)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=f"{buckets=} {pack=}")
 
 
 def test_packed_logprobs_equal_unpacked(setup):
-    """Each completion token's logprob and gradient, from packed rows (several sequences per
-    row, positions restarting per segment) and from unpacked ones."""
+    """Each completion token's logprob and gradient, from packed rows built on the device
+    (several sequences per row, positions restarting per segment; micro-batches of 2 rows of
+    24 tokens per batch shard, 2 shards) and from unpacked ones."""
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((2, 1, 1))
     rows = np.arange(N).reshape(1, N)
+    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=4, shards=2)
+    fwd = {k: v[0] for k, v in fwd.items()}
+    mask = roll.mask_NM[:, :Mb]
+    place, count = learner.pack(roll, rows, pack_length=24, pack_rows=2, shards=2, group_size=G)
+    place = {k: v[0] for k, v in place.items()}
+    batch = {
+        "tokens": roll.tokens_NL[:, : P + Mb],
+        "attn": roll.attn_mask_NL[:, : P + Mb].astype(bool),
+        "mask": mask,
+    }
+    unpacked = _learner(mesh, graphdef, buckets=4).spec
+    packed = _learner(mesh, graphdef, buckets=4, pack=24).spec
+
+    def logp_unpacked(p):
+        logp = learner.token_terms(
+            unpacked, p, value_params, fwd, roll.tokens_NL[:, P : P + Mb], ("logp",)
+        )["logp"]
+        return jnp.sum(jnp.where(mask, logp, 0.0)), logp
+
+    def logp_packed(p):
+        logp = jnp.zeros(mask.shape)
+        for u in range(count[0]):
+            f, in_N = learner.packed_micro(packed, batch, place, u)
+            t = learner.token_terms(packed, p, value_params, f, f["targets"], ("logp",))
+            logp = jnp.where(in_N[:, None], t["logp"], logp)
+        return jnp.sum(jnp.where(mask, logp, 0.0)), logp
+
     out = {}
-    for pack in (0, 24):
-        learn = _learner(mesh, graphdef, buckets=4, pack=pack)
-        T, fwd = learner.plan(roll, rows, max_len=M, buckets=4, pack_length=pack, shards=2)
-        fwd = {k: v[0] for k, v in fwd.items()}
-        targets = roll.tokens_NL[:, P : P + T]
-        mask = roll.mask_NM[:, :T]
-
-        def logp_sum(p, fwd=fwd, learn=learn, targets=targets, mask=mask):
-            logp = learner.token_terms(learn.spec, p, value_params, fwd, targets, ("logp",))["logp"]
-            return jnp.sum(jnp.where(mask, logp, 0.0)), logp
-
-        grads, logp = jax.jit(jax.grad(logp_sum, has_aux=True))(params)
-        out[pack] = (np.where(mask, logp, 0.0), grads, fwd["tokens"].shape)
-    assert out[24][2][0] < out[0][2][0]  # Fewer rows: packed.
-    np.testing.assert_allclose(out[24][0], out[0][0], rtol=1e-5, atol=1e-5)
+    for name, f in (("unpacked", logp_unpacked), ("packed", logp_packed)):
+        grads, logp = jax.jit(jax.grad(f, has_aux=True))(params)
+        out[name] = np.where(mask, logp, 0.0), grads
+    assert count[0] == 2 and 2 * 2 * 2 * 24 < N * (P + Mb)  # Fewer tokens run, two micro-batches.
+    np.testing.assert_allclose(out["packed"][0], out["unpacked"][0], rtol=1e-5, atol=1e-5)
     expected = np.where(
         roll.mask_NM, _reference_logp(graphdef, params, roll.tokens_NL, roll.attn_mask_NL), 0
     )
-    np.testing.assert_allclose(out[0][0], expected[:, : out[0][0].shape[1]], rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(out[24][1]), jax.tree.leaves(out[0][1])):  # Sums of 100+
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # terms in another order.
+    np.testing.assert_allclose(out["unpacked"][0], expected[:, :Mb], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(out["packed"][1]), jax.tree.leaves(out["unpacked"][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # Sums of 100+ terms reordered.
 
 
 def test_no_recompile_within_a_bucket(setup, count_compiles):
     """Completions of at most 7 and 8 tokens share the 9-token bucket: one program; 2 tokens
-    is another bucket. Packed into rows of 32 tokens, any two sequences share a row: the
-    rows per shard stay in one bucket."""
+    is another bucket. Packed (one length bucket), the batches fill different numbers of
+    micro-batches, and one has its prompts padded to another bucket: one program."""
     graphdef, params, value_params, _, _ = setup
     mesh = sharding.make_mesh((2, 1, 1))
-    learn = _learner(mesh, graphdef, buckets=4, minibatches=1)
+    vocab = int(params["embedding"].shape[0])
+    batches = [
+        _rollouts(graphdef, params, vocab, longest=n, seed=i)[0] for i, n in enumerate((7, 8, 2))
+    ]
+    pad = ((0, 0), (2, 0))  # The first batch, its prompts in a 2-token larger bucket.
+    wider = types.SimpleNamespace(**vars(batches[0]))
+    wider.prompt_len = P + 2
+    wider.tokens_NL, wider.attn_mask_NL = (
+        np.pad(x, pad) for x in (wider.tokens_NL, wider.attn_mask_NL)
+    )
+    for pack in (0, 24):
+        learn = _learner(mesh, graphdef, buckets=1 if pack else 4, pack=pack, minibatches=1)
+        state = learn.init(params, value_params)
+        micro = []
+        for i, roll in enumerate(batches + [wider] * bool(pack)):
+            with count_compiles() as c:
+                state, mets, ok = learn.update(state, None, roll, step=i + 1)
+                jax.block_until_ready(ok)
+            if pack:
+                micro.append(int(mets["train/micro_ran"].sum()))
+                assert i == 0 or c.count == 0
+            else:
+                assert mets["train/length_bucket"] == (9, 9, 3)[i]
+                assert i != 1 or c.count == 0
+        names = [e["name"] for e in learn.programs.entries]
+        assert names == ["update_step"] * (1 if pack else 2)
+    assert len(set(micro)) > 1, micro
+
+
+def test_packed_update_compiles_ahead_from_the_config(setup, count_compiles):
+    """Packed with one completion length, the update's shapes follow the config alone: it
+    compiles in the background (`precompile`) and the first batch compiles nothing more.
+    With several lengths there is nothing to compile ahead."""
+    graphdef, params, value_params, roll, _ = setup
+    mesh = sharding.make_mesh((2, 1, 1))
+    assert not _learner(mesh, graphdef, buckets=4, pack=24).precompile(None, None, N)
+    learn = _learner(mesh, graphdef, buckets=1, pack=24)
     state = learn.init(params, value_params)
-    for i, longest in enumerate((7, 8, 2)):
-        vocab = int(params["embedding"].shape[0])
-        roll, _ = _rollouts(graphdef, params, vocab, longest=longest, seed=i)
-        with count_compiles() as c:
-            state, mets, ok = learn.update(state, None, roll, step=i + 1)
-            jax.block_until_ready(ok)
-        assert mets["train/length_bucket"] == (9, 9, 3)[i]
-        if i == 1:
-            assert c.count == 0
-    assert [e["name"] for e in learn.programs.entries] == ["update_step"] * 2
+    assert learn.precompile(state, None, N)
+    for future in learn.programs._pending.values():
+        future.result()
+    with count_compiles() as c:
+        jax.block_until_ready(learn.update(state, None, roll, step=1))
+    assert c.count == 0 and [e["name"] for e in learn.programs.entries] == ["update_step"]
 
 
 def test_ratio_is_against_the_generator_and_match_is_the_first_minibatch(setup):
@@ -298,7 +355,7 @@ def test_remat_policies_give_the_same_gradients(setup, remat):
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((1, 1, 1))
     rows = np.arange(N).reshape(1, N)
-    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=1, pack_length=0, shards=1)
+    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=1, shards=1)
     fwd = {k: v[0] for k, v in fwd.items()}
     targets = roll.tokens_NL[:, P : P + Mb]
     spec = _learner(mesh, graphdef).spec

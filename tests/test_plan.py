@@ -139,9 +139,11 @@ def test_generator_flops_match_the_analytic_count(tiny_plan):
     """Independent reference (`scaling.compute`): a decode step is one token's forward pass
     per slot over the cache's columns, its slots split over the batch axes (fsdp=2); the
     prefill is the forward pass of the admitted prompts, the head at their last position
-    only. The engine hands `insert` its prompts replicated, so every device prefills all."""
+    only, its rows split over the batch axes as the slots are (each device prefills the
+    requests whose samples it holds)."""
     config, cfg, p = tiny_plan
-    S, R, P = p.info["slots"], p.info["prefill_requests"], p.info["prompt_bucket"]
+    S, R, P = p.info["slots"], p.info["prefill_rows"], p.info["prompt_bucket"]
+    assert R == p.info["prefill_requests"] == config.batch.prompts  # 4 per shard, no padding.
     C = P + config.sampling.max_new_tokens
     decode = p.programs["engine_decode"]
     assert decode["loop_factor"] == 1.0  # A while_loop: one decode step per call counted.
@@ -150,7 +152,9 @@ def test_generator_flops_match_the_analytic_count(tiny_plan):
     )
     head = 2 * R * (P - 1) * cfg.vocab_size * cfg.d_model  # Not computed before the last.
     prefill = compute.forward_flops(cfg, R * P, P) - head
-    assert p.programs["engine_insert"]["flops_per_step"] == pytest.approx(prefill, rel=0.02)
+    insert = p.programs["engine_insert"]
+    assert insert["calls_per_step"] == 1
+    assert insert["flops_per_step"] == pytest.approx(prefill / 2, rel=0.02)
 
 
 def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
@@ -178,14 +182,24 @@ def _accepted(config) -> bool:
 def test_next_micro_batches_is_the_next_the_checks_accept():
     """Reference: the run's own start-up checks, for every micro-batch count (8 prompts x 4
     on a batch split 8 ways: 1, 2 and 4 micro-batches leave 32, 16 and 8 rows; 8 would leave
-    4, and 3, 5, 6, 7 do not divide the prompts)."""
+    4, and 3, 5, 6, 7 do not divide the prompts). Packed, the packing makes the micro-batches:
+    the knob is `pack_rows`, halved while a group of full-length samples still fits (rows of
+    96 tokens hold two sequences of 16 + 32: 4 samples need 2 rows)."""
     config = load_config("quickstart")
     config.mesh.shape = (2, 4, 1)
+    mesh = sharding.make_mesh((2, 4, 1))
+    assert plan.next_pack_rows(config, mesh, 16) == 0  # Unpacked.
+    packed = config.copy_and_resolve_references()
+    packed.learner.pack_length = 96
+    assert plan.next_micro_batches(packed, mesh) == 0
+    assert plan.next_pack_rows(packed, mesh, 16) == 2  # From group_size (4) rows.
+    packed.learner.pack_rows = 2
+    assert plan.next_pack_rows(packed, mesh, 16) == 0
     mesh = sharding.make_mesh((2, 4, 1))
     counts = range(1, config.batch.prompts + 1)
     accepted = [k for k in counts if _accepted(_with_micro_batches(config, k))]
     assert accepted == [1, 2, 4]
-    for k in accepted:
+    for k in accepted:  # Unpacked.
         later = [a for a in accepted if a > k]
         assert plan.next_micro_batches(_with_micro_batches(config, k), mesh) == (
             later[0] if later else 0
@@ -216,6 +230,8 @@ def test_temp_advice_names_each_knob_with_its_value():
     # Every knob at its limit: only more devices are left.
     spent = {**settings, "next_micro_batches": 0, "remat": "full", "logprob_chunk": 1}
     assert plan.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
+    packed = {**spent, "pack_rows": 8, "next_pack_rows": 4}
+    assert plan.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
 
 
 @pytest.mark.parametrize(

@@ -188,6 +188,10 @@ def validate(config) -> None:
             f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "
             f"sampling.max_new_tokens={M}"
         )
+    if not isinstance(u.pack_rows, int) or u.pack_rows < 0:
+        problems.append(
+            f"learner.pack_rows={u.pack_rows!r} must be an integer >= 0 (0: batch.group_size)"
+        )
     problems += _mesh_problems(config)
     if config.task.name not in (*tasks.TASKS, *data_load.FILE_TASKS, "reasoning_gym"):
         problems.append(

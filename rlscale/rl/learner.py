@@ -31,6 +31,7 @@ import optax
 
 from rlscale import faults, sharding
 from rlscale.model import decoder
+from rlscale.rl import rollouts as rollouts_lib
 from rlscale.sampling import SamplingConfig, transform_logits
 
 
@@ -54,109 +55,139 @@ def length_bucket(length: int, max_len: int, buckets: int) -> int:
     return min(max_len, max(step, -(-length // step) * step))
 
 
-def row_bucket(rows: int) -> int:
-    """`rows` rounded up to four steps per doubling (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16,
-    20, ...): at most 1/8 of the rows are padding, over few compiled shapes."""
-    step = max(1, (1 << max(rows - 1, 1).bit_length()) // 8)
-    return max(1, -(-rows // step) * step)
-
-
-def plan(rollouts, micro_rows, *, max_len: int, buckets: int, pack_length: int, shards: int):
-    """The forward plan of one batch on the host: its trimmed length M and, for each
-    micro-batch k (the rows `micro_rows[k]`), the forward rows and where each completion
-    token's prediction lies in them.
-
-    Unpacked, a micro-batch's forward rows are its rows cut to P + M tokens. Packed, each
-    batch shard's sequences that have trained tokens (their prompt without padding, then
-    their completion) are packed first-fit-decreasing into rows of `pack_length` tokens; the
-    rows per shard are rounded up by `row_bucket` (capped at the rows it would have
-    unpacked), so a run compiles few shapes. Sequences stay on their batch shard: the gather
-    of their hidden states needs no communication.
+def plan(rollouts, micro_rows, *, max_len: int, buckets: int, shards: int):
+    """The unpacked forward plan of one batch on the host: its trimmed length M and, for each
+    micro-batch k (the rows `micro_rows[k]`), its rows cut to P + M tokens and where each
+    completion token's prediction lies in them.
 
     Args:
       rollouts: the batch (`rollouts.Rollouts`).
-      micro_rows: [K, n] int, the rows of each micro-batch (n divisible by `shards`).
+      micro_rows: [K, n] int, the rows of each micro-batch.
       max_len: the completion budget (`sampling.max_new_tokens`).
       buckets: `learner.length_buckets`.
-      pack_length: `learner.pack_length` (0: unpacked).
       shards: the batch's shard count (`sharding.batch_divisor`).
 
     Returns:
-      (M, {"tokens", "positions", "segments": [K, R, T] int32, "gather": [K, n, M] int32}):
-      `segments` is 0 on padding (unpacked: the attention mask) and `gather[k, i, m]` is the
-      flat index, within row i's shard of the forward rows ([R / shards * T]), of the hidden
+      (M, {"tokens", "positions", "segments": [K, n, P + M] int32, "gather": [K, n, M]
+      int32}): `segments` is the attention mask and `gather[k, i, m]` the flat index, within
+      row i's batch shard of the micro-batch's rows ([n / shards * (P + M)]), of the hidden
       state that predicts completion token m of row `micro_rows[k, i]`.
     """
     P = rollouts.prompt_len
     attn_NL = rollouts.attn_mask_NL.astype(np.int32)
-    completion_N = attn_NL[:, P:].sum(1)
-    M = length_bucket(int(completion_N.max(initial=1)), max_len, buckets)
+    M = trimmed_length(rollouts, max_len, buckets)
     K, n = micro_rows.shape
-    per = n // shards
-    m_M = np.arange(M)
-    if not pack_length:
-        T = P + M
-        rows = micro_rows.reshape(-1)
-        attn = attn_NL[rows, :T]
-        out = {
-            "tokens": rollouts.tokens_NL[rows, :T],
-            "positions": np.maximum(np.cumsum(attn, 1) - 1, 0),
-            "segments": attn,
-        }
-        out = {k: v.reshape(K, n, T).astype(np.int32) for k, v in out.items()}
-        gather_nM = (np.arange(n) % per)[:, None] * T + P - 1 + m_M
-        out["gather"] = np.broadcast_to(gather_nM, (K, n, M)).astype(np.int32)
-        return M, out
+    T = P + M
+    rows = micro_rows.reshape(-1)
+    attn = attn_NL[rows, :T]
+    out = {
+        "tokens": rollouts.tokens_NL[rows, :T],
+        "positions": np.maximum(np.cumsum(attn, 1) - 1, 0),
+        "segments": attn,
+    }
+    out = {k: v.reshape(K, n, T).astype(np.int32) for k, v in out.items()}
+    gather_nM = (np.arange(n) % (n // shards))[:, None] * T + P - 1 + np.arange(M)
+    out["gather"] = np.broadcast_to(gather_nM, (K, n, M)).astype(np.int32)
+    return M, out
 
-    T = pack_length
-    prompt_N = attn_NL[:, :P].sum(1)
-    length_N = prompt_N + completion_N
-    if length_N.max() > T:
-        raise ValueError(
-            f"learner.pack_length={T} is shorter than a sequence of the batch "
-            f"({int(length_N.max())} tokens: prompt and completion)"
-        )
+
+def trimmed_length(rollouts, max_len: int, buckets: int) -> int:
+    """The length a batch's completions are trimmed to: its longest, rounded up to a bucket."""
+    completion_N = rollouts.attn_mask_NL[:, rollouts.prompt_len :].sum(1)
+    return length_bucket(int(completion_N.max(initial=1)), max_len, buckets)
+
+
+def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, group_size: int):
+    """Where each trained sequence goes in the packed micro-batches of each optimizer step,
+    on the host (`packed_micro` builds the rows on the device).
+
+    A sequence is its prompt without padding, then its completion. It stays on the batch
+    shard that holds its row, and goes first-fit into one of that shard's `pack_rows` rows of
+    `pack_length` tokens in its micro-batch. Each step's groups with trained tokens are taken
+    largest first, each into the first micro-batch with room for all its sequences: a group's
+    samples share a micro-batch, as an aggregation over a prompt's samples needs. A step
+    runs as many micro-batches as its sequences fill, from one compiled program.
+
+    Args:
+      rollouts: the batch (`rollouts.Rollouts`), N rows.
+      step_rows: [S, n] int, each optimizer step's rows (whole groups).
+      pack_length, pack_rows: `learner.pack_length`, `Learner.pack_rows`.
+      shards: the batch's shard count (`sharding.batch_divisor`).
+      group_size: samples per prompt (rows g * G ... g * G + G - 1 are group g).
+
+    Returns:
+      (place, count): `place` holds [S, N] int32 arrays: `micro`, row r's micro-batch in step
+      s (-1: not trained in it); `row`, its packed row within its shard's rows; `offset`, the
+      packed row's position of its first token. `count`: [S] int32, micro-batches per step.
+    """
+    T, c, G = pack_length, pack_rows, group_size
+    P = rollouts.prompt_len
+    attn = rollouts.attn_mask_NL.astype(bool)
+    length_N = attn[:, : P + rollouts.mask_NM.shape[1]].sum(1)
+    N, S = len(length_N), len(step_rows)
     trained_N = rollouts.mask_NM.any(1)
-    # For each (micro-batch, shard): its packed rows, each a list of (position in shard, row).
-    packs = []
-    for k in range(K):
-        for s in range(shards):
-            shard_rows = micro_rows[k, s * per : (s + 1) * per]
-            bins, room = [], []
-            order = sorted(range(per), key=lambda i: -length_N[shard_rows[i]])
-            for i in order:
-                row = shard_rows[i]
-                if not trained_N[row]:
-                    continue
-                fit = next((b for b, r in enumerate(room) if r >= length_N[row]), None)
-                if fit is None:
-                    bins.append([])
-                    room.append(T)
-                    fit = len(bins) - 1
-                bins[fit].append((i, row))
-                room[fit] -= length_N[row]
-            packs.append(bins)
-    R_shard = min(per, row_bucket(max(len(b) for b in packs)))
-    R = R_shard * shards
-    tokens = np.zeros((K, R, T), np.int32)
-    positions = np.zeros((K, R, T), np.int32)
-    segments = np.zeros((K, R, T), np.int32)
-    gather = np.zeros((K, n, M), np.int32)
-    for (k, s), bins in zip(np.ndindex(K, shards), packs):
-        for b, members in enumerate(bins):
-            r, offset = s * R_shard + b, 0
-            for segment, (i, row) in enumerate(members, start=1):
-                p, c = prompt_N[row], completion_N[row]
-                seq = np.concatenate(
-                    [rollouts.tokens_NL[row, P - p : P], rollouts.tokens_NL[row, P : P + c]]
-                )
-                tokens[k, r, offset : offset + p + c] = seq
-                positions[k, r, offset : offset + p + c] = np.arange(p + c)
-                segments[k, r, offset : offset + p + c] = segment
-                start = b * T + offset + p - 1  # Predicts completion token 0.
-                gather[k, s * per + i] = np.minimum(start + m_M, R_shard * T - 1)
-                offset += p + c
-    return M, {"tokens": tokens, "positions": positions, "segments": segments, "gather": gather}
+    longest = length_N[trained_N].max(initial=0)
+    if longest > T:
+        raise ValueError(
+            f"learner.pack_length={T} is shorter than a trained sequence of the batch "
+            f"({int(longest)} tokens: prompt and completion)"
+        )
+    shard_N = np.arange(N) // (N // shards)
+    place = {k: np.full((S, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
+    count = np.zeros(S, np.int32)
+    for s, rows in enumerate(step_rows):
+        groups = [[r for r in rows[i : i + G] if trained_N[r]] for i in range(0, len(rows), G)]
+        groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))
+        rooms = []  # Per micro-batch, per shard: the room left in each of its packed rows.
+        for group in groups:
+            seqs = sorted(group, key=lambda r: -length_N[r])
+            u, fits = _place_group(rooms, seqs, length_N, shard_N, T, c, shards)
+            for r, (row, offset) in zip(seqs, fits):
+                place["micro"][s, r], place["row"][s, r], place["offset"][s, r] = u, row, offset
+        count[s] = len(rooms)
+    return place, count
+
+
+PLACE = ("micro", "row", "offset")
+
+
+def _place_group(rooms, seqs, length_N, shard_N, T, c, shards):
+    """(micro-batch, each sequence's (row, offset)) for a group's sequences `seqs`: the first
+    micro-batch of `rooms` they all fit in, else a new one (appended to `rooms`)."""
+    for u, micro in enumerate(rooms):
+        fits = _first_fit(micro, seqs, length_N, shard_N, T, c)
+        if fits is not None:
+            return u, fits
+    micro = [[] for _ in range(shards)]
+    fits = _first_fit(micro, seqs, length_N, shard_N, T, c)
+    if fits is None:
+        raise ValueError(
+            f"learner.pack_rows={c} rows of learner.pack_length={T} tokens per batch shard "
+            f"cannot hold one group's sequences (lengths {[int(length_N[r]) for r in seqs]}): "
+            "raise learner.pack_rows"
+        )
+    rooms.append(micro)
+    return len(rooms) - 1, fits
+
+
+def _first_fit(rooms, seqs, length_N, shard_N, T, c):
+    """Places `seqs` first-fit into a micro-batch's packed rows (`rooms[shard]`: room left per
+    row; at most `c` rows per shard), updating `rooms`; their (row, offset), or None (and
+    `rooms` unchanged) if one does not fit."""
+    trial = [list(r) for r in rooms]
+    out = []
+    for r in seqs:
+        shard, n = trial[shard_N[r]], length_N[r]
+        row = next((i for i, room in enumerate(shard) if room >= n), None)
+        if row is None:
+            if len(shard) == c:
+                return None
+            shard.append(T)
+            row = len(shard) - 1
+        out.append((row, T - shard[row]))
+        shard[row] -= n
+    rooms[:] = trial
+    return out
 
 
 class Spec(NamedTuple):
@@ -170,45 +201,43 @@ class Spec(NamedTuple):
     train_terms: tuple[str, ...]  # Computed with gradients.
     old_terms: tuple[str, ...]  # The trainer's terms before the update (`old_logp`, ...).
     ref: bool  # The chain reads `ref_logp`.
-    packed: bool
+    pack_length: int  # Tokens per packed row (0: unpacked).
+    pack_rows: int  # Packed rows per batch shard in a micro-batch.
+    max_micro: int  # The most packed micro-batches an optimizer step can need (its groups).
     minibatches: int
     chunk: int  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
     remat: str  # The decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
     offload_ref: bool  # The reference's params arrive in host memory.
 
 
-def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
-    """Per completion token, under the sampler's logits transform: `logp` of the taken token
-    (`targets_nM`), `entropy`, and `value` (of the state before the token). Computes only
-    `terms`. The forward rows `fwd` (one micro-batch of the plan) run through the decoder and
-    each completion token's hidden state is gathered within its batch shard."""
-    tokens_RT = fwd["tokens"]
-    if spec.packed:
-        h_RTD, _ = decoder.hidden(
-            spec.graphdef,
-            params,
-            tokens_RT,
-            fwd["positions"],
-            None,
-            segments_BT=fwd["segments"],
-            remat=spec.remat,
-        )
-    else:
-        h_RTD, _ = decoder.hidden(
-            spec.graphdef,
-            params,
-            tokens_RT,
-            fwd["positions"],
-            fwd["segments"] > 0,
-            remat=spec.remat,
-        )
+def token_terms(spec: Spec, params, value_params, fwd, targets, terms):
+    """Per completion token, under the sampler's logits transform: `logp` of the taken token,
+    `entropy`, and `value` (of the state before the token). Computes only `terms`.
+
+    Unpacked, `fwd` is one micro-batch of the plan (`plan`) and `targets` its rows'
+    completion tokens [n, M]: each completion token's hidden state is gathered within its
+    batch shard, then the vocabulary-sized terms computed on those alone. Packed, `fwd` is a
+    micro-batch's packed rows (`packed_micro`) with `targets` at every position: the terms
+    are computed at every position of the rows, then each completion token's is gathered
+    into its batch row ([N, M]).
+    """
+    h_RTD, _ = decoder.hidden(
+        spec.graphdef,
+        params,
+        fwd["tokens"],
+        fwd["positions"],
+        None if spec.pack_length else fwd["segments"] > 0,
+        segments_BT=fwd["segments"] if spec.pack_length else None,
+        remat=spec.remat,
+    )
     R, T, D = h_RTD.shape
-    n, M = targets_nM.shape
     d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
-    shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
-    h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
-    index_dX = _rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
-    h_nMD = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
+    if not spec.pack_length:
+        n, M = targets.shape
+        shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
+        h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
+        index_dX = _rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
+        h_RTD = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
     out = {}
     vocab_terms = tuple(t for t in ("logp", "entropy") if t in terms)
     if vocab_terms:
@@ -216,8 +245,8 @@ def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
             vocab_token_terms(
                 spec.graphdef,
                 params,
-                h_nMD,
-                targets_nM,
+                h_RTD,
+                targets,
                 spec.logits_cfg,
                 vocab_terms,
                 spec.chunk,
@@ -225,8 +254,60 @@ def token_terms(spec: Spec, params, value_params, fwd, targets_nM, terms):
             )
         )
     if "value" in terms:
-        out["value"] = h_nMD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+        out["value"] = h_RTD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+    if spec.pack_length:  # From the packed rows' positions to the batch rows' tokens.
+        N, M = fwd["gather"].shape
+        index_dX = _rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
+        out = {
+            k: jax.vmap(jnp.take)(
+                _rows_sharded(v.reshape(d, R // d * T), spec.mesh), index_dX
+            ).reshape(N, M)
+            for k, v in out.items()
+        }
     return out
+
+
+def packed_micro(spec: Spec, batch, place, u):
+    """Micro-batch `u` of an optimizer step, packed on the device from the batch's rows
+    (`batch["tokens"]`, `batch["attn"]`: [N, W], completions in the last M) by the step's
+    `place` (`pack`, [N]
+    each): each batch shard writes its rows' sequences into its own `pack_rows` rows (a
+    scatter, no communication).
+
+    Returns (fwd, in_N): the forward rows `tokens`, `positions`, `segments` (0 on padding,
+    else the sequence's row within its shard plus 1) and `targets` (the next token where it
+    is a completion token), [d * pack_rows, pack_length] each; `gather` [N, M], the flat
+    index within row r's shard of the packed rows of the position predicting its completion
+    token m; and `in_N`, the rows in the micro-batch.
+    """
+    tokens_NL, attn_NL = batch["tokens"], batch["attn"]
+    N, L = tokens_NL.shape
+    M = batch["mask"].shape[1]
+    P = L - M
+    d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
+    T, c = spec.pack_length, spec.pack_rows
+    in_N = place["micro"] == u
+    start_N = place["row"] * T + place["offset"]
+    pos_NL = jnp.maximum(jnp.cumsum(attn_NL, axis=1) - 1, 0)
+    dest_NL = jnp.where(attn_NL & in_N[:, None], start_N[:, None] + pos_NL, c * T)
+    prompt_N = jnp.sum(attn_NL[:, :P], axis=1)
+    gather_NM = jnp.minimum(start_N[:, None] + prompt_N[:, None] - 1 + jnp.arange(M), c * T - 1)
+    into_NM = jnp.where(attn_NL[:, P:] & in_N[:, None], gather_NM, c * T)
+
+    def scatter(dest, values):  # Per batch shard: [N / d, ...] values -> [c * T].
+        dest, values = (_rows_sharded(x.reshape(d, -1), spec.mesh) for x in (dest, values))
+        rows = jax.vmap(lambda i, v: jnp.zeros(c * T, jnp.int32).at[i].set(v, mode="drop"))
+        return _rows_sharded(rows(dest, values.astype(jnp.int32)), spec.mesh).reshape(d * c, T)
+
+    segment_N = jnp.arange(N) % (N // d) + 1
+    fwd = {
+        "tokens": scatter(dest_NL, tokens_NL),
+        "positions": scatter(dest_NL, pos_NL),
+        "segments": scatter(dest_NL, jnp.broadcast_to(segment_N[:, None], (N, L))),
+        "targets": scatter(into_NM, tokens_NL[:, P:]),  # At the position predicting each.
+        "gather": gather_NM,
+    }
+    return fwd, in_N
 
 
 def vocab_token_terms(
@@ -357,56 +438,134 @@ def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
     return new, optax.tree.norm(grads), ok
 
 
+class Micro(NamedTuple):
+    """One micro-batch, as the update's loops see it: its forward rows (`token_terms`'s
+    `fwd`) and its completion tokens, how its terms are taken from the whole batch's
+    (`select`: unpacked, its rows; packed, every row, the others out of the mask), and how
+    per-token terms computed on it go back into [N, M] arrays (`merge`)."""
+
+    fwd: dict
+    targets: jax.Array
+    select: Any
+    merge: Any
+
+
+def _micro(spec: Spec, batch, step_inputs, u) -> Micro:
+    """Micro-batch `u` of an optimizer step (`step_inputs`: its slice of the update's `fwd`
+    and `rows` arguments)."""
+    if spec.pack_length:
+        fwd, in_N = packed_micro(spec, batch, step_inputs["place"], u)
+
+        def select(terms):
+            return {**terms, "mask": terms["mask"] * in_N[:, None].astype(terms["mask"].dtype)}
+
+        return Micro(
+            fwd,
+            fwd["targets"],
+            select,
+            lambda acc, v: _rows_sharded(jnp.where(in_N[:, None], v, acc), spec.mesh),
+        )
+    fwd = jax.tree.map(lambda x: x[u], step_inputs["fwd"])
+    rows = step_inputs["rows"][u]
+    return Micro(
+        fwd,
+        _rows_sharded(batch["targets"][rows], spec.mesh),
+        lambda terms: {k: _rows_sharded(v[rows], spec.mesh) for k, v in terms.items()},
+        lambda acc, v: _rows_sharded(acc.at[rows].set(v), spec.mesh),
+    )
+
+
+def _micro_loop(f, carry, count, length: int):
+    """`f(carry, u) -> (carry, out)` over micro-batches u < `count`, the outputs stacked
+    [length]. A static `count` (unpacked) is a `lax.scan`; a traced one (packed: it follows
+    the batch) a `fori_loop` that leaves zeros past `count`."""
+    if isinstance(count, int):
+        return jax.lax.scan(f, carry, jnp.arange(length))
+    shapes = jax.eval_shape(lambda c: f(c, 0)[1], carry)
+    outs = jax.tree.map(lambda x: jnp.zeros((length, *x.shape), x.dtype), shapes)
+
+    def body(u, c):
+        carry, outs = c
+        carry, out = f(carry, u)
+        return carry, jax.tree.map(lambda b, o: b.at[u].set(o), outs, out)
+
+    return jax.lax.fori_loop(0, count, body, (carry, outs))
+
+
+def _scan_steps(f, carry, steps, count):
+    """`lax.scan` of `f(carry, step_inputs, count) -> (carry, out)` over optimizer steps:
+    `count` is a step's micro-batches, [S] when packed, one int for all steps unpacked."""
+    if isinstance(count, int):
+        return jax.lax.scan(lambda c, x: f(c, x, count), carry, steps)
+    return jax.lax.scan(lambda c, x: f(c, *x), carry, (steps, count))
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
 def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Spec):
-    """One batch's whole update, compiled once per shape.
+    """One batch's whole update, compiled once per shape (packed: once per trimmed length,
+    whatever the number of micro-batches the batch fills).
 
     1. Where the chain reads them, the trainer's old terms (`old_logp`, `old_value`) and the
        reference's `ref_logp`, with the params the update starts from, over the first epoch's
        micro-batches (which hold every row once).
     2. The batch-stage transforms (advantages) on the whole batch.
-    3. S optimizer steps (`lax.scan`), each accumulating the gradient sums of its U
-       micro-batches (`lax.scan`) and dividing once by their summed denominator.
+    3. S optimizer steps (`lax.scan`), each accumulating the gradient sums of its
+       micro-batches and dividing once by their summed denominator.
 
     Args:
       state: the train state (donated).
       ref_params: the reference's params (unused unless `spec.ref`).
       batch: per row [N] or [N, M]: `targets` (completion tokens), `mask`, `sampler_logp`,
-        `reward`, `correct`, `row_weight`.
-      fwd: the forward plan (`plan`), its arrays reshaped to [S, U, ...].
-      rows_SUn: the rows of each micro-batch.
+        `reward`, `correct`, `row_weight`; packed, also `tokens` and `attn` [N, W] (prompts
+        left-padded to W - M tokens).
+      fwd: unpacked, the forward plan (`plan`), its arrays reshaped to [S, U, ...]; packed,
+        `place` ([S, N] arrays of `pack`) and `count` [S].
+      rows_SUn: the rows of each micro-batch (unpacked).
       spec: the static specialization.
 
     Returns:
       (state, metrics): per micro-batch [S, U] `loss_sum`, `denominator`, the loss
-      transforms' `metrics` and `match` (`logp_match_stats`); per step [S] `grad_norm` and
-      `ok` (False where a non-finite loss or gradient skipped the step); and with `old_logp`,
+      transforms' `metrics` and `match` (`logp_match_stats`), zeros past a step's count when
+      packed (U: `spec.max_micro`); per step [S] `grad_norm` and `ok` (False where a
+      non-finite loss or gradient skipped the step); and with `old_logp`,
       `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's trained tokens).
     """
     N, M = batch["mask"].shape
-    terms, metrics = dict(batch), {}
+    terms = {k: v for k, v in batch.items() if k not in ("tokens", "attn")}
+    metrics = {}
+    if spec.pack_length:
+        steps, count, length = {"place": fwd["place"]}, fwd["count"], spec.max_micro
+    else:
+        U = rows_SUn.shape[1]
+        steps, count, length = {"fwd": fwd, "rows": rows_SUn}, U, U
     if spec.ref and spec.offload_ref:  # Into device memory for this update only.
         ref_params = jax.device_put(ref_params, jax.memory.Space.Device)
     if spec.old_terms or spec.ref:
-        first = jax.tree.map(lambda x: x[: spec.minibatches].reshape(-1, *x.shape[2:]), fwd)
-        rows_Kn = rows_SUn[: spec.minibatches].reshape(-1, rows_SUn.shape[-1])
+        names = [f"old_{t}" for t in spec.old_terms] + ["ref_logp"] * spec.ref
+        full = {k: _rows_sharded(jnp.zeros((N, M), jnp.float32), spec.mesh) for k in names}
 
-        def no_grad_pass(_, xs):
-            f, rows = xs
-            targets = _rows_sharded(batch["targets"][rows], spec.mesh)
-            out = {}
-            if spec.old_terms:
-                t = token_terms(spec, state.params, state.value_params, f, targets, spec.old_terms)
-                out.update({f"old_{k}": v for k, v in t.items()})
-            if spec.ref:
-                t = token_terms(spec, ref_params, state.value_params, f, targets, ("logp",))
-                out["ref_logp"] = t["logp"]
-            return None, out
+        def no_grad_pass(acc, step_inputs, count):
+            def one(acc, u):
+                m = _micro(spec, batch, step_inputs, u)
+                out = {}
+                if spec.old_terms:
+                    t = token_terms(
+                        spec, state.params, state.value_params, m.fwd, m.targets, spec.old_terms
+                    )
+                    out.update({f"old_{k}": v for k, v in t.items()})
+                if spec.ref:
+                    t = token_terms(
+                        spec, ref_params, state.value_params, m.fwd, m.targets, ("logp",)
+                    )
+                    out["ref_logp"] = t["logp"]
+                return {k: m.merge(acc[k], out[k]) for k in acc}, None
 
-        _, outs = jax.lax.scan(no_grad_pass, None, (first, rows_Kn))
-        for k, v_KnM in outs.items():
-            full = jnp.zeros((N, M), v_KnM.dtype).at[rows_Kn.reshape(-1)].set(v_KnM.reshape(-1, M))
-            terms[k] = _rows_sharded(full, spec.mesh)
+            return _micro_loop(one, acc, count, length)
+
+        first = jax.tree.map(lambda x: x[: spec.minibatches], steps)  # Every row once.
+        first_count = count if isinstance(count, int) else count[: spec.minibatches]
+        full, _ = _scan_steps(no_grad_pass, full, first, first_count)
+        terms.update(full)
     if "old_logp" in terms:  # How far the sampler's numerics are from the learner's.
         mask_f = batch["mask"].astype(jnp.float32)
         metrics["trainer_logp_gap"] = jnp.sum(
@@ -414,18 +573,16 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
         ) / jnp.maximum(jnp.sum(mask_f), 1.0)
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
     terms.pop("metrics", None)
+    terms.pop("targets")
 
-    def optimizer_step(train: TrainState, xs):
-        fwd_U, rows_Un = xs
-
-        def micro(carry, xs):
+    def optimizer_step(train: TrainState, step_inputs, count):
+        def micro(carry, u):
             grads_acc, loss_state = carry
-            f, rows = xs
-            mb = {k: _rows_sharded(v[rows], spec.mesh) for k, v in terms.items()}
-            targets = mb.pop("targets")
+            m = _micro(spec, batch, step_inputs, u)
+            mb = m.select(terms)
 
             def loss_fn(params, value_params):
-                t = token_terms(spec, params, value_params, f, targets, spec.train_terms)
+                t = token_terms(spec, params, value_params, m.fwd, m.targets, spec.train_terms)
                 out, new_state = spec.objective.loss.update(
                     {**mb, **t, "update": train.step}, loss_state
                 )
@@ -446,8 +603,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
         zeros = jax.tree.map(
             lambda x: jnp.zeros(x.shape, jnp.float32), (train.params, train.value_params)
         )
-        (grads, loss_state), per_micro = jax.lax.scan(
-            micro, (zeros, train.loss_state), (fwd_U, rows_Un)
+        (grads, loss_state), per_micro = _micro_loop(
+            micro, (zeros, train.loss_state), count, length
         )
         train = train._replace(loss_state=loss_state)
         train, grad_norm, ok = _apply_grads(
@@ -459,8 +616,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
         )
         return train, {**per_micro, "grad_norm": grad_norm, "ok": ok}
 
-    state, per_step = jax.lax.scan(
-        optimizer_step, state._replace(batch_state=batch_state), (fwd, rows_SUn)
+    state, per_step = _scan_steps(
+        optimizer_step, state._replace(batch_state=batch_state), steps, count
     )
     return state, {**per_step, **metrics}
 
@@ -535,6 +692,8 @@ class Learner:
       max_len: the completion budget (`sampling.max_new_tokens`).
       length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
       pack_length: tokens per packed row (0: unpacked).
+      pack_rows: packed rows per batch shard in a micro-batch (0: `group_size`, which holds
+        any group).
       logprob_chunk: completion tokens per batch shard in each chunk of the logprob and
         entropy computation (`vocab_token_terms`).
       remat: the decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
@@ -558,6 +717,7 @@ class Learner:
     seed: int
     programs: Any
     logprob_chunk: int = 0
+    pack_rows: int = 0
     remat: str = "none"
     offload_ref: bool = False
 
@@ -573,7 +733,9 @@ class Learner:
             train_terms=tuple(t for t in FORWARD_TERMS if t in need or t == "logp"),
             old_terms=old_terms,
             ref="ref_logp" in need,
-            packed=bool(self.pack_length),
+            pack_length=self.pack_length,
+            pack_rows=self.pack_rows or self.group_size,
+            max_micro=0,  # Set per batch size by `update`.
             minibatches=self.minibatches,
             chunk=self.logprob_chunk,
             remat=self.remat,
@@ -637,38 +799,8 @@ class Learner:
         params, so the metrics measure the sampler's numerics alone (with asynchronous
         generation, the policy lag too).
         """
-        rows_SUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
-        S, U, n = rows_SUn.shape
-        divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
-        M, fwd = plan(
-            rollouts,
-            rows_SUn.reshape(S * U, n),
-            max_len=self.max_len,
-            buckets=self.length_buckets,
-            pack_length=self.pack_length,
-            shards=divisor,
-        )
-        # What the forward rows hold: a bucket per compiled program, and their padding.
-        shape = {
-            "train/length_bucket": M,
-            "train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0)),
-        }
-        P = rollouts.prompt_len
-        host = {
-            "targets": rollouts.tokens_NL[:, P : P + M],
-            "mask": rollouts.mask_NM[:, :M],
-            "reward": rollouts.reward_N.astype(np.float32),
-            "correct": rollouts.correct_N,
-            "row_weight": rollouts.row_weight_N.astype(np.float32),
-            "sampler_logp": rollouts.sampler_logp_NM[:, :M],
-        }
-        batch = sharding.put_batch(host, self.mesh, sharding.TRAIN_RULES)
-        # Forward rows sharded on R (dim 2); the micro-batches' rows are small and replicated.
-        fwd = {k: v.reshape(S, U, *v.shape[1:]) for k, v in fwd.items()}
-        fwd = sharding.put_batch(fwd, self.mesh, sharding.TRAIN_RULES, axis=2)
-        rows = sharding.replicate(rows_SUn, self.mesh)
-        args = (state, ref_params, batch, fwd, rows)
-        state, out = self.programs.run("update_step", update_step, args, dict(spec=self.spec))
+        args, static, shape = self._inputs(state, ref_params, rollouts, step)
+        state, out = self.programs.run("update_step", update_step, args, static)
         metrics = {
             **shape,
             "train/loss_sum": out["loss_sum"],
@@ -680,3 +812,73 @@ class Learner:
         if "trainer_logp_gap" in out:
             metrics["train/trainer_logp_gap"] = out["trainer_logp_gap"]
         return state, metrics, out["ok"]
+
+    def precompile(self, state: TrainState, ref_params, rows: int) -> bool:
+        """Starts compiling the update of every batch of `rows` rows in the background
+        (`Programs.prefetch`), where one program serves them all: packed, with one completion
+        length. A run calls it before its first evaluation, which the compilation then
+        overlaps. Returns whether it started."""
+        if not self.pack_length or self.length_buckets != 1:
+            return False
+        batch = rollouts_lib.full_length(rows, 1, self.max_len)  # Any prompt length will do.
+        args, static, _ = self._inputs(state, ref_params, batch, step=0)
+        self.programs.prefetch("update_step", update_step, args, static)
+        return True
+
+    def _inputs(self, state: TrainState, ref_params, rollouts, step: int):
+        """`update_step`'s arguments and static arguments for a batch, on the mesh, and the
+        metrics of its layout (what the forward rows hold: a bucket per compiled program,
+        and their padding)."""
+        rows_SUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
+        S, U, n = rows_SUn.shape
+        divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
+        M = trimmed_length(rollouts, self.max_len, self.length_buckets)
+        P = rollouts.prompt_len
+        host = {
+            "targets": rollouts.tokens_NL[:, P : P + M].astype(np.int32),
+            "mask": rollouts.mask_NM[:, :M].astype(bool),
+            "reward": rollouts.reward_N.astype(np.float32),
+            "correct": rollouts.correct_N.astype(bool),
+            "row_weight": rollouts.row_weight_N.astype(np.float32),
+            "sampler_logp": rollouts.sampler_logp_NM[:, :M].astype(np.float32),
+        }
+        spec = self.spec
+        put = functools.partial(sharding.put_batch, mesh=self.mesh, rules=sharding.TRAIN_RULES)
+        if self.pack_length:
+            # The rows, their prompts left-padded or cut to pack_length - 1 tokens (which hold
+            # any packed sequence's): the program's shapes do not depend on the prompt bucket.
+            W, keep = self.pack_length - 1 + M, min(P, self.pack_length - 1)
+            host["tokens"] = np.zeros((len(host["mask"]), W), np.int32)
+            host["attn"] = np.zeros((len(host["mask"]), W), bool)
+            host["tokens"][:, W - M - keep :] = rollouts.tokens_NL[:, P - keep : P + M]
+            host["attn"][:, W - M - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
+            place, count = pack(
+                rollouts,
+                rows_SUn.reshape(S, U * n),
+                pack_length=self.pack_length,
+                pack_rows=spec.pack_rows,
+                shards=divisor,
+                group_size=self.group_size,
+            )
+            spec = spec._replace(max_micro=U * n // self.group_size)
+            trained = np.where(place["micro"] >= 0, host["attn"].sum(1), 0).sum()
+            run = int(count.sum()) * spec.pack_rows * divisor * self.pack_length
+            shape = {
+                "train/padding_frac": 1.0 - trained / max(run, 1),
+                # Per micro-batch metrics past a step's count are zeros.
+                "train/micro_ran": np.arange(spec.max_micro) < count[:, None],
+            }
+            fwd = {"place": put(place, axis=1), "count": sharding.replicate(count, self.mesh)}
+        else:
+            _, fwd = plan(
+                rollouts,
+                rows_SUn.reshape(S * U, n),
+                max_len=self.max_len,
+                buckets=self.length_buckets,
+                shards=divisor,
+            )
+            shape = {"train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0))}
+            # Forward rows sharded on their rows (dim 2); micro-batches' rows replicated.
+            fwd = put({k: v.reshape(S, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
+        args = (state, ref_params, put(host), fwd, sharding.replicate(rows_SUn, self.mesh))
+        return args, {"spec": spec}, {"train/length_bucket": M, **shape}

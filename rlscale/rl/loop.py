@@ -45,10 +45,14 @@ class Loop:
     @contextlib.contextmanager
     def running(self):
         """Preemption handling and cleanup around the steps (yields the cleanup stack, for a
-        driver's own closers); a fresh run's step-0 evaluation first."""
+        driver's own closers); a fresh run's step-0 evaluation first, while the learner's
+        update compiles in the background where its shapes are known ahead
+        (`Learner.precompile`)."""
         with preemption.PreemptionGuard() as self.guard, contextlib.ExitStack() as cleanup:
             for closer in (self.s.close, self.source.close, self.ckpt.close, self.writer.close):
                 cleanup.callback(closer)
+            b = self.config.batch
+            self.s.learner.precompile(self.run.train, self.s.ref_params, b.prompts * b.group_size)
             if self.start == 0:
                 self.writer.write(0, self.evaluate(0))
             yield cleanup

@@ -51,10 +51,14 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
     mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
+    ran = mets.pop("train/micro_ran", None)  # Packed: [S, U], the micro-batches each step ran.
     if "train/logp_match_stats" in mets:  # The first step's micro-batches -> gap, Pearson r.
         match = mets.pop("train/logp_match_stats")
-        chunks = [{k: v[0, u] for k, v in match.items()} for u in range(len(match["n"][0]))]
+        first = len(match["n"][0]) if ran is None else int(ran[0].sum())
+        chunks = [{k: v[0, u] for k, v in match.items()} for u in range(first)]
         mets.update(learner.logp_match(chunks))
+    if ran is not None:  # Per micro-batch metrics past a step's count are zeros: left out.
+        mets = {k: v[ran] if np.shape(v) == ran.shape else v for k, v in mets.items()}
     failures = stats["failures"]
     if "time/step_s" in times:  # Generated tokens kept for training, per second of the step.
         times = {**times, "time/tokens_per_s": float(stats["lengths"].sum()) / times["time/step_s"]}

@@ -41,6 +41,24 @@ class Rollouts:
     prompt_len: int
 
 
+def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
+    """A batch of `rows` rows whose prompts fill `prompt_len` tokens and whose completions
+    are all `max_new_tokens` long and trained on: the largest update a run with these
+    settings compiles (its values are zeros)."""
+    N, P, M = rows, prompt_len, max_new_tokens
+    return Rollouts(
+        tokens_NL=np.zeros((N, P + M), np.int32),
+        attn_mask_NL=np.ones((N, P + M), bool),
+        mask_NM=np.ones((N, M), bool),
+        sampler_logp_NM=np.zeros((N, M), np.float32),
+        reward_N=np.zeros((N,), np.float32),
+        correct_N=np.zeros((N,), bool),
+        row_weight_N=np.ones((N,), np.float32),
+        version_NM=np.zeros((N, M), np.int32),
+        prompt_len=P,
+    )
+
+
 class RolloutSource:
     """The training prompt stream turned into the learner's batches.
 

@@ -198,6 +198,7 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
         max_len=M,
         length_buckets=u.length_buckets,
         pack_length=u.pack_length,
+        pack_rows=u.pack_rows,
         seed=config.seed,
         programs=progs,
         logprob_chunk=u.logprob_chunk,

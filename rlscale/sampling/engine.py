@@ -8,6 +8,11 @@ behind the write index; a finished sample leaves its slot to the next request (c
 batching), and a request is returned when all its samples are done. C = longest prompt
 bucket + max_new_tokens, so a live sequence never overwrites itself.
 
+On a mesh the slots split over its batch axes into shards. A request's samples take free
+slots on as few shards as they can (`take_slots`), and each shard they reach prefills the
+request for its own slots (`prefill_rows`): a device prefills only its share of the
+requests and writes only into its own slots, with no collective and no full-width rows.
+
 Weights can change between decode calls (`Generator.set_params`): live sequences keep the
 KV cache built by the old weights and continue under the new ones. The engine carries the
 next token's logits, so on a change it re-runs each live row's last token under the new
@@ -18,8 +23,9 @@ static sampler's (`sampler.decode_step`); a sample draws with its own key
 (fold_in(request key, sample)), so a request gets the same completion whatever slot it lands
 in and whatever else is decoding.
 
-Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R requests of one
-prefill call, P their padded prompt length, G samples per request.
+Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one
+prefill call (a request per shard it reaches, padded), P their padded prompt length, G
+samples per request, N = R x G.
 """
 
 import dataclasses
@@ -31,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from rlscale import sharding
 from rlscale.model import decoder
@@ -107,49 +113,105 @@ def insert(
     cfg,
     layout,
 ):
-    """Prefills R left-padded prompts once and writes each into G slots (`slot_RG`, row-major;
-    an index >= S is a padding request and writes nothing), behind the ring's write index.
-    `keydata_R` holds the requests' keys as `jax.random.key_data`."""
+    """Prefills R left-padded prompts once and writes sample g of row r into slot
+    `slot_RG[r, g]` (an index >= S writes nothing: a padding row, or a sample another row
+    places), behind the ring's write index. `keydata_R` holds the rows' request keys as
+    `jax.random.key_data`; sample g draws with fold_in(key, g).
+
+    On a mesh the rows split over the batch axes as the slots do, and every slot of a row
+    lies in its own shard (`prefill_rows` lays them out so): each device prefills its rows
+    only and writes them into its own slots (`_place`, under `shard_map`)."""
     R, P = tokens_RP.shape
-    G = cfg.num_samples
-    C = state.cache.valid_BS.shape[1]
     positions_RP = decoder.positions_from_mask(mask_RP)
-    h, prompt_cache = decoder.hidden(
-        graphdef, params, tokens_RP, positions_RP, mask_RP, decoder.init_cache(model_cfg, R, P)
+    cache_axes = decoder.cache_logical_axes(model_cfg)
+    cache = _constrain(decoder.init_cache(model_cfg, R, P), cache_axes, layout)
+    h, prompt = decoder.hidden(graphdef, params, tokens_RP, positions_RP, mask_RP, cache)
+    new = {
+        "k": prompt.k,
+        "v": prompt.v,
+        "mask_RP": mask_RP,
+        "logits_RV": decoder.logits(graphdef, params, h[:, -1:])[:, 0].astype(jnp.float32),
+        "pos_R": positions_RP[:, -1] + 1,
+        "last_R": tokens_RP[:, -1],
+        "key_R": jax.random.wrap_key_data(keydata_R),
+    }
+    place = functools.partial(_place, cfg=cfg)
+    if layout is None:
+        return place(state, new, slot_RG, limit_RG, first_slot=0)
+    specs = jax.tree.map(
+        lambda s: s.spec,
+        sharding.tree_shardings(state, _state_axes(model_cfg, state), layout.mesh, layout.rules),
     )
-    logits_RV = decoder.logits(graphdef, params, h[:, -1:])[:, 0].astype(jnp.float32)
+    batch = specs.limit_S[0]  # The mesh axes the slots split over (None: not split).
+    new_specs = {
+        "k": specs.cache.k,
+        "v": specs.cache.v,
+        "mask_RP": specs.cache.valid_BS,
+        "logits_RV": specs.logits_SV,
+        "pos_R": specs.pos_S,
+        "last_R": specs.last_S,
+        "key_R": specs.key_S,
+    }
+
+    def local(state, new, slot_RG, limit_RG):
+        S = state.limit_S.shape[0]
+        first = 0 if batch is None else jax.lax.axis_index(batch) * S
+        return place(state, new, slot_RG, limit_RG, first_slot=first)
+
+    rows = PartitionSpec(batch, None)
+    return jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(specs, new_specs, rows, rows), out_specs=specs
+    )(state, new, slot_RG, limit_RG)
+
+
+def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot) -> EngineState:
+    """Writes R prefilled rows (`insert`'s `new`) into the slots of `state`, which may be one
+    shard's: its slot i is slot `first_slot` + i of the engine; a slot outside it writes
+    nothing.
+
+    A new slot gets the prompt's KV columns (just behind the write index) and a validity row
+    that is False everywhere else. Its other KV columns keep what an earlier sequence wrote
+    there: attention gives a column that is not valid a weight of exactly 0 (its score is
+    the float32 minimum), so those finite values add exactly 0, and no full-width row is
+    built per layer."""
+    S = state.limit_S.shape[0]
+    C = state.cache.valid_BS.shape[1]
+    R, G = slot_RG.shape
+    P = new["mask_RP"].shape[1]
+    local_N = slot_RG.reshape(-1) - first_slot
+    slot_N = jnp.where((local_N >= 0) & (local_N < S), local_N, S)
     tile = functools.partial(jnp.repeat, repeats=G, axis=0)
-    slot_N = slot_RG.reshape(-1)
     cols_P = (state.cache.index - P + jnp.arange(P)) % C
 
-    def place(ring, part, axis):  # The prompt's columns of each new row; the rest cleared.
-        row = jnp.zeros((R * G,) + ring.shape[1:], ring.dtype)
-        index = (slice(None),) * axis + (cols_P,)
-        return ring.at[slot_N].set(row.at[index].set(tile(part).astype(ring.dtype)), mode="drop")
+    def put(x, update):
+        return x.at[slot_N].set(update, mode="drop")
 
-    cache = state.cache._replace(
-        k=tuple(place(r, k, 3) for r, k in zip(state.cache.k, prompt_cache.k)),
-        v=tuple(place(r, v, 2) for r, v in zip(state.cache.v, prompt_cache.v)),
-        valid_BS=place(state.cache.valid_BS, mask_RP, 1),
+    # The prompt's columns of the new slots: [N, P, ...] updates at (slot, column).
+    k = tuple(
+        ring.at[slot_N[:, None], :, :, cols_P].set(
+            tile(part).transpose(0, 3, 1, 2).astype(ring.dtype), mode="drop"
+        )
+        for ring, part in zip(state.cache.k, new["k"])
     )
-    key_R = jax.random.wrap_key_data(keydata_R)
-    keys_N = jax.vmap(jax.random.fold_in)(tile(key_R), jnp.tile(jnp.arange(G), R))
-
-    def put(x, new):
-        return x.at[slot_N].set(new, mode="drop")
-
+    v = tuple(
+        ring.at[slot_N[:, None], :, cols_P].set(
+            tile(part).transpose(0, 2, 1, 3).astype(ring.dtype), mode="drop"
+        )
+        for ring, part in zip(state.cache.v, new["v"])
+    )
+    valid_NC = jnp.zeros((R * G, C), bool).at[:, cols_P].set(tile(new["mask_RP"]))
+    keys_N = jax.vmap(jax.random.fold_in)(tile(new["key_R"]), jnp.tile(jnp.arange(G), R))
     fresh = empty_rows(R * G, cfg.max_new_tokens, cfg.pad_id)
-    state = state._replace(
-        cache=cache,
-        logits_SV=put(state.logits_SV, tile(logits_RV)),
-        pos_S=put(state.pos_S, tile(positions_RP[:, -1] + 1)),
+    return state._replace(
+        cache=state.cache._replace(k=k, v=v, valid_BS=put(state.cache.valid_BS, valid_NC)),
+        logits_SV=put(state.logits_SV, tile(new["logits_RV"])),
+        pos_S=put(state.pos_S, tile(new["pos_R"])),
         key_S=put(state.key_S, keys_N),
         limit_S=put(state.limit_S, limit_RG.reshape(-1)),
-        last_S=put(state.last_S, tile(tokens_RP[:, -1])),
+        last_S=put(state.last_S, tile(new["last_R"])),
         version_SM=put(state.version_SM, jnp.zeros_like(fresh["tokens_NM"])),
-        rows={k: put(v, fresh[k]) for k, v in state.rows.items()},
+        rows={name: put(x, fresh[name]) for name, x in state.rows.items()},
     )
-    return _constrain(state, _state_axes(model_cfg, state), layout)
 
 
 @functools.partial(
@@ -212,6 +274,38 @@ def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
         version=jnp.asarray(version, jnp.int32),
     )
     return _constrain(state, _state_axes(model_cfg, state), layout)
+
+
+def take_slots(free: list[int], n: int, shard_slots: int) -> list[int]:
+    """Takes `n` slots out of `free` (ascending) for one request's samples: from the shards
+    (runs of `shard_slots` slots) with the most free slots first, so the request reaches as
+    few shards as it can (each shard it reaches prefills it) and the shards fill evenly. With
+    one shard: the lowest free slots."""
+    by_shard: dict[int, list[int]] = {}
+    for s in free:
+        by_shard.setdefault(s // shard_slots, []).append(s)
+    fullest = sorted(by_shard.values(), key=len, reverse=True)  # Stable: lower shards first.
+    own = [s for group in fullest for s in group][:n]
+    taken = set(own)
+    free[:] = [s for s in free if s not in taken]
+    return own
+
+
+def prefill_rows(owned: Sequence[Sequence[int]], slots: int, shards: int) -> list:
+    """`insert`'s rows for requests holding the slots `owned` (request i's sample g in slot
+    owned[i][g]), the slots split into `shards` equal runs: one row per request and shard it
+    has slots on, that row's slots in its own shard. Each shard's rows are padded to the
+    same power of two (few prefill programs), shard after shard.
+
+    Returns R entries, (request index, slot of each sample: `slots` for one the row does not
+    place) or None for a padding row."""
+    shard_slots = slots // shards
+    rows: list[list] = [[] for _ in range(shards)]
+    for i, own in enumerate(owned):
+        for d in sorted({s // shard_slots for s in own}):
+            rows[d].append((i, [s if s // shard_slots == d else slots for s in own]))
+    per = 1 << (max(map(len, rows)) - 1).bit_length()
+    return [d[j] if j < len(d) else None for d in rows for j in range(per)]
 
 
 @dataclasses.dataclass
@@ -295,8 +389,8 @@ class Generator:
         problems = []
         if slots < G or slots % G:
             problems.append(f"slots={slots} must be a positive multiple of num_samples={G}")
+        div = 1 if mesh is None else sharding.batch_divisor(mesh, rules)
         if mesh is not None:
-            div = sharding.batch_divisor(mesh, rules)
             if slots % div:
                 problems.append(
                     f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
@@ -316,6 +410,7 @@ class Generator:
         if problems:
             raise ValueError("Invalid generator: " + "; ".join(problems))
         self.cfg, self.slots, self.max_prompt_len = cfg, slots, max_prompt_len
+        self.shards = div  # The slots' split over the mesh's batch axes.
         self.model_cfg = model_cfg
         self.layout = None if mesh is None else _Layout(mesh, rules)
         self.static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=cfg, layout=self.layout)
@@ -379,11 +474,11 @@ class Generator:
         if self._stale:
             if self.running:
                 t = time.perf_counter()
-                self.state = self._run("engine_refresh", refresh, (self.version,))
+                self.state = self._run("engine_refresh", refresh, self._replicated(self.version))
                 jax.block_until_ready(self.state)
                 self.stats.swap_s += time.perf_counter() - t
             else:  # Nothing live: the new version takes effect at the next prefill.
-                self.state = self.state._replace(version=self._replicated(self.version))
+                self.state = self.state._replace(version=self._replicated(self.version)[0])
             self._stale = False
         self._admit()
         if not self.running:
@@ -393,7 +488,7 @@ class Generator:
         # slots at a time (each admission is a prefill program that reads every weight).
         G = self.cfg.num_samples
         wanted = max(G, self.slots // 8 // G * G) - len(self.free) if self.queue else 0
-        args = (np.int32(max_steps), np.int32(wanted))
+        args = self._replicated(np.int32(max_steps), np.int32(wanted))
         self.state, steps, tokens = self._run("engine_decode", decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
         self.stats.decode_s += time.perf_counter() - t
@@ -404,16 +499,19 @@ class Generator:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _replicated(self, x):
-        x = jnp.asarray(x)
+    def _replicated(self, *xs) -> tuple:
+        """Host values -> copies on every device of the generator's mesh."""
+        xs = tuple(jnp.asarray(x) for x in xs)
+        return xs if self.layout is None else tuple(sharding.replicate(xs, self.layout.mesh))
+
+    def _rows(self, *xs) -> tuple:
+        """Host rows -> arrays split over the mesh's batch axes, as the slots are."""
         if self.layout is None:
-            return x
-        return sharding.replicate([x], self.layout.mesh)[0]
+            return xs
+        return tuple(sharding.put_batch(xs, self.layout.mesh, self.layout.rules))
 
     def _run(self, name, fn, extra):
         args = (self.params, self.state, *extra)
-        if self.layout is not None:
-            args = args[:2] + tuple(sharding.replicate(list(args[2:]), self.layout.mesh))
         if self.programs is not None:
             return self.programs.run(name, fn, args, self.static)
         return fn(*args, **self.static)
@@ -425,30 +523,35 @@ class Generator:
             return
         if not self.running:  # Idle: restart the ring, so the same work computes the same
             # bits whatever ran before (a resumed run samples as the uninterrupted one did).
-            cache = self.state.cache._replace(index=self._replicated(np.int32(0)))
+            cache = self.state.cache._replace(index=self._replicated(np.int32(0))[0])
             self.state = self.state._replace(cache=cache)
         taken, self.queue = self.queue[:fits], self.queue[fits:]
         by_bucket: dict[int, list] = {}
         for r, keydata in taken:
             by_bucket.setdefault(self.cfg.bucket(len(r.prompt)), []).append((r, keydata))
         for P, reqs in sorted(by_bucket.items()):
-            R = 1 << (len(reqs) - 1).bit_length()  # Powers of two: few prefill programs.
-            tokens = np.full((R, P), self.cfg.pad_id, np.int32)
-            mask = np.zeros((R, P), bool)
-            slots = np.full((R, G), self.slots, np.int32)  # Padding requests write nothing.
-            limits = np.zeros((R, G), np.int32)
-            keys = np.zeros((R, 2), np.uint32)
-            for i, (r, keydata) in enumerate(reqs):
-                tokens[i, P - len(r.prompt) :] = r.prompt
-                mask[i, P - len(r.prompt) :] = True
-                own = [self.free.pop(0) for _ in range(G)]
-                slots[i] = own
-                limits[i] = r.max_new_tokens or self.cfg.max_new_tokens
-                keys[i] = keydata
+            owned = [take_slots(self.free, G, self.slots // self.shards) for _ in reqs]
+            for (r, _), own in zip(reqs, owned):
                 for s in own:
                     self.running[s] = (r, own)
+            rows = prefill_rows(owned, self.slots, self.shards)
+            R = len(rows)
+            tokens = np.full((R, P), self.cfg.pad_id, np.int32)
+            mask = np.zeros((R, P), bool)
+            slots = np.full((R, G), self.slots, np.int32)  # Padding rows write nothing.
+            limits = np.zeros((R, G), np.int32)
+            keys = np.zeros((R, 2), np.uint32)
+            for i, row in enumerate(rows):
+                if row is None:
+                    continue
+                r, keydata = reqs[row[0]]
+                tokens[i, P - len(r.prompt) :] = r.prompt
+                mask[i, P - len(r.prompt) :] = True
+                slots[i] = row[1]
+                limits[i] = r.max_new_tokens or self.cfg.max_new_tokens
+                keys[i] = keydata
             t = time.perf_counter()
-            args = (tokens, mask, slots, keys, limits)
+            args = self._rows(tokens, mask, slots, keys, limits)
             self.state = self._run("engine_insert", insert, args)
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
