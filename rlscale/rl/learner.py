@@ -3,12 +3,15 @@ update on a batch of rollouts.
 
 Each batch is trained on its real tokens only. Completions are trimmed to the longest in the
 batch, rounded up to one of `learner.length_buckets` lengths (one compiled program per
-bucket), and with `learner.pack_length` the sequences that carry trained tokens are packed
-into rows of that many tokens (segment ids keep them apart in attention and positions) while
-rows with nothing to train are left out. The host builds this forward plan (`plan`); one
-jitted function (`update_step`) then runs everything else: the trainer's old terms and the
-reference's logprobs where the chain reads them, the batch-stage transforms (advantages), and
-epochs x minibatches optimizer steps, each a `lax.scan` over its micro-batches' gradients.
+bucket). Unpacked, the host cuts each micro-batch's rows to that length (`plan`). With
+`learner.pack_length`, the sequences that carry trained tokens are packed into micro-batches
+of `pack_rows` rows of that many tokens per batch shard (segment ids keep them apart in
+attention and positions) while rows with nothing to train are left out: the host decides
+where each sequence goes (`pack`), the device builds the rows (`packed_micro`), and a step
+runs as many micro-batches as its batch fills, from the same program. One jitted function
+(`update_step`) runs everything else: the trainer's old terms and the reference's logprobs
+where the chain reads them, the batch-stage transforms (advantages), and epochs x
+minibatches optimizer steps, each a loop over its micro-batches' gradients.
 
 Every jitted function is module-level and pure; the batch arrives as global arrays with rows
 sharded over the mesh's batch axes (`sharding.put_batch`), so each device does its share.
@@ -17,7 +20,8 @@ Only the terms the objective's chain requires are computed (`Objective.model_ter
 Dimension letters: N rows (prompts x group), G group size, P padded prompt length, M
 completion length (the batch's bucket), S optimizer steps per batch (epochs x minibatches),
 U micro-batches per step, n rows per micro-batch, R forward rows per micro-batch and T tokens
-per forward row (R = n and T = P + M unpacked), d batch shards, V vocab, D model width.
+per forward row (unpacked R = n and T = P + M; packed R = d x pack_rows and T = pack_length),
+d batch shards, V vocab, D model width.
 """
 
 import dataclasses
@@ -232,12 +236,13 @@ def token_terms(spec: Spec, params, value_params, fwd, targets, terms):
     )
     R, T, D = h_RTD.shape
     d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
-    if not spec.pack_length:
+    h = h_RTD  # Packed: the state at every position of the rows.
+    if not spec.pack_length:  # Each completion token's state, gathered: [n, M, D].
         n, M = targets.shape
         shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
         h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
         index_dX = _rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
-        h_RTD = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
+        h = jax.vmap(lambda x, i: jnp.take(x, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
     out = {}
     vocab_terms = tuple(t for t in ("logp", "entropy") if t in terms)
     if vocab_terms:
@@ -245,7 +250,7 @@ def token_terms(spec: Spec, params, value_params, fwd, targets, terms):
             vocab_token_terms(
                 spec.graphdef,
                 params,
-                h_RTD,
+                h,
                 targets,
                 spec.logits_cfg,
                 vocab_terms,
@@ -254,7 +259,7 @@ def token_terms(spec: Spec, params, value_params, fwd, targets, terms):
             )
         )
     if "value" in terms:
-        out["value"] = h_RTD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+        out["value"] = h.astype(jnp.float32) @ value_params["w"] + value_params["b"]
     if spec.pack_length:  # From the packed rows' positions to the batch rows' tokens.
         N, M = fwd["gather"].shape
         index_dX = _rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
