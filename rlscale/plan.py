@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlscale import model, programs, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder
+from rlscale.rl import checks
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine
@@ -627,7 +628,7 @@ def size(nbytes: float) -> str:
 
 def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
     """What the run's parts would refuse at these shapes, found before compiling: the cache
-    the model cannot hold, a pack length shorter than a sequence."""
+    the model cannot hold, packing that cannot hold a sequence or a group."""
     problems = []
     M = config.sampling.max_new_tokens
     try:
@@ -639,13 +640,7 @@ def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
             f"prompt bucket {P} + sampling.max_new_tokens={M} = {P + M} tokens exceeds the "
             f"model's max_seq_len={model_cfg.max_seq_len}"
         )
-    pack = config.learner.pack_length
-    if pack and pack < P + M:
-        problems.append(
-            f"learner.pack_length={pack} cannot hold a prompt of {P} tokens and a completion "
-            f"of sampling.max_new_tokens={M}"
-        )
-    return problems
+    return problems + checks.pack_problems(config, P)
 
 
 def _with_total(terms: dict) -> dict:

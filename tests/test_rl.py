@@ -12,7 +12,7 @@ import pytest
 from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines
 
 from rlscale import rl
-from rlscale.rl import learner, rollouts
+from rlscale.rl import checks, learner, rollouts
 from rlscale.sampling import SamplingConfig, scoring
 
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart"]
@@ -366,9 +366,11 @@ def test_bad_config_lists_every_problem():
     config.learner.minibatches = 4
     config.learner.logprob_chunk = 0
     config.learner.remat = "dot"
+    config.learner.pack_rows = -1
     with pytest.raises(ValueError) as e:
         rl.validate(config)
     text = str(e.value)
+    assert "learner.pack_rows=-1 must be an integer >= 0" in text
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text
     assert "learner.logprob_chunk=0 must be an integer >= 1" in text
@@ -377,6 +379,21 @@ def test_bad_config_lists_every_problem():
     config.objective.chain = "group_advantages | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
     with pytest.raises(ValueError, match="cispo needs term 'ratio'"):
         rl.validate(config)
+
+
+def test_packing_that_cannot_hold_the_data_fails_at_start_up():
+    """Checked against the longest training prompt before the warm start: rows of 96 tokens
+    hold two 16 + 32-token sequences, so a group of 8 needs 4 rows."""
+    config = load_config("quickstart", "")
+    assert checks.pack_problems(config, 16) == []
+    assert "its prompt has 70 tokens" in checks.pack_problems(config, 70)[0]
+    config.learner.pack_rows = 3
+    assert (
+        "learner.pack_rows=3 rows of learner.pack_length=96" in checks.pack_problems(config, 16)[0]
+    )
+    assert "it needs 4" in checks.pack_problems(config, 16)[0]
+    config.learner.pack_rows = 4
+    assert checks.pack_problems(config, 16) == []
 
 
 def test_mesh_that_does_not_divide_the_batch_fails_naming_it():

@@ -247,3 +247,27 @@ def validate(config) -> None:
     problems += think_budget_problems(s.think_budget, 1, s.max_new_tokens, prefix="sampling.")
     if problems:
         raise ValueError("Invalid config:\n  " + "\n  ".join(problems))
+
+
+def pack_problems(config, longest_prompt: int) -> list[str]:
+    """What packing cannot hold, given the longest training prompt (in tokens): a sequence
+    longer than `learner.pack_length`, or a group of full-length samples that
+    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups)."""
+    u, G, M = config.learner, config.batch.group_size, config.sampling.max_new_tokens
+    if not u.pack_length:
+        return []
+    longest = longest_prompt + M
+    if u.pack_length < longest:
+        return [
+            f"learner.pack_length={u.pack_length} cannot hold the longest training sequence: "
+            f"its prompt has {longest_prompt} tokens, plus sampling.max_new_tokens={M}"
+        ]
+    need = -(-G // (u.pack_length // longest))
+    if u.pack_rows and u.pack_rows < need:
+        return [
+            f"learner.pack_rows={u.pack_rows} rows of learner.pack_length={u.pack_length} "
+            f"tokens cannot hold a group of batch.group_size={G} samples of the longest "
+            f"training prompt ({longest_prompt} tokens) and sampling.max_new_tokens={M}: it "
+            f"needs {need} (or 0: batch.group_size)"
+        ]
+    return []

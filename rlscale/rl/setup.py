@@ -219,14 +219,11 @@ def build(config, workdir: str) -> Setup:
     else:
         tokenizer = _tokenizer(config, workdir, splits["train"])
     scfg = sampling_config(config, tokenizer)
-    G, M = config.batch.group_size, config.sampling.max_new_tokens
+    G = config.batch.group_size
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
-    pack = config.learner.pack_length
-    if pack and pack < longest + M:  # Before the warm start's training.
-        raise ValueError(
-            f"learner.pack_length={pack} cannot hold the longest training sequence: its prompt "
-            f"has {longest} tokens, plus sampling.max_new_tokens={M}"
-        )
+    problems = checks.pack_problems(config, longest)
+    if problems:  # Before the warm start's training.
+        raise ValueError("; ".join(problems))
     progs = programs.Programs(mesh)
     reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
     pool = None
