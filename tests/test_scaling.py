@@ -216,6 +216,13 @@ def test_fit_run_reads_r0_from_the_step0_eval(tmp_path):
     assert abs(record["A"] - TRUE["A"]) < 1e-3
     assert (tmp_path / "scaling" / "curve.png").stat().st_size > 0
     assert "A=0.72" in scaling.describe(record)
+    # The run's own check: fitted on its first 12 of 24 evaluations, scored on the other 12
+    # (noise-free points: the prediction is the curve).
+    pred = json.loads((tmp_path / "scaling" / "fit.json").read_text())["prediction"]
+    assert pred["fit_until"] == C[(C.size - 1) // 2] and pred["error"] is None
+    assert pred["extrapolation"]["n_points"] == C.size - (C.size - 1) // 2 - 1
+    assert pred["extrapolation"]["mae"] < 1e-3 and abs(pred["A"] - TRUE["A"]) < 1e-2
+    assert "first half predicts the second: MAE 0.000" in scaling.describe(record)
 
 
 def test_read_metrics_errors_name_the_problem(tmp_path):

@@ -299,11 +299,15 @@ def describe(record: dict) -> str:
         return f"scaling fit: none ({record['error']})"
     iv = record.get("A_interval")
     iv = f" [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else ""
-    return (
+    line = (
         f"scaling fit ({record['y']} vs {record['x']}): A={record['A']:.4f}{iv} "
         f"B={record['B']:.3f} C_mid={record['C_mid']:.4g} R0={record['R0']:.4f} "
         f"R2={record['r2']:.3f} ({record['n_points']} points)"
     )
+    ex = (record.get("prediction") or {}).get("extrapolation")
+    if ex:
+        line += f"; first half predicts the second: MAE {ex['mae']:.3f} ({ex['n_points']} points)"
+    return line
 
 
 # ==========================================================================================
@@ -367,17 +371,31 @@ def fit_run(
     broken metrics file) costs a record with an `error` field, not an exception. Nothing
     is written when `workdir` does not exist.
 
+    With the fit comes the run's own prediction check, `record["prediction"]`: the sigmoid
+    fitted on the first half of the evaluations (compute up to `fit_until`) and its errors
+    on the second half (`extrapolation`: mae, max_abs_err, n_points), as a study would fit
+    early compute before paying for the rest.
+
     Returns:
       The fit record (see `RunFit.record`); `record["error"]` is None when it fitted.
     """
+    options = dict(min_compute=min_compute, method=method, n_boot=n_boot)
+    prediction = None
     try:
         curve = read_metrics(workdir, x_key, y_key)
     except (OSError, ValueError) as e:
         result = RunFit(name=_name_of(workdir), path=workdir, error=str(e))
     else:
-        result = fit_curve(curve, min_compute=min_compute, method=method, n_boot=n_boot)
+        result = fit_curve(curve, **options)
+        if result.fit:  # Predict, then check: the first half of the evaluations fitted.
+            half = fit_curve(
+                curve, fit_until=float(curve.compute[(curve.compute.size - 1) // 2]), **options
+            )
+            rec = half.record()
+            prediction = {k: rec[k] for k in ("fit_until", "A", "B", "C_mid", "A_interval")}
+            prediction.update(extrapolation=rec["extrapolation"], error=rec["error"])
     record = result.record()
-    record.update(x=x_key, y=y_key)
+    record.update(x=x_key, y=y_key, prediction=prediction)
     if not os.path.isdir(workdir):
         return record
     out_dir = os.path.join(workdir, "scaling")
