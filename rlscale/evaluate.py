@@ -89,7 +89,9 @@ def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
     """Benchmark numbers (means over prompts) from B prompts x k scored samples.
 
     A sample is correct when its reward is positive. `answer_fn(completion) -> str | None`
-    enables maj@k.
+    enables maj@k, `answered` (the share of samples that state an answer) and
+    `accuracy_answered` (the share of those that are correct): what separates learning the
+    answer format from learning the task.
     """
     rewards_BG = samples.reward_N.reshape(-1, k)
     B = rewards_BG.shape[0]
@@ -105,6 +107,14 @@ def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
         answers = [answer_fn(t) for t in samples.texts]
         answers_BG = [answers[b * k : (b + 1) * k] for b in range(B)]
         out[f"maj@{k}"] = float(eval_metrics.maj_at_k(answers_BG, rewards_BG).mean())
+        # Format against skill: how often a sample states an answer, and how often a stated
+        # answer is right (NaN when none is).
+        answered_N = np.array([a is not None for a in answers])
+        out["answered"] = float(answered_N.mean())
+        correct_N = samples.reward_N > 0
+        out["accuracy_answered"] = (
+            float(correct_N[answered_N].mean()) if answered_N.any() else float("nan")
+        )
     mask = samples.mask_NM
     mean_logprob_N = (samples.logprobs_NM * mask).sum(1) / np.maximum(mask.sum(1), 1)
     out[f"best_of_{k}/mean_logprob"] = float(

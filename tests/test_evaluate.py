@@ -148,6 +148,12 @@ def test_sample_and_score_keeps_prompts_rewards_and_texts_together(run_dir, tok)
     m = evaluate.metrics(s, 3, answer_fn=lambda t: t)
     assert m["pass@1"] == pytest.approx(rewards.mean())
     assert m["maj@3"] == pytest.approx(rewards[:, 0].mean())
+    assert m["answered"] == 1.0 and m["accuracy_answered"] == pytest.approx(rewards.mean())
+    odd = evaluate.metrics(s, 3, answer_fn=lambda t: t if len(t) % 2 else None)
+    stated = np.array([len(t) % 2 == 1 for t in s.texts])
+    assert 0 < stated.sum() < stated.size  # Some samples state an answer, some do not.
+    assert odd["answered"] == pytest.approx(stated.mean())
+    assert odd["accuracy_answered"] == pytest.approx((s.reward_N > 0)[stated].mean())
     assert m["prompts"] == 5 and m["samples_per_prompt"] == 3
 
 
