@@ -1,8 +1,10 @@
 """Scaling science: compute accounting, compute-reward curve fits, extrapolation, plots.
 
-`compute` counts FLOPs; `fit` fits the ScaleRL sigmoid (Khatri et al. 2025) and the power
-law (Tan et al. 2025) to arrays; `runs` reads runs' curves, fits them and writes `fits.json`;
-`plot` draws the fits (matplotlib is imported only when plotting).
+`compute` counts FLOPs; `fit` fits the ScaleRL sigmoid (Khatri et al. 2025) and the one-curve
+power law (Tan et al. 2025) to arrays; `tan` fits Tan et al.'s law jointly over model sizes
+and predicts a run's rest or a held-out size; `runs` reads runs' curves (and their model
+sizes), fits them and writes `fits.json`; `plot` draws the fits (matplotlib is imported only
+when plotting).
 """
 
 from rlscale.scaling.fit import (
@@ -24,10 +26,24 @@ from rlscale.scaling.runs import (
     fit_inputs,
     fit_run,
     format_table,
+    format_tan_table,
+    model_size,
     read_csv,
     read_curve,
     read_metrics,
+    read_sized_csv,
+    read_sized_points,
+    tan_record,
     write_report,
+    write_tan_report,
+)
+from rlscale.scaling.tan import (
+    RunPrediction,
+    SizeExtrapolation,
+    TanFit,
+    extrapolate_to_size,
+    fit_tan,
+    predict_within_run,
 )
 
 __all__ = [
@@ -35,20 +51,32 @@ __all__ = [
     "Extrapolation",
     "PowerLawFit",
     "RunFit",
+    "RunPrediction",
     "SigmoidFit",
+    "SizeExtrapolation",
+    "TanFit",
     "check_curve",
     "describe",
+    "extrapolate_to_size",
     "extrapolation_check",
     "fit_curve",
     "fit_inputs",
     "fit_power_law",
     "fit_run",
     "fit_sigmoid",
+    "fit_tan",
     "format_table",
+    "format_tan_table",
+    "model_size",
+    "predict_within_run",
     "read_csv",
     "read_curve",
     "read_metrics",
+    "read_sized_csv",
+    "read_sized_points",
     "record_breaking",
     "sigmoid",
+    "tan_record",
     "write_report",
+    "write_tan_report",
 ]

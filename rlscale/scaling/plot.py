@@ -3,7 +3,9 @@
 Owns the one figure style for scaling fits: each run's points on a log-compute axis, its
 fitted ScaleRL sigmoid (Khatri et al. 2025, arXiv 2510.13786), the asymptote A as a dashed
 line and, when the fit stopped at a cut, the cut as a dotted vertical line with the
-held-out points drawn hollow.
+held-out points drawn hollow. Tan et al.'s law over model sizes (`plot_tan`) is drawn
+log-log, `1 - reward` against X, where it is a straight line per size; a held-out size's
+points are hollow there too.
 """
 
 import numpy as np
@@ -65,6 +67,70 @@ def plot_fits(results, path: str, *, title: str | None = None) -> str:
     ax.set_xlabel(curve.x_key)
     ax.set_ylabel(curve.y_key)
     ax.set_title(title or f"{curve.y_key} vs {curve.x_key}: ScaleRL sigmoid fits")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_tan(
+    fit,
+    size,
+    compute,
+    reward,
+    path: str,
+    *,
+    holdout_size: float | None = None,
+    x_key: str = "compute",
+    y_key: str = "reward",
+) -> str:
+    """Draws Tan et al.'s law over model sizes, log-log: `L = 1 - reward` against X.
+
+    In these axes the law `log10 L = -k(N) log10 X + E0(N)` (Tan et al. 2025, arXiv
+    2509.25300) is one straight line per size, of slope `-k(N)`. Per size (one colour each,
+    a viridis ramp from the smallest): its points (hollow for `holdout_size`, which the fit
+    did not see), and the fitted line over its compute range (dashed for the held-out size:
+    a prediction).
+
+    Args:
+      fit: a `tan.TanFit`.
+      size, compute, reward: the points (N, X, reward), as fitted plus any held-out size.
+      path: the PNG to write.
+      holdout_size: the size left out of the fit, or None.
+      x_key, y_key: axis names.
+
+    Returns:
+      `path`.
+    """
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n, x, r = (np.asarray(a, dtype=np.float64) for a in (size, compute, reward))
+    sizes = np.unique(n)
+    fig = Figure(figsize=(10, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = matplotlib.colormaps["viridis"]
+    for i, s in enumerate(sizes):
+        color = cmap(0.9 * i / max(sizes.size - 1, 1))
+        m = n == s
+        held = holdout_size is not None and np.isclose(s, holdout_size, rtol=1e-9, atol=0.0)
+        ax.plot(x[m], 1 - r[m], "o", color=color, ms=4, mfc="none" if held else color)
+        grid = np.geomspace(x[m].min(), x[m].max(), 100)
+        label = f"N={s:.3g}: k={float(fit.k(s)):.4f}, E0={float(fit.E0(s)):.3f}"
+        label += " (held out)" if held else ""
+        line = 10.0 ** fit.log10_loss(s, grid)
+        ax.plot(grid, line, "--" if held else "-", color=color, lw=1.5, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(f"L = 1 - {y_key}")
+    ax.set_title(
+        f"Tan et al. law: k_max={fit.k_max:.3g}, N0={fit.N0:.3g}, E0_max={fit.E0_max:.3g}, "
+        f"N1={fit.N1:.3g} (R2={fit.r2:.3f} in log L)"
+    )
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
