@@ -275,9 +275,29 @@ def _window(axis, i, size, shrink, lo, hi):
     return np.linspace(max(axis[i] - half, lo), min(axis[i] + half, hi), size)
 
 
-def _lsq_one(u, r, r0, bounds, x0):
+def solve_least_squares(residual, jacobian, x0, lower, upper):
+    """Bounded nonlinear least squares (scipy's trust-region reflective) to the tolerances
+    every fit here uses, from `x0` clipped into the bounds: (the solution, the sum of squared
+    residuals)."""
     from scipy import optimize
 
+    x0 = np.clip(np.asarray(x0, dtype=np.float64), lower, upper)
+    sol = optimize.least_squares(
+        residual,
+        x0,
+        jac=jacobian,
+        bounds=(lower, upper),
+        method="trf",
+        x_scale="jac",
+        ftol=1e-14,
+        xtol=1e-14,
+        gtol=1e-14,
+        max_nfev=2000,
+    )
+    return sol.x, float(2.0 * sol.cost)
+
+
+def _lsq_one(u, r, r0, bounds, x0):
     def residual(p):
         A, B, m = p
         return r0 + (A - r0) * _expit(B * (u - m)) - r
@@ -289,21 +309,8 @@ def _lsq_one(u, r, r0, bounds, x0):
         return np.stack([s, (A - r0) * ds * (u - m), -(A - r0) * ds * B], axis=-1)
 
     lo, hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
-    x0 = np.clip(np.asarray(x0, dtype=np.float64), lo, hi)
-    sol = optimize.least_squares(
-        residual,
-        x0,
-        jac=jacobian,
-        bounds=(lo, hi),
-        method="trf",
-        x_scale="jac",
-        ftol=1e-14,
-        xtol=1e-14,
-        gtol=1e-14,
-        max_nfev=2000,
-    )
-    A, B, m = sol.x
-    return float(A), float(B), float(m), float(2.0 * sol.cost)
+    (A, B, m), sse = solve_least_squares(residual, jacobian, x0, lo, hi)
+    return float(A), float(B), float(m), sse
 
 
 def _fit_lsq(u, r, r0, bounds):

@@ -159,26 +159,34 @@ def read_csv(path: str) -> Curve:
     Raises:
       ValueError: a missing column or a value that is not a number (naming the line).
     """
-    compute, reward = [], []
+    compute, reward = read_csv_columns(path, ("compute", "reward"))
+    return _split_r0(_name_of(path), path, compute, reward, "compute", "reward")
+
+
+def read_csv_columns(path: str, keys: tuple[str, ...]) -> np.ndarray:
+    """The columns `keys` of a CSV with a header row, as float64 [len(keys), rows].
+
+    Raises:
+      ValueError: a missing column or a value that is not a number (naming the line).
+    """
+    values = []
     with open(path, newline="") as f:
         rows = csv.DictReader(f)
         header = [h.strip() for h in rows.fieldnames or []]
-        missing = [k for k in ("compute", "reward") if k not in header]
+        missing = [k for k in keys if k not in header]
         if missing:
             raise ValueError(
                 f"{path}: the header row {header} lacks {', '.join(missing)} "
-                "(expected 'compute,reward')"
+                f"(expected {','.join(keys)!r})"
             )
         for row in rows:
             row = {k.strip(): v for k, v in row.items() if k is not None}
             try:
-                compute.append(float(row["compute"]))
-                reward.append(float(row["reward"]))
+                values.append([float(row[k]) for k in keys])
             except (TypeError, ValueError):
-                raise ValueError(
-                    f"{path}:{rows.line_num}: not a number in {row['compute']!r}, {row['reward']!r}"
-                ) from None
-    return _split_r0(_name_of(path), path, compute, reward, "compute", "reward")
+                bad = ", ".join(repr(row[k]) for k in keys)
+                raise ValueError(f"{path}:{rows.line_num}: not a number in {bad}") from None
+    return np.asarray(values, dtype=np.float64).reshape(-1, len(keys)).T
 
 
 def read_curve(path: str, x_key: str = DEFAULT_X, y_key: str = DEFAULT_Y) -> Curve:
@@ -450,25 +458,7 @@ def read_sized_csv(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     Raises:
       ValueError: a missing column or a value that is not a number (naming the line).
     """
-    keys = ("model_size", "compute", "reward")
-    points = []
-    with open(path, newline="") as f:
-        rows = csv.DictReader(f)
-        header = [h.strip() for h in rows.fieldnames or []]
-        missing = [k for k in keys if k not in header]
-        if missing:
-            raise ValueError(
-                f"{path}: the header row {header} lacks {', '.join(missing)} "
-                "(expected 'model_size,compute,reward')"
-            )
-        for row in rows:
-            row = {k.strip(): v for k, v in row.items() if k is not None}
-            try:
-                points.append([float(row[k]) for k in keys])
-            except (TypeError, ValueError):
-                values = ", ".join(repr(row[k]) for k in keys)
-                raise ValueError(f"{path}:{rows.line_num}: not a number in {values}") from None
-    n, x, r = np.asarray(points, dtype=np.float64).reshape(-1, 3).T
+    n, x, r = read_csv_columns(path, ("model_size", "compute", "reward"))
     return n, x, r
 
 

@@ -266,7 +266,6 @@ def _starts(n, u, y, lo, hi):
 
 def _least_squares(n, u, y, x0, lo, hi):
     """Bounded least squares on (k_max, log N0, E0_max, log N1); returns (params, sse)."""
-    from scipy import optimize
 
     def parts(p):
         k_max, a, e0_max, b = p
@@ -283,20 +282,7 @@ def _least_squares(n, u, y, x0, lo, hi):
 
     inf = np.inf
     lower, upper = np.array([-inf, lo, -inf, lo]), np.array([inf, hi, inf, hi])
-    x0 = np.clip(x0, lower, upper)
-    sol = optimize.least_squares(
-        residual,
-        x0,
-        jac=jacobian,
-        bounds=(lower, upper),
-        method="trf",
-        x_scale="jac",
-        ftol=1e-14,
-        xtol=1e-14,
-        gtol=1e-14,
-        max_nfev=2000,
-    )
-    return sol.x, float(2.0 * sol.cost)
+    return fit_lib.solve_least_squares(residual, jacobian, x0, lower, upper)
 
 
 def fit_tan(size, compute, reward) -> TanFit:
