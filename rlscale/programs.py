@@ -21,7 +21,9 @@ def _signature(args, static) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
 
     def leaf(x):
-        if isinstance(x, jax.Array):  # Equivalent shardings (P() vs P(None)) share a program.
+        # An array and its abstract value (`prefetch`) share a signature, as do equivalent
+        # shardings (P() vs P(None)).
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and x.sharding is not None:
             return (
                 x.shape,
                 str(x.dtype),
@@ -72,9 +74,10 @@ class Programs:
         return view
 
     def prefetch(self, name: str, fn, args: tuple, static: dict | None = None) -> None:
-        """Starts compiling `fn` for the signature of `args` in a background thread (one at a
-        time): the first `run` with that signature waits for it instead of compiling. The
-        host keeps working meanwhile (and an accelerator keeps running what it was given)."""
+        """Starts compiling `fn` for the signature of `args` (arrays, or `ShapeDtypeStruct`s
+        with shardings) in a background thread (one at a time): the first `run` with that
+        signature waits for it instead of compiling. The host keeps working meanwhile (and an
+        accelerator keeps running what it was given)."""
         static = static or {}
         key = (name, _signature(args, static))
         if key in self._executables or key in self._pending:

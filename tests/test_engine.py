@@ -193,3 +193,27 @@ def test_bad_generator_input_names_the_problem(policy):
         gen.submit([Request(2, [5], jax.random.key(0), max_new_tokens=13)])
     with pytest.raises(ValueError, match="before set_params"):
         gen.step(1)
+
+
+def test_decode_compiles_ahead_from_abstract_weights(policy):
+    """`Generator.precompile` with only the weights' shapes and shardings compiles the decode
+    program the first step runs (a program compiled ahead leaves the pending ones when a
+    call with its signature takes it; a mismatch would leave it there)."""
+    cfg, graphdef, params = policy
+    mesh = sharding.make_mesh((1, 2, 1))
+    progs = programs.Programs(mesh)
+    gen = Generator(graphdef, cfg, SCFG, slots=4, max_prompt_len=8, mesh=mesh, programs=progs)
+    shardings = sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES)
+    gen.precompile(
+        jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+        )
+    )
+    for future in progs._pending.values():
+        future.result()
+    gen.set_params(sharding.reshard(params, shardings), 0)
+    gen.submit(_requests(jax.random.key(0), [[5, 6, 7]]))
+    assert len(progs._pending) == 1
+    gen.step(2)
+    assert not progs._pending
+    assert [e["name"] for e in progs.entries] == ["engine_insert", "engine_decode"]

@@ -45,14 +45,22 @@ class Loop:
     @contextlib.contextmanager
     def running(self):
         """Preemption handling and cleanup around the steps (yields the cleanup stack, for a
-        driver's own closers); a fresh run's step-0 evaluation first, while the learner's
-        update compiles in the background where its shapes are known ahead
-        (`Learner.precompile`)."""
+        driver's own closers); a fresh run's step-0 evaluation first, while the programs
+        whose shapes are known ahead compile in the background: the generator's decode
+        (`Generator.precompile`) and, where one program serves every batch, the learner's
+        update (`Learner.precompile`)."""
         with preemption.PreemptionGuard() as self.guard, contextlib.ExitStack() as cleanup:
             for closer in (self.s.close, self.source.close, self.ckpt.close, self.writer.close):
                 cleanup.callback(closer)
-            b = self.config.batch
-            self.s.learner.precompile(self.run.train, self.s.ref_params, b.prompts * b.group_size)
+            s, b = self.s, self.config.batch
+            s.generator.precompile(
+                jax.tree.map(
+                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                    self.run.train.params,
+                    s.generator_shardings,
+                )
+            )
+            s.learner.precompile(self.run.train, s.ref_params, b.prompts * b.group_size)
             if self.start == 0:
                 self.writer.write(0, self.evaluate(0))
             yield cleanup

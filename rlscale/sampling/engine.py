@@ -431,6 +431,15 @@ class Generator:
 
     # -- host API --------------------------------------------------------------------------
 
+    def precompile(self, params) -> None:
+        """Starts compiling the decode program in the background (`Programs.prefetch`): its
+        shapes are the slots' and the weights' (`params`: in the generator's layout, arrays or
+        their `jax.ShapeDtypeStruct`s), so a run's first decode does not wait for it. (The
+        prefill's depend on the requests admitted together.)"""
+        if self.programs is not None:
+            args = (params, self.state, *self._replicated(np.int32(0), np.int32(0)))
+            self.programs.prefetch("engine_decode", decode, args, self.static)
+
     def set_params(self, params, version: int) -> None:
         """Weights for the next decode steps (in the generator's layout), and their version."""
         self.params, self.version, self._stale = params, int(version), True
