@@ -372,3 +372,20 @@ def test_sweep_fits_finished_runs(tmp_path, capsys):
     assert [f["name"] for f in fits] == ["seed_0", "seed_1"]
     assert [round(f["A"], 3) for f in fits] == [0.7, 0.5]
     assert (root / "curves.png").stat().st_size > 0
+
+
+def test_the_ladder_spans_five_sizes():
+    """configs/ladder.py: five policies, each larger than the last (0.13M to 4.9M
+    parameters at the tokenizer's 320 tokens), a variant that names an unknown size fails."""
+    from conftest import load_config
+
+    from rlscale import model
+
+    sizes = []
+    for name in ("xs", "s", "m", "l", "xl"):
+        c = load_config("ladder", f"size={name}")
+        fields = {k: v for k, v in c.model.items() if k != "name"}
+        sizes.append(model.get("tiny", **{**fields, "vocab_size": 320}).num_params())
+    assert sizes == sorted(sizes) and sizes[-1] > 30 * sizes[0], sizes
+    with pytest.raises(ValueError, match="size='xxl' is not one of"):
+        load_config("ladder", "size=xxl")
