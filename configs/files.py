@@ -42,10 +42,7 @@ def get_config(arg=None):
     c.steps = 80
     c.eval.every = 5
     c.optim.lr = 1.5e-4
-    c.objective.chain = (
-        "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
-        " | aggregate(mode=prompt_mean)"
-    )
+    c.objective.chain = config_lib.QUICKSTART_CHAIN
     c.filters.zero_variance = True
     # Every demonstration states its answer: the synthetic tasks' answer-less demonstrations
     # need their "Answer: N" line format, which a user's file does not have.

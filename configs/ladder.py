@@ -53,10 +53,7 @@ def get_config(arg=None):
     c.steps = 200
     c.eval.every = 20
     c.optim.lr = 7.5e-5
-    c.objective.chain = (
-        "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
-        " | aggregate(mode=prompt_mean)"
-    )
+    c.objective.chain = config_lib.QUICKSTART_CHAIN
     c.filters.zero_variance = True
     c.learner.pack_length, c.learner.length_buckets = 128, 1
     if arg.smoke:

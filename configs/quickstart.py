@@ -27,10 +27,7 @@ def get_config(arg=None):
     c.eval.every = 5
     # Measured at step 80 (2 seeds): lr 1e-4 0.789 / 0.79, 1.5e-4 0.8125 / 0.794, 2e-4 0.80.
     c.optim.lr = 1.5e-4
-    c.objective.chain = (
-        "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
-        " | aggregate(mode=prompt_mean)"
-    )
+    c.objective.chain = config_lib.QUICKSTART_CHAIN
     if arg.entropy_rho:
         c.objective.chain = c.objective.chain.replace(
             "cispo", f"high_entropy_tokens(rho={arg.entropy_rho}) | cispo"

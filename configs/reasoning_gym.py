@@ -39,10 +39,7 @@ def get_config(arg=None):
     # Measured from the same warm start: lr 1.5e-4 0.531 -> 0.64 at step 80; 3e-4 0.66 at
     # step 40, 0.738 at step 110.
     c.optim.lr = 3e-4
-    c.objective.chain = (
-        "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
-        " | aggregate(mode=prompt_mean)"
-    )
+    c.objective.chain = config_lib.QUICKSTART_CHAIN
     c.filters.zero_variance = True
     # Demonstrations are the answer alone ("<answer>-4</answer>"): there is no working to
     # leave out, so every demonstration states it.

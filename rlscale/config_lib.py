@@ -17,6 +17,12 @@ GRPO_CHAIN = (
     "group_advantages | token_ratio | ppo_clip(eps_low=0.2, eps_high=0.2)"
     " | aggregate(mode=seq_mean_token_mean)"
 )
+# The quickstart's loss (ScaleRL's, at small scale): CISPO capped at 4 against the
+# generator's logprobs, advantages scaled by the batch's std, prompt-level aggregation.
+QUICKSTART_CHAIN = (
+    "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
+    " | aggregate(mode=prompt_mean)"
+)
 
 
 def _convert(key: str, text: str, default):
