@@ -275,9 +275,8 @@ def token_terms(spec: Spec, params, value_params, fwd, targets, terms):
 def packed_micro(spec: Spec, batch, place, u):
     """Micro-batch `u` of an optimizer step, packed on the device from the batch's rows
     (`batch["tokens"]`, `batch["attn"]`: [N, W], completions in the last M) by the step's
-    `place` (`pack`, [N]
-    each): each batch shard writes its rows' sequences into its own `pack_rows` rows (a
-    scatter, no communication).
+    `place` (`pack`, [N] each): each batch shard writes its rows' sequences into its own
+    `pack_rows` rows (a scatter, no communication).
 
     Returns (fwd, in_N): the forward rows `tokens`, `positions`, `segments` (0 on padding,
     else the sequence's row within its shard plus 1) and `targets` (the next token where it
