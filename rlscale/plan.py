@@ -268,19 +268,13 @@ def sampling_config(config) -> SamplingConfig:
     """`rl.setup.sampling_config` without a tokenizer: the token ids (stop tokens, padding,
     the forced-interruption phrase) are placeholders; the compiled shapes do not depend on
     them."""
-    s = config.sampling
+    think = config.sampling.think_budget
     return SamplingConfig(
-        think_budget=s.think_budget,
-        interrupt_ids=(1,) if s.think_budget else (),
-        think_end_tokens=(2,) if s.think_budget else (),
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        num_samples=config.batch.group_size,
+        **rl_setup.sampling_settings(config),
+        interrupt_ids=(1,) if think else (),
+        think_end_tokens=(2,) if think else (),
         stop_tokens=(0,),
         pad_id=0,
-        buckets=tuple(s.buckets),
     )
 
 

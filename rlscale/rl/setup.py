@@ -112,6 +112,21 @@ def _timed_reshard(params, shardings, copy=False):
     return out, time.time() - t
 
 
+def sampling_settings(config) -> dict:
+    """The `SamplingConfig` fields `config.sampling` (and the group size) give as they are:
+    all but the token ids, which come from a tokenizer."""
+    s = config.sampling
+    return dict(
+        think_budget=s.think_budget,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        num_samples=config.batch.group_size,
+        buckets=tuple(s.buckets),
+    )
+
+
 def sampling_config(config, tokenizer) -> SamplingConfig:
     """The run's `SamplingConfig`: `config.sampling` with its texts (the forced-interruption
     phrase and end-of-thinking marker) encoded by the run's tokenizer.
@@ -143,17 +158,11 @@ def sampling_config(config, tokenizer) -> SamplingConfig:
             )
     try:
         return SamplingConfig(
-            think_budget=s.think_budget,
+            **sampling_settings(config),
             interrupt_ids=interrupt_ids,
             think_end_tokens=think_end,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            num_samples=config.batch.group_size,
             stop_tokens=stop,
             pad_id=tokenizer.padding_id,
-            buckets=tuple(s.buckets),
         )
     except ValueError as e:  # The one set of sampling rules, reported under the config key.
         raise ValueError(f"Invalid config: sampling: {e}") from None
