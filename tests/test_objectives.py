@@ -583,7 +583,7 @@ def test_check_unparseable(spec, message):
         (
             "group_advantages | token_ratio | ppo_clip",
             "objective.chain: the loss stage ends in ppo_clip, not an aggregation that provides "
-            "loss_sum and denominator (end with one of: aggregate)",
+            "loss_sum and denominator (end with one of: aggregate, dpo, ipo, simpo, kto)",
         ),
         (
             "group_advantages | token_ratio | truncated_is | ppo_clip | aggregate(mode=token_mean)",
@@ -675,6 +675,10 @@ def test_registered_names_are_the_factories():
         "entropy_bonus",
         "high_entropy_tokens",
         "aggregate",
+        "dpo",
+        "ipo",
+        "simpo",
+        "kto",
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory

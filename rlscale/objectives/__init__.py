@@ -30,6 +30,7 @@ from rlscale.objectives.policy import (
     token_ratio,
     truncated_is,
 )
+from rlscale.objectives.preference import dpo, ipo, kto, simpo
 from rlscale.objectives.registry import (
     MODEL_TERMS,
     ByArg,
@@ -58,14 +59,17 @@ __all__ = [
     "chain",
     "check",
     "cispo",
+    "dpo",
     "entries",
     "entropy_bonus",
     "gae",
     "group_advantages",
     "high_entropy_tokens",
+    "ipo",
     "kl_estimate",
     "kl_in_reward",
     "kl_penalty",
+    "kto",
     "names",
     "parse",
     "policy_gradient",
@@ -74,6 +78,7 @@ __all__ = [
     "reinforce_pp_baseline",
     "resolve",
     "sequence_ratio",
+    "simpo",
     "stateless",
     "table",
     "token_ratio",
