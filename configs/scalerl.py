@@ -28,6 +28,10 @@ Ablation variants (experiments/scalerl_ablations):
                               run both sides with `:bf16`), zero_variance, no_positive_resampling,
                               interruption.
   :bf16                       bfloat16 compute (the FP32-head ablation is void in fp32).
+  :testbed=SIZE               the ladder's task, policy and warm start instead of the
+                              quickstart's (`config_lib.ladder_testbed`, sizes xs..xl;
+                              experiments/ladder): 200 steps at lr 7.5e-5, evaluated every 20,
+                              the thinking budget 8 tokens short of the completion length.
 """
 
 from rlscale import config_lib
@@ -50,11 +54,20 @@ COMPONENTS = (
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, loss="cispo", drop="", bf16=False, sync=False)
+    arg = config_lib.parse_arg(
+        arg, smoke=False, loss="cispo", drop="", bf16=False, sync=False, testbed=""
+    )
     c = config_lib.rl_config()
     c.recipe = "scalerl"
     c.steps = 80
     c.eval.every = 5
+    # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
+    c.sampling.think_budget = 24
+    if arg.testbed:
+        config_lib.ladder_testbed(c, arg.testbed)
+        c.recipe = f"scalerl_{arg.testbed}"
+        c.steps, c.eval.every, c.optim.lr = 200, 20, 7.5e-5
+        c.sampling.think_budget = c.sampling.max_new_tokens - 8
     # The system half (README, "PipelineRL"): a generator that takes new weights between
     # decode steps, no token trained more than 8 updates after the policy that sampled it
     # (the paper's k = 8), one optimizer step per batch. `:sync` runs the synchronous loop.
@@ -66,8 +79,6 @@ def get_config(arg=None):
     c.filters.zero_variance = True
     c.filters.retire = True
     c.filters.retire_threshold = 0.9
-    # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
-    c.sampling.think_budget = 24
     if arg.loss not in LOSSES:
         raise ValueError(f"config variant loss={arg.loss!r} is not cispo, ppo_clip or gspo")
     if arg.drop and arg.drop not in COMPONENTS:

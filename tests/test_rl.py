@@ -367,10 +367,12 @@ def test_bad_config_lists_every_problem():
     config.learner.logprob_chunk = 0
     config.learner.remat = "dot"
     config.learner.pack_rows = -1
+    config.batch.prompt_pool = 5
     with pytest.raises(ValueError) as e:
         rl.validate(config)
     text = str(e.value)
     assert "learner.pack_rows=-1 must be an integer >= 0" in text
+    assert "batch.prompt_pool=5 must be 0 (every training prompt) or at least batch.prompts" in text
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text
     assert "learner.logprob_chunk=0 must be an integer >= 1" in text
@@ -408,3 +410,11 @@ def test_mesh_that_does_not_divide_the_batch_fails_naming_it():
     config.mesh.shape = (3, 1, 1)
     with pytest.raises(ValueError, match=r"mesh.shape=\(3, 1, 1\) does not fit 8 devices"):
         rl.validate(config)
+
+
+def test_prompt_pool_larger_than_the_training_set_fails_before_the_warm_start(tmp_path):
+    config = load_config("quickstart", "smoke")
+    config.batch.prompt_pool = config.task.n_train + 1
+    with pytest.raises(ValueError, match=r"batch.prompt_pool=201 is more than the task's 200"):
+        rl.setup.build(config, str(tmp_path))
+    assert not os.path.exists(tmp_path / "sft")  # Nothing trained.

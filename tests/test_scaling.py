@@ -233,6 +233,26 @@ def test_read_metrics_errors_name_the_problem(tmp_path):
         scaling.read_metrics(str(tmp_path), x_key="x")
 
 
+def test_samples_axis_counts_every_prompt_drawn_times_the_group(tmp_path):
+    """X = data: samples up to each evaluation = sum of len(data/prompt_ids) x group_size; a
+    step logged twice (a resume) counts once; a run without config.json is named."""
+    lines = [
+        {"step": 0, "eval/pass@1": 0.1},
+        {"step": 1, "data/prompt_ids": [3, 4]},
+        {"step": 2, "data/prompt_ids": [5, 6, 7], "eval/pass@1": 0.2},  # 2 rounds: 3 ids.
+        {"step": 3, "data/prompt_ids": [8, 9]},
+        {"step": 3, "data/prompt_ids": [8, 9]},  # Replayed after a resume.
+        {"step": 4, "data/prompt_ids": [1, 2], "eval/pass@1": 0.3},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ValueError, match=r"config.json has no batch.group_size"):
+        scaling.read_metrics(str(tmp_path), x_key="data/samples", y_key="eval/pass@1")
+    (tmp_path / "config.json").write_text(json.dumps({"batch": {"group_size": 4}}))
+    curve = scaling.read_metrics(str(tmp_path), x_key="data/samples", y_key="eval/pass@1")
+    assert curve.r0 == 0.1
+    assert curve.compute.tolist() == [20.0, 36.0] and curve.reward.tolist() == [0.2, 0.3]
+
+
 def test_main_prints_the_fit_after_an_rl_run(tmp_path):
     """rlscale.main with rl.run replaced by a fake that writes a metrics file."""
     code = f"""
@@ -330,6 +350,16 @@ def test_sweep_dry_run_commands_and_shards(tmp_path, capsys):
     )
     assert lines[-1].startswith("# finished, skipped: ") and "seed_2 --config" in lines[-1]
     assert not os.path.exists(f"{root}/fits.json")  # A dry run fits nothing.
+    # --set: the same override for every run, outside the names.
+    assert sweep.main(base + ["--dry_run", "--set", "sft.reuse_from=/w", "--set", "steps=9"]) == 0
+    commands = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+    assert commands[0].endswith(
+        "__seed_0 --config.optim.lr=1e-4 --config.seed=0 "
+        "--config.sft.reuse_from=/w --config.steps=9"
+    )
+    with pytest.raises(SystemExit):
+        sweep.main(base + ["--dry_run", "--set", "steps=9,10"])
+    assert "--set steps=9,10: one value per key" in capsys.readouterr().err
 
     shards = [sweep.plan("c.py", grid, root, f"{i}/4")[0] for i in range(4)]
     names = [name for shard in shards for name, _, _ in shard]

@@ -165,6 +165,11 @@ def validate(config) -> None:
         problems.append(f"batch.prompts={b.prompts} must be >= 1")
     if b.group_size < 1:
         problems.append(f"batch.group_size={b.group_size} must be >= 1")
+    if not isinstance(b.prompt_pool, int) or not (b.prompt_pool == 0 or b.prompt_pool >= b.prompts):
+        problems.append(
+            f"batch.prompt_pool={b.prompt_pool!r} must be 0 (every training prompt) or at least "
+            f"batch.prompts={b.prompts}"
+        )
     if u.minibatches < 1 or b.prompts % u.minibatches:
         problems.append(
             f"batch.prompts={b.prompts} is not divisible by learner.minibatches={u.minibatches}"

@@ -101,7 +101,7 @@ class Setup:
         c = self.config
         return (
             self.learner.init(self.params, value_params),
-            filters.PromptStream(len(self.train_problems), seed=c.seed),
+            filters.PromptStream(c.batch.prompt_pool or len(self.train_problems), seed=c.seed),
             filters.PassRateHistory(c.filters.retire_threshold),
         )
 
@@ -222,6 +222,11 @@ def build(config, workdir: str) -> Setup:
     mesh, gen_mesh = sharding.role_meshes(tuple(config.mesh.shape), pipe.generator_devices)
     warm_start.reuse(config, workdir)
     task, splits = data_load.load_task(config, workdir)
+    if config.batch.prompt_pool > len(splits["train"]):
+        raise ValueError(
+            f"batch.prompt_pool={config.batch.prompt_pool} is more than the task's "
+            f"{len(splits['train'])} training problems"
+        )
     hf_init = config.init.hf_checkpoint
     if hf_init:  # A pretrained policy brings its own tokenizer.
         tokenizer = tokenizer_lib.load(hf_init)

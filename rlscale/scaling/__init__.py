@@ -3,10 +3,24 @@
 `compute` counts FLOPs; `fit` fits the ScaleRL sigmoid (Khatri et al. 2025) and the one-curve
 power law (Tan et al. 2025) to arrays; `tan` fits Tan et al.'s law jointly over model sizes
 and predicts a run's rest or a held-out size; `runs` reads runs' curves (and their model
-sizes), fits them and writes `fits.json`; `plot` draws the fits (matplotlib is imported only
-when plotting).
+sizes), fits them and writes `fits.json`; `allocation` splits a rollout budget into
+rollouts per prompt, prompts per batch and steps (the IsoCompute playbook, arXiv 2603.12151)
+and finds the compute-optimal rollouts per prompt n*(C); `plot` draws the fits (matplotlib is
+imported only when plotting).
 """
 
+from rlscale.scaling.allocation import (
+    Cell,
+    RecordPoint,
+    RolloutOptimum,
+    RolloutScaling,
+    fit_optimal_rollouts,
+    format_allocation_table,
+    format_reuse_table,
+    iso_cells,
+    optimal_rollouts,
+    record_points,
+)
 from rlscale.scaling.fit import (
     Extrapolation,
     PowerLawFit,
@@ -47,9 +61,13 @@ from rlscale.scaling.tan import (
 )
 
 __all__ = [
+    "Cell",
     "Curve",
     "Extrapolation",
     "PowerLawFit",
+    "RecordPoint",
+    "RolloutOptimum",
+    "RolloutScaling",
     "RunFit",
     "RunPrediction",
     "SigmoidFit",
@@ -61,13 +79,18 @@ __all__ = [
     "extrapolation_check",
     "fit_curve",
     "fit_inputs",
+    "fit_optimal_rollouts",
     "fit_power_law",
     "fit_run",
     "fit_sigmoid",
     "fit_tan",
+    "format_allocation_table",
+    "format_reuse_table",
     "format_table",
     "format_tan_table",
+    "iso_cells",
     "model_size",
+    "optimal_rollouts",
     "predict_within_run",
     "read_csv",
     "read_curve",
@@ -75,6 +98,7 @@ __all__ = [
     "read_sized_csv",
     "read_sized_points",
     "record_breaking",
+    "record_points",
     "sigmoid",
     "tan_record",
     "write_report",

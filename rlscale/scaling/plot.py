@@ -5,7 +5,8 @@ fitted ScaleRL sigmoid (Khatri et al. 2025, arXiv 2510.13786), the asymptote A a
 line and, when the fit stopped at a cut, the cut as a dotted vertical line with the
 held-out points drawn hollow. Tan et al.'s law over model sizes (`plot_tan`) is drawn
 log-log, `1 - reward` against X, where it is a straight line per size; a held-out size's
-points are hollow there too.
+points are hollow there too. The IsoCompute allocation study (`plot_iso_compute`) draws
+reward against rollouts per prompt per budget and the compute-optimal n*(C).
 """
 
 import numpy as np
@@ -133,6 +134,66 @@ def plot_tan(
     )
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_iso_compute(optima, scaling, path: str, *, budget_label: str = "C (rollouts)") -> str:
+    """Draws the IsoCompute allocation study (arXiv 2603.12151): two panels.
+
+    Left: per budget C (one colour each, a viridis ramp from the smallest), the reward at
+    each n on a log2 axis, the least-squares parabola `c2 x^2 + c1 x + c0` in `x = log2 n`
+    over the measured n, and n* as a star (hollow when n* fell back to the measured best n).
+    Right: n* against C on log-log axes and, when fitted, the power law `n* = 2^a C^b`.
+
+    Args:
+      optima: `allocation.RolloutOptimum`s, one per budget.
+      scaling: the `allocation.RolloutScaling` fitted to them, or None.
+      path: the PNG to write.
+      budget_label: the budget axis name.
+
+    Returns:
+      `path`.
+    """
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not optima:
+        raise ValueError("nothing to plot: no budget has a measured cell")
+    fig = Figure(figsize=(12, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    cmap = matplotlib.colormaps["viridis"]
+    colors = [cmap(0.9 * i / max(len(optima) - 1, 1)) for i in range(len(optima))]
+    for o, color in zip(optima, colors):
+        n = np.asarray(o.rollouts, dtype=np.float64)
+        left.plot(n, o.reward, "o", color=color, ms=5, label=f"C={o.budget:g}: n*={o.n_star:.3g}")
+        if o.parabola is not None:
+            grid = np.geomspace(n.min(), n.max(), 100)
+            left.plot(grid, np.polyval(o.parabola, np.log2(grid)), "-", color=color, lw=1.2)
+        mfc = "none" if o.fallback else color
+        left.plot([o.n_star], [o.reward_star], "*", color=color, ms=14, mfc=mfc)
+        right.plot([o.budget], [o.n_star], "*", color=color, ms=12, mfc=mfc)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("n, rollouts per prompt")
+    left.set_ylabel("final reward")
+    left.set_title("reward against n (star: n*; hollow: no vertex, the best measured)")
+    left.grid(True, which="both", alpha=0.25)
+    left.legend(fontsize=8, frameon=False)
+    if scaling is not None:
+        c = np.geomspace(min(scaling.budgets), max(scaling.budgets), 100)
+        sat = {None: "n/a", True: "yes", False: "no"}[scaling.saturates]
+        label = f"log2 n* = {scaling.a:.2f} + {scaling.b:.3f} log2 C (saturates: {sat})"
+        right.plot(c, scaling.predict(c), "-", color="0.3", lw=1.2, label=label)
+        right.legend(fontsize=8, frameon=False)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    right.set_xlabel(budget_label)
+    right.set_ylabel("n*")
+    right.set_title("compute-optimal n*(C)")
+    right.grid(True, which="both", alpha=0.25)
     fig.tight_layout()
     fig.savefig(path)
     return path

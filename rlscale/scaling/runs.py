@@ -20,6 +20,10 @@ from rlscale.scaling import fit as fit_lib
 
 DEFAULT_X = "compute/flops"
 DEFAULT_Y = "eval/reward_mean"
+# The data axis (Tan et al.'s X = data): samples drawn so far, derived from each step's
+# `data/prompt_ids` (every prompt sampled, all dynamic-sampling rounds) times the run's
+# `batch.group_size` (its config.json); no line stores it.
+SAMPLES_X = "data/samples"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,8 @@ def read_metrics(path: str, x_key: str = DEFAULT_X, y_key: str = DEFAULT_Y) -> C
       OSError: the file cannot be read.
     """
     file = path if path.endswith(".jsonl") else os.path.join(path, "metrics.jsonl")
+    if x_key == SAMPLES_X:
+        return _read_samples_curve(path, file, y_key)
     compute, reward = [], []
     keys = set()
     with open(file) as f:
@@ -151,6 +157,41 @@ def read_metrics(path: str, x_key: str = DEFAULT_X, y_key: str = DEFAULT_Y) -> C
             + (f" (keys like it: {', '.join(close)})" if close else "")
         )
     return _split_r0(_name_of(path), path, compute, reward, x_key, y_key)
+
+
+def _read_samples_curve(path, file, y_key) -> Curve:
+    """`read_metrics` with X = samples drawn up to each evaluation's step (`SAMPLES_X`).
+
+    A step logged twice (a resumed run replays the steps after its checkpoint) counts once,
+    its last line."""
+    config_path = os.path.join(os.path.dirname(os.path.abspath(file)), "config.json")
+    try:
+        with open(config_path) as f:
+            group = json.load(f)["batch"]["group_size"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        raise ValueError(
+            f"{config_path} has no batch.group_size (missing or unreadable): {SAMPLES_X} "
+            "needs the run's group size"
+        ) from None
+    drawn, evals = {}, {}
+    with open(file) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{lineno} is not a JSON object ({e})") from None
+            if "data/prompt_ids" in record:
+                drawn[record["step"]] = len(record["data/prompt_ids"]) * group
+            if y_key in record:
+                evals[record["step"]] = math.nan if record[y_key] is None else record[y_key]
+    if not evals:
+        raise ValueError(f"no line of {file} has {y_key!r}")
+    steps = sorted(evals)
+    samples = np.cumsum([drawn.get(s, 0) for s in range(steps[-1] + 1)])
+    x = [float(samples[s]) for s in steps]
+    return _split_r0(_name_of(path), path, x, [evals[s] for s in steps], SAMPLES_X, y_key)
 
 
 def read_csv(path: str) -> Curve:
