@@ -198,6 +198,11 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # The loss as a chain of registered transforms (`rlscale.objectives.registry`); override
     # with --config.objective.chain='group_advantages | token_ratio | ...'.
     c.objective = dict(chain=GRPO_CHAIN)
+    # On-policy distillation (README, "On-policy distillation"): the teacher that scores the
+    # sampled tokens for a chain reading `teacher_logp` (`distill_advantage`). An rlscale
+    # params checkpoint (a run's WORKDIR/final or WORKDIR/sft, its tokenizer.model beside it),
+    # a Hugging Face model directory, or "self" (the policy the run starts from); "" for none.
+    c.teacher = dict(checkpoint="")
     c.filters = dict(
         zero_variance=False,
         dynamic_sampling=False,

@@ -679,6 +679,7 @@ def test_registered_names_are_the_factories():
         "ipo",
         "simpo",
         "kto",
+        "distill_advantage",
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory
@@ -775,7 +776,7 @@ def _config(name, arg=None):
     return module.get_config(arg)
 
 
-RECIPES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "ppo", "quickstart", "scalerl")
+RECIPES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "ppo", "quickstart", "scalerl", "distill")
 VARIANTS = (
     [(name, arg) for name in RECIPES for arg in (None, "smoke")]
     + [("scalerl", f"loss={loss}") for loss in ("ppo_clip", "gspo", "cispo")]
@@ -829,6 +830,7 @@ def test_every_config_chain_checks_and_runs(name, arg):
         ("ppo", None, {"logp", "value", "old_value"}),
         ("scalerl", None, {"logp"}),
         ("quickstart", "entropy_rho=0.2", {"logp", "entropy"}),
+        ("distill", None, {"logp", "teacher_logp"}),  # The teacher's pass: the rollouts'.
     ],
 )
 def test_model_terms(name, arg, model_terms):

@@ -15,7 +15,7 @@ from rlscale import rl
 from rlscale.rl import checks, learner, rollouts
 from rlscale.sampling import SamplingConfig, scoring
 
-RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart"]
+RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart", "distill"]
 # The two transforms added as one function and one config line each.
 VARIANTS = ["grpo:baseline=reinforce_pp", "quickstart:entropy_rho=0.2"]
 # The cispo run samples under a logits transform: the learner's logprobs must follow it (ratio
@@ -97,6 +97,14 @@ def test_recipe_runs(name, recipe_runs):
         assert "high_entropy_tokens(rho=0.2)" in config.objective.chain
     if name == "grpo:baseline=reinforce_pp":
         assert config.objective.chain.startswith("reinforce_pp_baseline")
+    if name == "distill":  # Its teacher is its own warm start ("self"), frozen.
+        assert config.teacher.checkpoint == "self"
+        assert all(np.isfinite(x["train/reverse_kl"]) for x in train)
+        # The first batch is sampled by the teacher's own params: zero up to the numerics.
+        assert abs(train[0]["train/reverse_kl"]) < 1e-5, train[0]["train/reverse_kl"]
+        names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
+        # One teacher program per shape of the batch, as the (unpacked) update.
+        assert names.count("teacher_logp") == names.count("update_step")
     if name == "scalerl":
         assert config.sampling.think_budget > 0
         assert all(0 <= x["train/interrupted_frac"] <= 1 for x in train)

@@ -17,6 +17,7 @@ Importing the package registers every transform (`registry.names()`).
 from rlscale.objectives.advantages import gae, group_advantages, reinforce_pp_baseline, value_loss
 from rlscale.objectives.aggregate import aggregate
 from rlscale.objectives.core import EmptyState, Terms, Transform, chain, stateless
+from rlscale.objectives.distill import distill_advantage
 from rlscale.objectives.policy import (
     cispo,
     entropy_bonus,
@@ -59,6 +60,7 @@ __all__ = [
     "chain",
     "check",
     "cispo",
+    "distill_advantage",
     "dpo",
     "entries",
     "entropy_bonus",

@@ -4,7 +4,8 @@ A transform acts on `terms`, a dict of arrays for one (micro-)batch of N = B * G
 laid out prompt-major (row = prompt * G + sample) with M completion tokens each:
 
   inputs   reward [N], correct [N], mask [N, M], row_weight [N], sampler_logp [N, M],
-           old_logp [N, M], old_value [N, M], ref_logp [N, M]; in the loss stage also
+           old_logp [N, M], old_value [N, M], ref_logp [N, M], teacher_logp [N, M] (a
+           distillation teacher's, from the rollout stage); in the loss stage also
            logp [N, M] (differentiable), entropy [N, M], value [N, M] (differentiable) and
            update (scalar int32: optimizer updates applied so far)
   outputs  advantage [N, M], returns [N, M], ratio [N, M], loss [N, M] (per-token loss,

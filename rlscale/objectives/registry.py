@@ -45,8 +45,10 @@ from typing import Any, NamedTuple
 from rlscale.objectives.core import Transform, chain
 
 STAGES = ("batch", "loss")
-# Terms the learner computes with a model pass; only those a chain requires are computed.
-MODEL_TERMS = ("logp", "entropy", "value", "old_logp", "old_value", "ref_logp")
+# Terms computed with a model pass; only those a chain requires are computed. The learner
+# computes all but `teacher_logp`, the teacher's pass, which the rollout stage runs
+# (`rl.rollouts.Teacher`) and the batch carries, as it carries the generator's `sampler_logp`.
+MODEL_TERMS = ("logp", "entropy", "value", "old_logp", "old_value", "ref_logp", "teacher_logp")
 # Terms the run supplies to each stage (besides what earlier transforms provide).
 BATCH_TERMS = (
     "reward",
@@ -57,6 +59,7 @@ BATCH_TERMS = (
     "old_logp",
     "old_value",
     "ref_logp",
+    "teacher_logp",
 )
 LOSS_TERMS = BATCH_TERMS + ("logp", "entropy", "value", "update")
 # Keyword arguments the run injects into factories that accept them.

@@ -2,11 +2,13 @@
 work (data, tokenizer, compilation) is done."""
 
 import importlib
+import json
 import os
 
 import jax
 
 from rlscale import chat, objectives, sharding
+from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import formats, math_data, tasks
 from rlscale.data import load as data_load
 from rlscale.model import decoder
@@ -155,12 +157,131 @@ def _files_task_problems(t) -> list[str]:
     return problems
 
 
+# `teacher.checkpoint` naming the policy the run starts from (its warm start, WORKDIR/sft, or
+# `init.hf_checkpoint`) rather than a directory: a teacher that needs no other run.
+TEACHER_SELF = "self"
+# What a teacher directory holds: an rlscale params checkpoint or a Hugging Face model.
+TEACHER_FILES = ("model_config.json", "config.json")
+TEACHER_KINDS = (
+    "model_config.json (an rlscale params checkpoint, such as a run's WORKDIR/final or "
+    "WORKDIR/sft) nor config.json (a Hugging Face model directory)"
+)
+
+
+def _teacher_problems(config, readers: list[str] | None) -> list[str]:
+    """`teacher.checkpoint` against the chain: a chain that reads `teacher_logp` (through the
+    transforms `readers`; None when the chain has problems of its own) needs a teacher, and a
+    teacher needs such a chain (a teacher nothing reads is a mistake, not a cost to pay
+    quietly: the run would not distill at all); the directory is a checkpoint; sampling is
+    not greedy (greedy tokens carry no logprobs)."""
+    path, problems = config.teacher.checkpoint, []
+    if readers and not path:
+        problems.append(
+            f"objective.chain reads teacher_logp ({', '.join(readers)}) but teacher.checkpoint "
+            "is empty: set it to the teacher's directory (an rlscale params checkpoint such as "
+            "a run's WORKDIR/final, or a Hugging Face model directory), or to "
+            f"'{TEACHER_SELF}' for the policy the run starts from"
+        )
+    if path and readers == []:
+        problems.append(
+            f"teacher.checkpoint={path!r} is set but objective.chain reads no teacher_logp: add "
+            "distill_advantage to the chain, or set teacher.checkpoint='' (no teacher)"
+        )
+    if path and path != TEACHER_SELF:
+        if not os.path.isdir(path):
+            problems.append(f"teacher.checkpoint={path!r} does not exist (or is not a directory)")
+        elif not any(os.path.isfile(os.path.join(path, f)) for f in TEACHER_FILES):
+            problems.append(f"teacher.checkpoint={path!r} holds neither {TEACHER_KINDS}")
+    if readers and config.sampling.temperature == 0:
+        problems.append(
+            "sampling.temperature=0 (greedy) gives the sampled tokens no logprobs, and on-policy "
+            "distillation needs them (objective.chain reads teacher_logp): set it > 0"
+        )
+    return problems
+
+
+def teacher_problems(config, tokenizer, source: str) -> list[str]:
+    """What keeps `teacher.checkpoint` from scoring the run's tokens, known once the run has
+    its tokenizer (`tokenizer`, read from `source`) and before any weights are read: a
+    tokenizer other than the run's, or fewer token ids than the policy samples from. Nothing
+    to check without a teacher or with 'self'.
+
+    The teacher scores the student's token ids, so an id must mean the same token to both.
+    The teacher's tokenizer is the one in its directory (a Hugging Face model's
+    `tokenizer.json`) or, for an rlscale checkpoint, in it or its parent (a run's workdir
+    holds `tokenizer.model` beside `final/` and `sft/`). They are compared id by id;
+    special-token roles may differ (a base and an instruct model of one family do).
+    """
+    path = config.teacher.checkpoint
+    if path in ("", TEACHER_SELF):
+        return []
+    key = f"teacher.checkpoint={path!r}"
+    problems = []
+    hf_init = config.init.hf_checkpoint
+    policy_V = _vocab_size(hf_init) if hf_init else tokenizer.vocab_size
+    teacher_V = _vocab_size(path)
+    if teacher_V < policy_V:
+        problems.append(
+            f"{key} has {teacher_V} token ids, fewer than the {policy_V} the policy samples "
+            "from: it cannot score every token the student may sample"
+        )
+    places = [path]
+    if not os.path.isfile(os.path.join(path, "config.json")):  # rlscale: the run's workdir.
+        places.append(os.path.dirname(os.path.abspath(path)))
+    for place in places:
+        try:
+            theirs = tokenizer_lib.load(place)
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        return problems + [
+            f"{key}: no tokenizer (tokenizer.json or tokenizer.model) in {' or '.join(places)}, "
+            "so nothing shows that the teacher shares the run's tokenizer; copy the tokenizer "
+            f"it was trained with into {path}"
+        ]
+    ours, theirs = _pieces(tokenizer), _pieces(theirs)
+    differ = [i for i in sorted(set(ours) | set(theirs)) if ours.get(i) != theirs.get(i)]
+    if differ:
+        i = differ[0]
+        problems.append(
+            f"{key}: the teacher's tokenizer ({place}: {len(theirs)} ids) is not the run's "
+            f"({source}: {len(ours)} ids): {len(differ)} ids differ, e.g. id {i} is "
+            f"{theirs.get(i)!r} for the teacher and {ours.get(i)!r} for the run. The teacher "
+            "scores the student's token ids, so both must use one tokenizer (two runs of an "
+            "embedded task share one with --config.sft.reuse_from=TEACHER_RUN_WORKDIR)"
+        )
+    return problems
+
+
+def _vocab_size(directory: str) -> int:
+    """The vocabulary of the model in `directory` (`model_config.json` or `config.json`)."""
+    for name in TEACHER_FILES:
+        if os.path.isfile(os.path.join(directory, name)):
+            with open(os.path.join(directory, name)) as f:
+                return json.load(f)["vocab_size"]
+    raise FileNotFoundError(f"{directory} holds neither {TEACHER_KINDS}")
+
+
+def _pieces(tokenizer) -> dict[int, str]:
+    """id -> token, of any backend (a SentencePiece model as its `tokenizer.json` form)."""
+    vocab = tokenizer.to_hf().backend.get_vocab(with_added_tokens=True)
+    return {i: piece for piece, i in vocab.items()}
+
+
 def validate(config) -> None:
     """Raises ValueError listing every problem with the config."""
     b, u = config.batch, config.learner
     problems = objectives.check(
         config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
     )
+    readers = None
+    if not problems:  # The transforms that read the teacher's logprobs.
+        resolved = objectives.resolve(
+            config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
+        )
+        readers = [e.name for e, kwargs in resolved if "teacher_logp" in e.required(kwargs)]
+    problems += _teacher_problems(config, readers)
     if b.prompts < 1:
         problems.append(f"batch.prompts={b.prompts} must be >= 1")
     if b.group_size < 1:

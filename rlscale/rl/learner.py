@@ -520,8 +520,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
       state: the train state (donated).
       ref_params: the reference's params (unused unless `spec.ref`).
       batch: per row [N] or [N, M]: `targets` (completion tokens), `mask`, `sampler_logp`,
-        `reward`, `correct`, `row_weight`; packed, also `tokens` and `attn` [N, W] (prompts
-        left-padded to W - M tokens).
+        `reward`, `correct`, `row_weight`, and `teacher_logp` where the chain reads it;
+        packed, also `tokens` and `attn` [N, W] (prompts left-padded to W - M tokens).
       fwd: unpacked, the forward plan (`plan`), its arrays reshaped to [S, U, ...]; packed,
         `place` ([S, N] arrays of `pack`) and `count` [S].
       rows_SUn: the rows of each micro-batch (unpacked).
@@ -846,6 +846,10 @@ class Learner:
             "row_weight": rollouts.row_weight_N.astype(np.float32),
             "sampler_logp": rollouts.sampler_logp_NM[:, :M].astype(np.float32),
         }
+        if "teacher_logp" in self.objective.model_terms:  # The rollout stage's teacher pass.
+            if rollouts.teacher_logp_NM is None:
+                raise ValueError("the objective reads teacher_logp, which the rollouts lack")
+            host["teacher_logp"] = rollouts.teacher_logp_NM[:, :M].astype(np.float32)
         spec = self.spec
         put = functools.partial(sharding.put_batch, mesh=self.mesh, rules=sharding.TRAIN_RULES)
         if self.pack_length:

@@ -4,8 +4,11 @@
 generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`),
 sampling rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling
 (all judged on correctness, before reward shaping), the soft overlong penalty, assembly into
-static shapes. The synchronous driver calls `next`; the pipeline driver calls its parts
-(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads.
+static shapes, and, for on-policy distillation, a teacher's logprobs of the sampled tokens
+(`rl.teacher`). The synchronous driver calls `next`; the pipeline driver calls its parts
+(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads:
+both assemble a batch with `rollouts`, which runs the teacher, so the teacher's logprobs
+travel with every batch whichever the driver.
 Every process runs the same host logic on the same data, so host state (stream, history)
 stays identical across processes without being exchanged.
 
@@ -39,6 +42,9 @@ class Rollouts:
     row_weight_N: np.ndarray  # 0 for rows of filtered prompts.
     version_NM: np.ndarray  # Policy version (updates applied) that sampled each token.
     prompt_len: int
+    # A distillation teacher's logprob of each completion token (0 past the end); None
+    # without a teacher.
+    teacher_logp_NM: np.ndarray | None = None
 
 
 def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
@@ -56,6 +62,7 @@ def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
         row_weight_N=np.ones((N,), np.float32),
         version_NM=np.zeros((N, M), np.int32),
         prompt_len=P,
+        teacher_logp_NM=np.zeros((N, M), np.float32),
     )
 
 
@@ -70,10 +77,13 @@ class RolloutSource:
     first. The stream and the pass-rate history are the host state a checkpoint saves.
     """
 
-    def __init__(self, config, generator, scfg, tokenizer, problems, scorer, stream, history):
+    def __init__(
+        self, config, generator, scfg, tokenizer, problems, scorer, stream, history, teacher=None
+    ):
         self.generator, self.scfg, self.tokenizer = generator, scfg, tokenizer
         self.problems, self.scorer = problems, scorer
         self.stream, self.history = stream, history
+        self.teacher = teacher  # A `teacher.Teacher` when the objective reads `teacher_logp`.
         self.B, self.G = config.batch.prompts, config.batch.group_size
         self.filters = config.filters
         self.max_new_tokens = config.sampling.max_new_tokens
@@ -178,8 +188,11 @@ class RolloutSource:
         return self.rollouts(rounds)
 
     def rollouts(self, rounds) -> tuple[Rollouts, dict]:
-        """The learner batch from judged rounds, and their stats."""
+        """The learner batch from judged rounds (with the teacher's logprobs of its tokens
+        when the run has a teacher), and their stats."""
         roll, keep_B = self._assemble(rounds)
+        if self.teacher is not None:
+            roll.teacher_logp_NM = self.teacher(roll)
 
         def cat(f):
             return np.concatenate([f(r) for r in rounds])

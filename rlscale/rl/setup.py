@@ -1,13 +1,14 @@
 """Builds the parts of an RL run from its config: the meshes and each role's layout, the
-tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint) and
-its frozen reference, the generator engine and the evaluation sampler, the learner, the
-rollout source, the verifier pool.
+tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint), its
+frozen reference and a distillation teacher, the generator engine and the evaluation sampler,
+the learner, the rollout source, the verifier pool.
 
 The learner keeps params in the training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`,
 tensor parallel over `tensor`) on the trainer's mesh. The generator receives them resharded
 to the sampling layout (`sharding.SAMPLE_RULES`: whole weights on each data replica) on its
 own mesh: the first `pipeline.generator_devices` devices, or the trainer's mesh when that is
-0. Evaluation samples on the trainer's mesh.
+0. Evaluation samples on the trainer's mesh. A teacher (`config.teacher`) lives on the
+trainer's mesh in the training layout, as the reference does.
 """
 
 import dataclasses
@@ -18,13 +19,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rlscale import chat, model, objectives, programs, sharding, warm_start
+from rlscale import chat, checkpoint, model, objectives, programs, sharding, warm_start
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.model import hf
 from rlscale.rewards import isolation
 from rlscale.rl import checks, learner, rollouts
+from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.engine import Generator
 
@@ -42,6 +44,7 @@ class Setup:
     graphdef: Any
     params: Any  # The initial policy, training layout.
     ref_params: Any  # Frozen reference (None unless the objective reads `ref_logp`).
+    teacher: teacher_lib.Teacher | None  # None unless the objective reads `teacher_logp`.
     warm_start_summary: dict
     scfg: SamplingConfig
     eval_scfg: SamplingConfig
@@ -80,6 +83,7 @@ class Setup:
             self.train_scorer,
             stream,
             history,
+            self.teacher,
         )
 
     def evaluate(self, params, rng) -> dict:
@@ -216,6 +220,33 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
     )
 
 
+def make_teacher(config, mesh, graphdef, params, progs) -> teacher_lib.Teacher:
+    """The run's distillation teacher (`config.teacher.checkpoint`, which `checks` has
+    compared with the run's tokenizer), on the trainer's mesh in the training layout: an
+    rlscale params checkpoint (`model_config.json`), a Hugging Face model directory (in
+    `model.dtype`, as the policy would be), or 'self', a copy of the policy the run starts
+    from (`params`: the train state's buffers are donated)."""
+    path = config.teacher.checkpoint
+    if path == checks.TEACHER_SELF:
+        params = jax.tree.map(jnp.copy, params)
+    elif os.path.isfile(os.path.join(path, "model_config.json")):
+        _, graphdef, params = checkpoint.load_params(path, mesh)
+    else:
+        _, graphdef, params = hf.load_hf(path, mesh, dtype=config.model.dtype)
+    u = config.learner
+    return teacher_lib.Teacher(
+        graphdef,
+        params,
+        mesh=mesh,
+        temperature=config.sampling.temperature,
+        micro_batches=u.minibatches * u.micro_batches,
+        max_len=config.sampling.max_new_tokens,
+        length_buckets=u.length_buckets,
+        logprob_chunk=u.logprob_chunk,
+        programs=progs,
+    )
+
+
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from its config (already validated by `checks.validate`)."""
     pipe = config.pipeline
@@ -236,6 +267,8 @@ def build(config, workdir: str) -> Setup:
     G = config.batch.group_size
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     problems = checks.pack_problems(config, longest)
+    tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
+    problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
     if problems:  # Before the warm start's training.
         raise ValueError("; ".join(problems))
     progs = programs.Programs(mesh)
@@ -266,6 +299,9 @@ def build(config, workdir: str) -> Setup:
     learn = make_learner(config, graphdef, params, mesh, progs)
     # The reference is the same function with frozen params.
     ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
+    teacher = None
+    if "teacher_logp" in learn.objective.model_terms:
+        teacher = make_teacher(config, mesh, graphdef, params, progs)
     return Setup(
         config=config,
         mesh=mesh,
@@ -278,6 +314,7 @@ def build(config, workdir: str) -> Setup:
         graphdef=graphdef,
         params=params,
         ref_params=ref,
+        teacher=teacher,
         warm_start_summary=summary,
         scfg=scfg,
         eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),

@@ -1,0 +1,101 @@
+"""The distillation teacher: a frozen policy that scores the student's sampled tokens, once
+per batch, in the rollout stage (on-policy distillation; `objectives.distill`).
+
+`Teacher(rollouts)` is the batch's `teacher_logp` [N, M], from one compiled forward pass
+(`teacher_logp`) that runs the learner's own logprob code (`learner.plan`, `token_terms`) on
+the teacher's params. `setup.make_teacher` builds it from `config.teacher`; `checks` compares
+its tokenizer with the run's at start-up.
+
+Dimension letters: N rows, K micro-batches of n rows, P padded prompt length, M completion
+tokens (the batch's length bucket).
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from rlscale import sharding
+from rlscale.rl import learner
+from rlscale.rl.rollouts import Rollouts
+from rlscale.sampling import SamplingConfig
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def teacher_logp(params, fwd, targets_KnM, *, spec: learner.Spec):
+    """[K, n, M]: the logprob under `params` of each completion token of K micro-batches of n
+    rows (`learner.plan`'s forward rows `fwd`, [K, n, ...], and their completion tokens),
+    computed by the learner's own code (`learner.token_terms`) under `spec.logits_cfg`, one
+    micro-batch at a time. No gradient: the teacher is data to the student."""
+
+    def one(_, x):
+        fwd_k, targets_nM = x
+        return None, learner.token_terms(spec, params, None, fwd_k, targets_nM, ("logp",))["logp"]
+
+    return jax.lax.scan(one, None, (fwd, targets_KnM))[1]
+
+
+class Teacher:
+    """A frozen policy that scores the student's sampled tokens (on-policy distillation):
+    `teacher(rollouts)` is the `teacher_logp` [N, M] of a batch, from one compiled forward
+    pass (`teacher_logp`) on the trainer's mesh, the teacher's params in the training layout.
+
+    The logprobs are at the sampling temperature, as the generator's `sampler_logp` are, but
+    without top-k or top-p: a token outside the teacher's nucleus would have logprob -inf.
+    The batch's completions are trimmed to its length bucket (`learner.plan`: one program per
+    prompt bucket and length bucket), and the rows are taken `micro_batches` at a time (the
+    learner's micro-batch, whose size its checks fit to the mesh).
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        params,
+        *,
+        mesh,
+        temperature: float,
+        micro_batches: int,
+        max_len: int,
+        length_buckets: int,
+        logprob_chunk: int,
+        programs,
+    ):
+        self.params, self.programs = params, programs
+        self.micro_batches, self.max_len = micro_batches, max_len
+        self.length_buckets = length_buckets
+        self.spec = learner.Spec(
+            graphdef=graphdef,
+            logits_cfg=SamplingConfig(temperature=temperature),
+            objective=None,
+            optimizer=None,
+            mesh=mesh,
+            train_terms=("logp",),
+            old_terms=(),
+            ref=False,
+            pack_length=0,
+            pack_rows=0,
+            max_micro=0,
+            minibatches=1,
+            chunk=logprob_chunk,
+            remat="none",
+            offload_ref=False,
+        )
+
+    def __call__(self, rollouts: Rollouts) -> np.ndarray:
+        mesh = self.spec.mesh
+        N, P = rollouts.mask_NM.shape[0], rollouts.prompt_len
+        rows_Kn = np.arange(N).reshape(self.micro_batches, -1)
+        K, n = rows_Kn.shape
+        shards = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
+        M, fwd = learner.plan(
+            rollouts, rows_Kn, max_len=self.max_len, buckets=self.length_buckets, shards=shards
+        )
+        targets_KnM = rollouts.tokens_NL[:, P : P + M].reshape(K, n, M).astype(np.int32)
+        fwd, targets_KnM = sharding.put_batch((fwd, targets_KnM), mesh, sharding.TRAIN_RULES, 1)
+        logp_KnM = self.programs.run(
+            "teacher_logp", teacher_logp, (self.params, fwd, targets_KnM), {"spec": self.spec}
+        )
+        out_NM = np.zeros(rollouts.mask_NM.shape, np.float32)
+        completion_NM = rollouts.attn_mask_NL[:, P : P + M].astype(bool)
+        out_NM[:, :M] = np.where(completion_NM, sharding.fetch(logp_KnM).reshape(N, M), 0.0)
+        return out_NM
