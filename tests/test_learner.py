@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from rlscale import model, objectives, programs, sharding
+from rlscale import model, objectives, optim, programs, sharding
 from rlscale.model import decoder
 from rlscale.rl import learner
 from rlscale.sampling import SamplingConfig, transform_logits
@@ -425,7 +425,7 @@ def test_bfloat16_params_keep_float32_master_weights(setup):
     adam = optax.adamw(1e-2, weight_decay=0.1)
     p32 = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
-    mixed = learner.master_weights(adam)
+    mixed = optim.master_weights(adam)
     state16, ref_state = (
         mixed.init(p16),
         adam.init(jax.tree.map(lambda x: x.astype(jnp.float32), p16)),
@@ -444,7 +444,7 @@ def test_bfloat16_params_keep_float32_master_weights(setup):
 
     mesh = sharding.make_mesh((1, 1, 1))
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    optim = learner.make_optimizer(
+    optimizer = optim.make_optimizer(
         types.SimpleNamespace(
             lr=1e-3,
             warmup_steps=1,
@@ -459,7 +459,7 @@ def test_bfloat16_params_keep_float32_master_weights(setup):
         ),
         bf16,
     )
-    learn = _learner(mesh, graphdef, buckets=4, optimizer=optim)
+    learn = _learner(mesh, graphdef, buckets=4, optimizer=optimizer)
     state, _, ok = learn.update(learn.init(bf16, value_params), None, roll, step=1)
     assert bool(np.all(ok))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("bfloat16")}

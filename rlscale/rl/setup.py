@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rlscale import chat, checkpoint, model, objectives, programs, sharding, warm_start
+from rlscale import chat, checkpoint, model, objectives, optim, programs, sharding, warm_start
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
@@ -197,7 +197,7 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
     return learner.Learner(
         graphdef=graphdef,
         objective=objectives.build(config.objective.chain, group_size=G, max_len=M),
-        optimizer=learner.make_optimizer(config.optim, params),
+        optimizer=optim.make_optimizer(config.optim, params),
         mesh=mesh,
         logits_cfg=SamplingConfig(
             temperature=config.sampling.temperature,
