@@ -32,6 +32,7 @@ from rlscale.scaling import runs, tan
 SIZES = ("xs", "s", "m", "l", "xl")
 TAN_FRAC = 0.5  # Tan et al. use 25-40%; a half keeps 5 of the 10 evaluations to fit on.
 TARGET_MAE = 0.02
+PREDICTION = "prediction_xl.json"
 
 
 def load(path):
@@ -141,6 +142,21 @@ def main():
                 f"max {ext['max_abs_err']:.4f} ({ext['n_points']} points)"
             )
         shutil.copy(os.path.join(a.root, "tan", "tan.png"), os.path.join(a.out, "tan.png"))
+
+    # The prediction written before the largest size's later seeds ran (PREDICTION), checked.
+    pred_path = os.path.join(a.out, PREDICTION)
+    if os.path.exists(pred_path) and sizes[-1] == "xl":
+        pred = load(pred_path)
+        X, R = np.array(pred["predicted"]).T
+        print(f"\n{PREDICTION} (made {pred['made']}): {pred['protocol']}")
+        for seed, d in sorted(found["xl"]):
+            curve = runs.read_curve(d)
+            at = np.interp(np.log(curve.compute), np.log(X), R)
+            err = np.abs(at - curve.reward)
+            print(
+                f"xl s{seed}: reward MAE {err.mean():.4f}, max {err.max():.4f} ({err.size} "
+                f"points); predicted end {at[-1]:.3f}, measured {curve.reward[-1]:.3f}"
+            )
 
 
 if __name__ == "__main__":
