@@ -66,7 +66,8 @@ def test_distill_advantage_in_the_registry():
     add = CHAIN.replace("distill_advantage", "distill_advantage(mix=add)")
     assert registry.check(add, **run) == [
         "objective.chain: distill_advantage needs term 'advantage', which nothing before it "
-        "provides (add one of: group_advantages, reinforce_pp_baseline, gae, distill_advantage)"
+        "provides (add one of: group_advantages, reinforce_pp_baseline, gae, distill_advantage, "
+        "process_advantages)"
     ]
     assert registry.check("group_advantages | " + add, **run) == []
     assert registry.check(CHAIN.replace("distill_advantage", "distill_advantage(mix=sum)"), **run)[

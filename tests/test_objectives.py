@@ -680,6 +680,7 @@ def test_registered_names_are_the_factories():
         "simpo",
         "kto",
         "distill_advantage",
+        "process_advantages",
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory

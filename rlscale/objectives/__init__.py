@@ -32,6 +32,7 @@ from rlscale.objectives.policy import (
     truncated_is,
 )
 from rlscale.objectives.preference import dpo, ipo, kto, simpo
+from rlscale.objectives.process import process_advantages
 from rlscale.objectives.registry import (
     MODEL_TERMS,
     ByArg,
@@ -76,6 +77,7 @@ __all__ = [
     "parse",
     "policy_gradient",
     "ppo_clip",
+    "process_advantages",
     "register",
     "reinforce_pp_baseline",
     "resolve",

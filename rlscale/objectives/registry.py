@@ -60,6 +60,8 @@ BATCH_TERMS = (
     "old_value",
     "ref_logp",
     "teacher_logp",
+    "step_reward",
+    "step_mask",
 )
 LOSS_TERMS = BATCH_TERMS + ("logp", "entropy", "value", "update")
 # Keyword arguments the run injects into factories that accept them.
