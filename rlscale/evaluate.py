@@ -22,9 +22,19 @@ A user's mistake (a missing `--checkpoint`, a bad flag or config key) ends the c
 one `error: ...` line naming it (`rlscale.cli`).
 
 Metrics: `pass@j` for j = 1, 2, 4, ... up to k (unbiased, from the k samples), `avg@k` (mean
-reward), `maj@k` (majority vote over extracted answers; tasks with an answer extractor),
-`best_of_k/mean_logprob` (the sample the policy itself finds likeliest: its mean token
-logprob, a scorer that needs no reward model), plus response length and truncation.
+reward), `maj@k` (majority vote over extracted answers, a tie split evenly; tasks with an
+answer extractor), `best_of_k/mean_logprob` (the sample the policy itself finds likeliest:
+its mean token logprob, a scorer that needs no reward model), plus response length and
+truncation.
+
+Test-time scaling (`rlscale.test_time`): `--best_of 1,2,4,8,16` (each N <= k) adds, for each
+N, pass@N, best-of-N under each `--scorer` (`logprob`; `reward_model` with `--reward_model
+DIR`, a `python -m rlscale.reward_model` directory whose tokenizer must be the policy's; `prm`
+with `--prm DIR`, a process reward model (`rlscale.process_reward`), one curve per
+`--prm_aggregation` of its step probabilities: min, last, product), maj@N and score-weighted
+majority voting per scorer, each an unbiased estimate over the N-subsets of the k samples;
+they go to the report's `test_time` key (with each sample's scores under `per_prompt`), a
+printed table and a plot, `WORKDIR/test_time_{split}.png` or `--plot PATH`.
 """
 
 import contextlib
@@ -32,13 +42,15 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlscale import checkpoint, cli, eval_metrics, rl, sharding
+from rlscale import checkpoint, cli, eval_metrics, process_reward, rl, sharding, test_time
+from rlscale import reward_model as reward_model_lib
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.data import tasks
@@ -104,9 +116,9 @@ def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
     out[f"pass@{k}"] = float(eval_metrics.pass_at_k(k, correct_B, k).mean())
     out[f"avg@{k}"] = float(eval_metrics.avg_at_k(rewards_BG).mean())
     if answer_fn is not None:
-        answers = [answer_fn(t) for t in samples.texts]
-        answers_BG = [answers[b * k : (b + 1) * k] for b in range(B)]
-        out[f"maj@{k}"] = float(eval_metrics.maj_at_k(answers_BG, rewards_BG).mean())
+        answers_BG = answers_of(samples, k, answer_fn)
+        answers = [a for row in answers_BG for a in row]
+        out[f"maj@{k}"] = float(eval_metrics.maj_at_n(answers_BG, rewards_BG).value_B.mean())
         # Format against skill: how often a sample states an answer, and how often a stated
         # answer is right (NaN when none is).
         answered_N = np.array([a is not None for a in answers])
@@ -115,10 +127,9 @@ def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
         out["accuracy_answered"] = (
             float(correct_N[answered_N].mean()) if answered_N.any() else float("nan")
         )
-    mask = samples.mask_NM
-    mean_logprob_N = (samples.logprobs_NM * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    mean_logprob_BG = test_time.mean_logprob(samples).reshape(B, k)
     out[f"best_of_{k}/mean_logprob"] = float(
-        eval_metrics.best_of_n(mean_logprob_N.reshape(B, k), rewards_BG).mean()
+        eval_metrics.best_of_n(mean_logprob_BG, rewards_BG).mean()
     )
     out["response_length"] = float(samples.lengths_N.mean())
     out["truncated_frac"] = float(samples.truncated_N.mean())
@@ -128,11 +139,151 @@ def metrics(samples: scoring.Samples, k: int, answer_fn=None) -> dict:
     return out
 
 
+def answers_of(samples: scoring.Samples, k: int, answer_fn) -> list[list[str | None]]:
+    """[B][k] extracted answers of the samples' completions."""
+    answers = [answer_fn(t) for t in samples.texts]
+    return [answers[b : b + k] for b in range(0, len(answers), k)]
+
+
 def answer_fn_for(config, task):
     """The answer extractor for majority voting, or None when the task has none."""
     if hasattr(task, "extract_answer"):
         return task.extract_answer
     return _ANSWER_FNS.get(config.task.name)
+
+
+# ==========================================================================================
+# Test-time scaling: the N values, the scorers.
+# ==========================================================================================
+
+# `--scorer`'s choices (`test_time.Ranker`s); `prm` is one ranker per `--prm_aggregation`.
+SCORERS = ("logprob", "reward_model", "prm")
+
+
+def _best_of_problems(values: Sequence, k: int) -> tuple[list[int], list[str]]:
+    """The N values of `--best_of` (ints, or strings as the flag gives them), increasing, and
+    what is wrong with them: no value, a non-integer, N < 1, N > k, a duplicate."""
+    problems, ns = [], []
+    for v in values:
+        try:
+            n = int(str(v).strip())
+        except ValueError:
+            problems.append(f"{str(v)!r} is not an integer")
+            continue
+        if not 1 <= n <= k:
+            problems.append(f"N={n} is outside [1, --k={k}]")
+        ns.append(n)
+    twice = sorted({n for n in ns if ns.count(n) > 1})
+    if twice:
+        problems.append(f"N={', '.join(map(str, twice))} given more than once")
+    if not values:
+        problems.append("no N given")
+    return sorted(ns), problems
+
+
+def check_test_time_flags(
+    best_of: Sequence | None,
+    k: int,
+    scorers: Sequence[str],
+    reward_model_dir: str | None,
+    plot: str | None,
+    prm_dir: str | None = None,
+    prm_aggregation: Sequence[str] = ("min",),
+) -> list[int] | None:
+    """The N values of `--best_of` (None without it), increasing.
+
+    Raises:
+      ValueError: Naming the flags, every problem at once: a bad `--best_of` (no value, a
+        non-integer, N < 1, N > k, a duplicate), an unknown or repeated `--scorer`, a
+        `reward_model` scorer without `--reward_model` or the reverse (`prm` and `--prm`
+        alike), an unknown `--prm_aggregation`, or `--scorer`, `--reward_model`, `--prm` or
+        `--plot` without `--best_of`.
+    """
+    problems, ns = [], None
+    if best_of is not None:
+        ns, wrong = _best_of_problems(best_of, k)
+        if wrong:
+            problems.append(f"--best_of={','.join(map(str, best_of))}: " + "; ".join(wrong))
+    names = list(scorers)
+    for name in dict.fromkeys(names):
+        if name not in SCORERS:
+            problems.append(f"--scorer: {name!r} is not one of {', '.join(SCORERS)}")
+        if names.count(name) > 1:
+            problems.append(f"--scorer: {name!r} given more than once")
+    if "reward_model" in names and not reward_model_dir:
+        problems.append("--scorer=reward_model needs --reward_model DIR")
+    if reward_model_dir and "reward_model" not in names:
+        problems.append(
+            f"--reward_model={reward_model_dir} is unused: --scorer does not name reward_model"
+        )
+    if "prm" in names and not prm_dir:
+        problems.append("--scorer=prm needs --prm DIR")
+    if prm_dir and "prm" not in names:
+        problems.append(f"--prm={prm_dir} is unused: --scorer does not name prm")
+    bad = [a for a in prm_aggregation if a not in process_reward.AGGREGATIONS]
+    if bad:
+        problems.append(
+            f"--prm_aggregation: {', '.join(map(repr, bad))} not one of "
+            f"{', '.join(process_reward.AGGREGATIONS)}"
+        )
+    if best_of is None and (names != ["logprob"] or reward_model_dir or prm_dir):
+        problems.append(
+            "--scorer, --reward_model and --prm score the --best_of curves: pass --best_of"
+        )
+    if best_of is None and plot:
+        problems.append(f"--plot={plot}: plots the --best_of curves: pass --best_of")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return ns
+
+
+def load_reward_model(path: str, tokenizer, longest: int):
+    """`reward_model.load(path)`, checked against the policy's tokenizer and the longest row
+    it will score (`longest` tokens: the longest prompt, max_new_tokens and the EOS); errors
+    name `--reward_model`."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--reward_model={path}: no such directory")
+    try:
+        rm = reward_model_lib.load(path)
+        reward_model_lib.check_tokenizer(path, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--reward_model={path}: {e}") from e
+    if longest > rm.model_cfg.max_seq_len:
+        raise ValueError(
+            f"--reward_model={path}: its decoder reads at most max_seq_len="
+            f"{rm.model_cfg.max_seq_len} tokens, but the longest prompt with "
+            f"--config.sampling.max_new_tokens and the EOS makes {longest}"
+        )
+    return rm
+
+
+def load_prm(path: str, tokenizer):
+    """`process_reward.load(path)`, checked against the policy's tokenizer; errors name
+    `--prm`."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--prm={path}: no such directory")
+    try:
+        prm = process_reward.load(path)
+        reward_model_lib.check_tokenizer(path, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--prm={path}: {e}") from e
+    return prm
+
+
+def rankers(
+    names: Sequence[str], reward_model=None, prm=None, prm_aggregation: Sequence[str] = ("min",)
+) -> list[test_time.Ranker]:
+    """The `--scorer`s as `test_time.Ranker`s, in order (`reward_model`, `prm`: loaded ones;
+    `prm` gives one ranker per aggregation)."""
+    out = []
+    for name in names:
+        if name == "logprob":
+            out.append(test_time.logprob_ranker())
+        elif name == "reward_model":
+            out.append(test_time.reward_model_ranker(reward_model))
+        else:
+            out += [test_time.prm_ranker(prm, how) for how in prm_aggregation]
+    return out
 
 
 # ==========================================================================================
@@ -152,14 +303,24 @@ def run(
     output: str | None = None,
     batch: int = 32,
     seed: int = 0,
+    best_of: Sequence | None = None,
+    scorers: Sequence[str] = ("logprob",),
+    reward_model_dir: str | None = None,
+    plot: str | None = None,
+    prm_dir: str | None = None,
+    prm_aggregation: Sequence[str] = ("min",),
 ) -> dict:
-    """Evaluates a checkpoint (see the module docstring); returns the metrics and writes the
-    JSON report."""
+    """Evaluates a checkpoint (see the module docstring); writes the JSON report and returns
+    it (`metrics`, and `test_time` with `best_of`)."""
     t_start = time.time()
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
     if k < 1 or n < 1:
         raise ValueError(f"--k={k} and --n={n} must be >= 1")
+    scorers = list(scorers)
+    ns = check_test_time_flags(
+        best_of, k, scorers, reward_model_dir, plot, prm_dir, list(prm_aggregation)
+    )
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
@@ -177,6 +338,11 @@ def run(
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
     problems = splits[split][:n]
     cfg = sampling_config(config, tokenizer, k)
+    rm = None
+    if "reward_model" in scorers and ns is not None:  # Checked before sampling anything.
+        longest = max(len(p) for p in scoring.encode_prompts(tokenizer, problems))
+        rm = load_reward_model(reward_model_dir, tokenizer, longest + cfg.max_new_tokens + 1)
+    prm = load_prm(prm_dir, tokenizer) if "prm" in scorers and ns is not None else None
     # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
     workers = config.reward.workers
     with isolation.verifier_pool(workers) if workers else contextlib.nullcontext() as pool:
@@ -190,8 +356,8 @@ def run(
             scoring.Scorer(task.verify, pool, config.reward.timeout),
             chunk=batch,
         )
-    result = metrics(samples, k, answer_fn_for(config, task))
-    result["wall_s"] = time.time() - t_start
+    answer_fn = answer_fn_for(config, task)
+    result = metrics(samples, k, answer_fn)
     report = {
         "checkpoint": checkpoint_dir,
         "tokenizer": os.path.abspath(tokenizer_path),
@@ -207,12 +373,33 @@ def run(
         "metrics": result,
         "per_prompt": {"rewards": samples.reward_N.reshape(-1, k).tolist()},
     }
+    if ns is not None:
+        chosen = rankers(scorers, rm, prm, list(prm_aggregation))
+        scores = {r.name: np.asarray(r.score(samples, problems)).reshape(-1, k) for r in chosen}
+        answers = None if answer_fn is None else answers_of(samples, k, answer_fn)
+        report["test_time"] = test_time.curves(
+            samples.reward_N.reshape(-1, k),
+            ns,
+            scores,
+            answers,
+            {r.name: r.vote_weight(scores[r.name]) for r in chosen},
+            seed=seed,
+        )
+        report["per_prompt"]["scores"] = {name: s.tolist() for name, s in scores.items()}
+        plot = os.path.abspath(plot or os.path.join(workdir, f"test_time_{split}.png"))
+        report["test_time_plot"] = plot
+    result["wall_s"] = time.time() - t_start
     output = output or os.path.join(workdir, f"eval_{split}.json")
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(output, "w") as f:
             json.dump(report, f, indent=2)
-    return result
+        if ns is not None:
+            os.makedirs(os.path.dirname(plot), exist_ok=True)
+            name = os.path.join(*checkpoint_dir.split(os.sep)[-2:])  # E.g. run/final.
+            title = f"{name}: {config.task.name} {split}"
+            test_time.plot(report["test_time"], plot, title=f"{title}, k={k}, n={len(problems)}")
+    return report
 
 
 def define_flags():
@@ -234,6 +421,22 @@ def define_flags():
     flags.DEFINE_string("output", None, "Metrics JSON; default WORKDIR/eval_{split}.json.")
     flags.DEFINE_integer("batch", 32, "Prompts per sampler call.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_list(
+        "best_of", None, "N values for the test-time scaling curves, e.g. 1,2,4,8,16 (each <= k)."
+    )
+    flags.DEFINE_list(
+        "scorer", ["logprob"], f"Best-of-N and weighted-vote scorers: {', '.join(SCORERS)}."
+    )
+    flags.DEFINE_string(
+        "reward_model", None, "Reward model directory (python -m rlscale.reward_model)."
+    )
+    flags.DEFINE_string("prm", None, "Process reward model directory (rlscale.process_reward).")
+    flags.DEFINE_list(
+        "prm_aggregation", ["min"], "How --scorer=prm scores a completion: min, last, product."
+    )
+    flags.DEFINE_string(
+        "plot", None, "Test-time scaling PNG; default WORKDIR/test_time_{split}.png."
+    )
     flags.mark_flags_as_required(["config", "checkpoint"])
 
 
@@ -241,7 +444,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     f = flags.FLAGS
-    result = run(
+    report = run(
         f.config,
         f.checkpoint,
         split=f.split,
@@ -252,10 +455,20 @@ def main(argv):
         output=f.output,
         batch=f.batch,
         seed=f.seed,
+        best_of=f.best_of,
+        scorers=f.scorer,
+        reward_model_dir=f.reward_model,
+        prm_dir=f.prm,
+        prm_aggregation=f.prm_aggregation,
+        plot=f.plot,
     )
     print("\nrlscale evaluation")
-    for key, v in result.items():
+    for key, v in report["metrics"].items():
         print(f"  {key:<28} {v:.4g}" if isinstance(v, float) else f"  {key:<28} {v}")
+    if "test_time" in report:
+        print("\ntest-time scaling (mean over problems; unbiased over the N-subsets of k)")
+        print(test_time.table(report["test_time"]))
+        print(f"  plot: {report['test_time_plot']}")
 
 
 if __name__ == "__main__":

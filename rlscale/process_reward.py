@@ -803,8 +803,9 @@ def load(path: str, mesh=None) -> ProcessRewardModel:
 
 
 def sigmoid(s) -> np.ndarray:
-    """1 / (1 + e^-s) in float64, without overflow for any s."""
-    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(s, np.float64)))
+    """1 / (1 + e^-s) in float64, to full relative precision in both tails (1 + tanh(s / 2)
+    cancels for s << 0)."""
+    return np.exp(-np.logaddexp(0.0, -np.asarray(s, np.float64)))
 
 
 def _check_steps(p_NS, mask_NS):

@@ -2,6 +2,7 @@
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -14,7 +15,17 @@ import numpy as np
 import pytest
 from test_main import one_error_line
 
-from rlscale import chat, checkpoint, config_lib, eval_metrics, evaluate, model, sharding
+from rlscale import (
+    chat,
+    checkpoint,
+    config_lib,
+    eval_metrics,
+    evaluate,
+    model,
+    process_reward,
+    reward_model,
+    sharding,
+)
 from rlscale.data import math_data, tasks
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.tokenizer import train_sentencepiece
@@ -62,33 +73,135 @@ def test_avg_at_k():
         eval_metrics.avg_at_k([1, 0])
 
 
-def test_maj_at_k_hand_computed():
+def test_maj_at_n_hand_computed():
     answers = [
         ["2", "3", "2", None],  # "2" wins 2-1.
-        ["5", "7", "7", "5"],  # Tie 2-2: "5" appears first.
+        ["5", "7", "7", "5"],  # Tie 2-2: broken at random, so the mean of "5" (0) and "7" (1).
         [None, None, None, None],  # Nobody answers: 0.
         [None, None, "4", None],  # None does not vote: "4" wins alone.
-        ["1", "2", "3", "4"],  # All tied: the first.
+        ["1", "2", "3", "4"],  # All tied: the mean of the four.
     ]
     rewards = [[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]]
-    np.testing.assert_array_equal(eval_metrics.maj_at_k(answers, rewards), [1, 0, 0, 0, 0])
-    assert eval_metrics.majority_vote(["b", "a", "a", "b", "c"]) == 0
-    assert eval_metrics.majority_vote([None, "x"]) == 1
+    vote = eval_metrics.maj_at_n(answers, rewards)
+    np.testing.assert_array_equal(vote.value_B, [1, 0.5, 0, 0, 0.75])
+    assert (vote.subsets, vote.exact) == (1, True) and not vote.stderr_B.any()
+    # Subsets of N of G = 6. N = 1: each sample alone, so the mean reward of answered samples;
+    # N = 2 over the 15 pairs: a+a, a+None (twice), 1; a+b, a+c (6 pairs), 1/2; the rest 0:
+    # (3 + 6 / 2) / 15 = 0.4.
+    answers, rewards = [["a", "b", "a", None, "c", "b"]], [[1, 0, 1, 0, 0, 0]]
+    got = [eval_metrics.maj_at_n(answers, rewards, n).value_B[0] for n in (1, 2, 6)]
+    np.testing.assert_allclose(got, [2 / 6, 0.4, 0.5], rtol=1e-15)
+    # Weighted: "a" (weight 3) outvotes two "b"s (weight 1 each); unweighted, "b" wins.
+    answers, rewards, weights = [["a", "b", "b"]], [[1, 0, 0]], [[3, 1, 1]]
+    assert eval_metrics.maj_at_n(answers, rewards).value_B[0] == 0
+    assert eval_metrics.maj_at_n(answers, rewards, 3, weights).value_B[0] == 1
+    # N = 2: {a, b} twice (a wins 3-1), {b, b} once.
+    assert eval_metrics.maj_at_n(answers, rewards, 2, weights).value_B[0] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="row 0 has 3 answers, expected 4"):
-        eval_metrics.maj_at_k([["1", "2", "3"]], [[0, 0, 0, 0]])
+        eval_metrics.maj_at_n([["1", "2", "3"]], [[0, 0, 0, 0]])
+
+
+def _brute_force_vote(answers, rewards, n, weights):
+    """The mean over every n-subset of the (weighted) vote, ties split evenly: plain Python."""
+    values = []
+    for subset in itertools.combinations(range(len(answers)), n):
+        votes, reward = {}, {}
+        for i in subset:
+            if answers[i] is not None:
+                votes[answers[i]] = votes.get(answers[i], 0) + weights[i]
+                reward.setdefault(answers[i], []).append(rewards[i])
+        if not votes:
+            values.append(0.0)
+            continue
+        top = [a for a, v in votes.items() if v == max(votes.values())]
+        values.append(sum(sum(reward[a]) / len(reward[a]) for a in top) / len(top))
+    return sum(values) / len(values)
+
+
+def test_maj_at_n_is_the_mean_over_all_subsets_and_estimates_it_when_there_are_too_many():
+    rng = np.random.default_rng(0)
+    B, G = 6, 7
+    answers = [[rng.choice(["x", "y", "z", None]) for _ in range(G)] for _ in range(B)]
+    rewards = rng.random((B, G))
+    weights = rng.integers(0, 3, (B, G)).astype(float)  # Small integers: tied votes happen.
+    for n in range(1, G + 1):
+        for w in (None, weights):
+            got = eval_metrics.maj_at_n(answers, rewards, n, w).value_B
+            ref = np.ones((B, G)) if w is None else w
+            want = [_brute_force_vote(answers[b], rewards[b], n, ref[b]) for b in range(B)]
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+    # C(7, 3) = 35 subsets; with at most 30, a seeded Monte-Carlo estimate within its error.
+    exact = eval_metrics.maj_at_n(answers, rewards, 3, weights).value_B
+    mc = eval_metrics.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
+    assert (mc.subsets, mc.exact) == (30, False) and (mc.stderr_B > 0).all()
+    assert (np.abs(mc.value_B - exact) < 4 * mc.stderr_B).all()
+    assert not np.array_equal(mc.value_B, exact)  # It is an estimate,
+    again = eval_metrics.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
+    np.testing.assert_array_equal(again.value_B, mc.value_B)  # and a reproducible one.
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n": 0}, r"n=0 must be an integer in \[1, G=3\]"),
+        ({"n": 4}, "n=4 must be"),
+        ({"n": 2.0}, "n=2.0 must be an integer"),
+        ({"weights_BG": [[1, -1, 1]]}, "finite and >= 0"),
+        ({"weights_BG": [[1, np.nan, 1]]}, "finite and >= 0"),
+        ({"weights_BG": [[1, 1]]}, r"weights \(1, 2\) and rewards \(1, 3\) must match"),
+    ],
+)
+def test_maj_at_n_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        eval_metrics.maj_at_n([["a", "b", "a"]], [[1, 0, 1]], **kwargs)
 
 
 def test_best_of_n_hand_computed_and_equals_pass_at_n_with_the_verifier_as_scorer():
+    # N = G: the top-scored sample; tied tops share (row 2: mean of 0 and 1); NaN ranks last.
     scores = [[0.1, 0.9, 0.5], [np.nan, 0.2, 0.2], [-1.0, -3.0, -2.0]]
     rewards = [[0, 1, 0], [1, 0, 1], [0.5, 1, 1]]
-    np.testing.assert_array_equal(eval_metrics.best_of_n(scores, rewards), [1, 0, 0.5])
+    np.testing.assert_array_equal(eval_metrics.best_of_n(scores, rewards), [1, 0.5, 0.5])
+    # N = 2 of 3: the pairs {0.1, 0.9} -> 1, {0.1, 0.5} -> 0, {0.9, 0.5} -> 1.
+    assert eval_metrics.best_of_n(scores[:1], rewards[:1], 2)[0] == pytest.approx(2 / 3)
     rng = np.random.default_rng(0)
     r = (rng.random((50, 6)) < 0.2).astype(float)
-    np.testing.assert_array_equal(
-        eval_metrics.best_of_n(r, r), eval_metrics.pass_at_k(6, r.sum(1).astype(int), 6)
-    )
+    for n in range(1, 7):
+        np.testing.assert_allclose(
+            eval_metrics.best_of_n(r, r, n),
+            eval_metrics.pass_at_k(6, r.sum(1).astype(int), n),
+            rtol=1e-14,
+        )
     with pytest.raises(ValueError, match="must be"):
         eval_metrics.best_of_n([[1, 2]], [[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"best_of_n: n=3 must be an integer in \[1, G=2\]"):
+        eval_metrics.best_of_n([[1, 2]], [[1, 2]], 3)
+
+
+def _brute_force_best_of(scores, rewards, n):
+    """The mean over every n-subset of the reward of its top-scored sample, ties split evenly
+    and NaN below everything: plain Python."""
+    key = [-math.inf if math.isnan(s) else s for s in scores]
+    values = []
+    for subset in itertools.combinations(range(len(scores)), n):
+        best = max(key[i] for i in subset)
+        top = [rewards[i] for i in subset if key[i] == best]
+        values.append(sum(top) / len(top))
+    return sum(values) / len(values)
+
+
+def test_best_of_n_closed_form_equals_enumerating_the_subsets():
+    rng = np.random.default_rng(1)
+    for G in (1, 2, 5, 8):
+        B = 20
+        scores = rng.integers(0, 4, (B, G)).astype(float)  # Few values: many ties.
+        scores[rng.random((B, G)) < 0.15] = np.nan
+        scores[:5] = rng.standard_normal((5, G))  # And rows without ties.
+        rewards = rng.random((B, G))
+        for n in range(1, G + 1):
+            want = [_brute_force_best_of(scores[b], rewards[b], n) for b in range(B)]
+            np.testing.assert_allclose(
+                eval_metrics.best_of_n(scores, rewards, n), want, rtol=1e-12, atol=1e-15
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,6 +293,27 @@ def run_dir(tmp_path_factory, tok):
     return workdir
 
 
+@pytest.fixture(scope="module")
+def rm_dir(run_dir, tok, tmp_path_factory):
+    """An untrained reward model on the policy's decoder and tokenizer. Its bucket, 16 tokens,
+    is shorter than the rows it will score: the scorer widens it."""
+    path = tmp_path_factory.mktemp("rm")
+    model_cfg, _, params = reward_model.init(str(run_dir / "final"), jax.random.key(2))
+    reward_model.save(str(path), model_cfg, params, tok, reward_model.RMConfig(seq_len=16))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prm_dir(run_dir, tok, tmp_path_factory):
+    """An untrained process reward model on the policy's decoder and tokenizer (the same
+    narrow bucket as `rm_dir`)."""
+    path = tmp_path_factory.mktemp("prm")
+    model_cfg, _, params = reward_model.init(str(run_dir / "final"), jax.random.key(3))
+    cfg = process_reward.PRMConfig(delimiter="=", seq_len=16)
+    process_reward.save(str(path), model_cfg, params, tok, cfg)
+    return path
+
+
 @pytest.mark.parametrize(
     "checkpoint, expected",
     [
@@ -201,7 +335,7 @@ def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
     one_error_line(r, expected.format(d=tmp_path))
 
 
-def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir):
+def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir, rm_dir, prm_dir):
     k, n = 4, 6
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
     r = subprocess.run(
@@ -216,6 +350,11 @@ def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir):
             f"--k={k}",
             f"--n={n}",
             "--config.sampling.max_new_tokens=8",
+            "--best_of=4,1,2",
+            "--scorer=logprob,reward_model,prm",
+            f"--reward_model={rm_dir}",
+            f"--prm={prm_dir}",
+            "--prm_aggregation=min,product",
         ],
         cwd=ROOT,
         env=env,
@@ -225,6 +364,7 @@ def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rlscale evaluation" in r.stdout and "pass@4" in r.stdout
+    assert "test-time scaling" in r.stdout and "wmaj@N/reward_model" in r.stdout
     report = json.loads((run_dir / "eval_test.json").read_text())
     m = report["metrics"]
     assert set(m) >= {"pass@1", "pass@2", "pass@4", "avg@4", "maj@4", "best_of_4/mean_logprob"}
@@ -240,6 +380,112 @@ def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir):
     assert m["avg@4"] == pytest.approx(rewards.mean())
     # The held-out problems are the RL loop's: materialized in WORKDIR/data.
     assert (run_dir / "data").is_dir()
+    # Test-time scaling: the flags reach the curves (their values: the next test, where rewards
+    # are not all 0 as an untrained policy's are here), the table and the plot.
+    t = report["test_time"]
+    rankers = ("logprob", "reward_model", "prm_min", "prm_product")
+    assert list(t) == [
+        "N",
+        "pass@N",
+        *(f"best_of/{name}" for name in rankers),
+        "maj@N",
+        *(f"wmaj@N/{name}" for name in rankers),
+        "stderr",
+        "vote_subsets",
+    ]
+    assert t["N"] == [1, 2, 4] and t["vote_subsets"] == [4, 6, 1]
+    for name in rankers:
+        scores = np.array(report["per_prompt"]["scores"][name])
+        assert scores.shape == (n, k) and len(np.unique(scores)) > 1  # Each sample scored.
+    table = r.stdout[r.stdout.index("test-time scaling") :].splitlines()[1:13]
+    assert [line.split()[0] for line in table] == ["N"] + list(t)[1:11] + ["plot:"]
+    assert report["test_time_plot"] == str(run_dir / "test_time_test.png")
+    assert (run_dir / "test_time_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class AnswerTask:
+    """A task whose answer is the completion's length mod 3 and whose reward depends on the
+    problem and the answer alone (equal answers score alike), arbitrarily."""
+
+    def extract_answer(self, completion):
+        return str(len(completion) % 3)
+
+    def verify(self, completion, problem):
+        key = f"{problem.prompt}|{self.extract_answer(completion)}"
+        return float(hashlib.sha256(key.encode()).digest()[0] % 2)
+
+
+def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
+    run_dir, rm_dir, tok, tmp_path, monkeypatch
+):
+    problems = [tasks.Problem(prompt=f"Q: {i}+{2 * i}=", answer="", demo="") for i in range(6)]
+    monkeypatch.setattr(
+        evaluate, "load_task", lambda config, workdir: (AnswerTask(), {"t": problems})
+    )
+    seen = []  # The scored samples, as the evaluation holds them.
+    sample_and_score = scoring.sample_and_score
+    monkeypatch.setattr(
+        scoring,
+        "sample_and_score",
+        lambda *a, **kw: seen.append(sample_and_score(*a, **kw)) or seen[-1],
+    )
+    config = _quickstart_smoke()
+    config.sampling.max_new_tokens = 8
+    config.mesh.shape = (1, 1, 1)  # One device: a quicker compile than the 8 of the tests.
+    config.reward.workers = 0  # The verifier in-process: no worker processes to start.
+    k = 4
+    report = evaluate.run(
+        config,
+        str(run_dir / "final"),
+        split="t",
+        k=k,
+        n=6,
+        best_of=[1, 2, 4],
+        scorers=["logprob", "reward_model"],
+        reward_model_dir=str(rm_dir),
+        output=str(tmp_path / "eval.json"),
+        plot=str(tmp_path / "curves.png"),
+    )
+    (samples,) = seen
+    rewards = samples.reward_N.reshape(-1, k)
+    answers = [[str(len(x) % 3) for x in samples.texts[i : i + k]] for i in range(0, 24, k)]
+    assert 0 < rewards.mean() < 1 and len({a for row in answers for a in row}) > 1
+    # The scores: the mean token logprob, and the reward model on the prompt's ids (with its
+    # BOS) then the completion's, ended by the EOS, scored here in a bucket of 64.
+    logprob = (samples.logprobs_NM * samples.mask_NM).sum(1) / samples.mask_NM.sum(1)
+    rm = reward_model.load(str(rm_dir))
+    rows = []
+    for i in range(24):
+        completion = samples.tokens_NM[i, : samples.lengths_N[i]].tolist()
+        eos = [] if completion[-1:] == [tok.eos_id] else [tok.eos_id]
+        rows.append(chat.encode_prompt(tok, problems[i // k].prompt) + completion + eos)
+    by_rm = reward_model.score_rows(rm.graphdef, rm.params, *reward_model.pad_rows(rows, 64, 0))
+    scores = report["per_prompt"]["scores"]
+    np.testing.assert_allclose(scores["logprob"], logprob.reshape(-1, k), rtol=1e-6)
+    np.testing.assert_allclose(scores["reward_model"], by_rm.reshape(-1, k), rtol=1e-4, atol=1e-5)
+    # Every curve against its definition: all N-subsets of the k samples, enumerated.
+    t = report["test_time"]
+    weights = {
+        "logprob": np.exp(scores["logprob"]),
+        "reward_model": 1 / (1 + np.exp(-np.array(scores["reward_model"]))),
+    }
+    for j, n in enumerate((1, 2, 4)):
+        c = (rewards > 0).sum(1)
+        assert t["pass@N"][j] == pytest.approx(
+            np.mean([1 - math.comb(k - ci, n) / math.comb(k, n) for ci in c])
+        )
+        for name in ("logprob", "reward_model"):
+            s = np.array(scores[name])
+            want = np.mean([_brute_force_best_of(s[b], rewards[b], n) for b in range(6)])
+            assert t[f"best_of/{name}"][j] == pytest.approx(want, rel=1e-12)
+            want = np.mean(
+                [_brute_force_vote(answers[b], rewards[b], n, weights[name][b]) for b in range(6)]
+            )
+            assert t[f"wmaj@N/{name}"][j] == pytest.approx(want, rel=1e-12)
+        want = np.mean([_brute_force_vote(answers[b], rewards[b], n, [1] * k) for b in range(6)])
+        assert t["maj@N"][j] == pytest.approx(want, rel=1e-12)
+    assert json.loads((tmp_path / "eval.json").read_text())["test_time"] == t
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
@@ -251,6 +497,89 @@ def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
     path.write_bytes(bigger.serialized)
     with pytest.raises(ValueError, match="not the tokenizer this checkpoint was trained with"):
         evaluate.run(_quickstart_smoke(), str(run_dir / "final"), k=2, n=2, tokenizer_path=path)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"best_of": ["1", "8"]}, "--best_of=1,8: N=8 is outside [1, --k=4]"),
+        (
+            {"best_of": ["0", "x", "2.5"]},
+            "--best_of=0,x,2.5: N=0 is outside [1, --k=4]; 'x' is not an integer; "
+            "'2.5' is not an integer",
+        ),
+        ({"best_of": ["2", "1", "2"]}, "--best_of=2,1,2: N=2 given more than once"),
+        ({"best_of": []}, "--best_of=: no N given"),
+        (
+            {"best_of": ["2"], "scorers": ["reward_model"]},
+            "--scorer=reward_model needs --reward_model DIR",
+        ),
+        (
+            {"best_of": ["2"], "scorers": ["logprob", "prm"]},
+            "--scorer=prm needs --prm DIR",
+        ),
+        (
+            {"best_of": ["2"], "prm_dir": "/p", "prm_aggregation": ["min", "mean"]},
+            "--prm=/p is unused: --scorer does not name prm; --prm_aggregation: 'mean' not one "
+            "of min, last, product",
+        ),
+        (
+            {"best_of": ["2"], "scorers": ["logprob", "logprob"]},
+            "--scorer: 'logprob' given more than once",
+        ),
+        (
+            {"best_of": ["2"], "reward_model_dir": "/rm"},
+            "--reward_model=/rm is unused: --scorer does not name reward_model",
+        ),
+        (
+            {"scorers": ["reward_model"], "reward_model_dir": "/rm"},
+            "--scorer, --reward_model and --prm score the --best_of curves: pass --best_of",
+        ),
+        ({"plot": "t.png"}, "--plot=t.png: plots the --best_of curves: pass --best_of"),
+        (  # Every problem at once.
+            {"best_of": ["9"], "scorers": ["rm"]},
+            "--best_of=9: N=9 is outside [1, --k=4]; --scorer: 'rm' is not one of logprob, "
+            "reward_model, prm",
+        ),
+    ],
+)
+def test_bad_test_time_flags_fail_before_anything_loads(tmp_path, flags, message):
+    # The checkpoint does not exist: the flags are checked first.
+    with pytest.raises(ValueError) as e:
+        evaluate.run(_quickstart_smoke(), str(tmp_path / "nosuch"), k=4, n=2, **flags)
+    assert str(e.value) == message
+
+
+def test_a_bad_reward_model_fails_before_sampling(run_dir, rm_dir, tmp_path):
+    def run(rm, config=None):
+        evaluate.run(
+            config or _quickstart_smoke(),
+            str(run_dir / "final"),
+            k=2,
+            n=2,
+            best_of=["2"],
+            scorers=["reward_model"],
+            reward_model_dir=str(rm),
+            output=str(tmp_path / "never.json"),
+        )
+
+    with pytest.raises(ValueError, match=f"--reward_model={tmp_path}/nosuch: no such directory"):
+        run(tmp_path / "nosuch")
+    with pytest.raises(ValueError, match="reward_model.json does not exist: not a reward model"):
+        run(run_dir / "final")
+    # A reward model saved with another tokenizer.
+    other_tok = train_sentencepiece(CORPUS[::3], 290, hard_vocab_limit=False)
+    rm = reward_model.load(str(rm_dir))
+    other = tmp_path / "other"
+    reward_model.save(str(other), rm.model_cfg, rm.params, other_tok, rm.config)
+    with pytest.raises(ValueError, match=f"--reward_model={other}: tokenizer mismatch"):
+        run(other)
+    # Rows the reward model's decoder cannot read (max_seq_len 128).
+    config = _quickstart_smoke()
+    config.sampling.max_new_tokens = 200
+    with pytest.raises(ValueError, match="reads at most max_seq_len=128 tokens, but the longest"):
+        run(rm_dir, config)
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_load_task_reads_a_math_dataset_with_its_chat_template(tmp_path):

@@ -1,0 +1,243 @@
+"""Test-time scaling: accuracy against the number of samples N drawn per problem.
+
+From G scored samples per problem (`python -m rlscale.evaluate --best_of ...`), for each N
+of a list, the benchmark value (the mean over problems) of:
+
+  pass@N            some sample among N is correct (the oracle's curve: a perfect verifier)
+  best_of/<scorer>  the reward of the sample a scorer ranks highest among N
+  maj@N             the reward of the majority-vote answer among N
+  wmaj@N/<scorer>   the same, each vote weighted by the scorer's `vote_weight`
+
+each an unbiased estimate from the G samples, averaged over the C(G, N) choices of N of them
+(`rlscale.eval_metrics`: closed forms for pass@N and best-of-N; for voting, every subset
+while there are at most `eval_metrics.MAX_SUBSETS`, else that many random ones with their
+Monte-Carlo standard error). For 0/1 rewards every curve is an accuracy.
+
+Scorers (`--scorer`) are `Ranker`s: a name, a function giving each sample a score (higher is
+better) and the vote weight a score implies:
+
+  logprob       the policy's mean token logprob; vote weight exp(mean logprob), the per-token
+                geometric-mean probability (Wang et al. 2023's "normalized weighted sum")
+  reward_model  a Bradley-Terry reward model's r(x, y) (`rlscale.reward_model`); vote weight
+                sigmoid(r), the model's probability that the sample beats one of reward 0
+                (training centres its rewards at 0)
+
+A process reward model is one more `Ranker` per aggregation, `prm_min`, `prm_last` or
+`prm_product`: its score the aggregate of the probabilities it gives each step of the rows
+`sample_ids` returns (the ids a reward model reads too), its vote weight that probability.
+
+Dimension letters: B problems, G samples per problem, N = B * G rows.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from rlscale import eval_metrics, process_reward
+from rlscale.sampling import scoring
+
+
+class Ranker(NamedTuple):
+    """One scorer of `--scorer` (not the task's verifier, `sampling.scoring.Scorer`).
+
+    Attributes:
+      name: the curves' suffix: `best_of/<name>`, `wmaj@N/<name>`.
+      score: `(samples, problems) -> [N]` float scores of the rows of `samples` (prompt-major,
+        `problems[b]` the problem of prompt b); higher is better, NaN ranks last.
+      vote_weight: `[...] scores -> [...]` finite vote weights >= 0 (NaN scores: 0).
+    """
+
+    name: str
+    score: Callable[[scoring.Samples, Sequence], np.ndarray]
+    vote_weight: Callable[[np.ndarray], np.ndarray]
+
+
+def mean_logprob(samples: scoring.Samples) -> np.ndarray:
+    """[N] mean logprob of each completion's sampled tokens (0 for an empty completion)."""
+    mask = samples.mask_NM
+    return (samples.logprobs_NM * mask).sum(1) / np.maximum(mask.sum(1), 1)
+
+
+def logprob_ranker() -> Ranker:
+    """The policy's own likelihood: mean token logprob; votes weighted exp(mean logprob)."""
+    return Ranker(
+        "logprob",
+        lambda samples, problems: mean_logprob(samples).astype(np.float64),
+        lambda s: np.nan_to_num(np.exp(s), nan=0.0),
+    )
+
+
+def _sigmoid(x):
+    """`process_reward.sigmoid`, with NaN -> 0 (no vote)."""
+    return np.nan_to_num(process_reward.sigmoid(x), nan=0.0)
+
+
+def sample_ids(samples: scoring.Samples) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's prompt ids (its BOS included, padding dropped) and completion ids (with the
+    EOS when sampling stopped there), as the RL loop holds them."""
+    N, B = samples.tokens_NM.shape[0], samples.prompt_BP.shape[0]
+    G = N // B
+    prompts = [row[m].tolist() for row, m in zip(samples.prompt_BP, samples.prompt_mask_BP)]
+    completions = [samples.tokens_NM[i, : samples.lengths_N[i]].tolist() for i in range(N)]
+    return [prompts[i // G] for i in range(N)], completions
+
+
+def reward_model_ranker(rm) -> Ranker:
+    """A loaded `reward_model.RewardModel`: r(x, y); votes weighted sigmoid(r).
+
+    Rows are scored in one bucket of `rm.config.seq_len` tokens, or of the longest row when a
+    row is longer (the score does not depend on the bucket); the caller checks the longest
+    possible row against the decoder's `max_seq_len` before sampling."""
+
+    def score(samples, problems):
+        prompt_ids, completion_ids = sample_ids(samples)
+        longest = max(len(p) + len(c) + 1 for p, c in zip(prompt_ids, completion_ids))
+        model = rm
+        if longest > rm.config.seq_len:
+            model = dataclasses.replace(rm, config=dataclasses.replace(rm.config, seq_len=longest))
+        return model.score_completions(prompt_ids, completion_ids).astype(np.float64)
+
+    return Ranker("reward_model", score, _sigmoid)
+
+
+def prm_ranker(prm, aggregation: str) -> Ranker:
+    """A loaded `process_reward.ProcessRewardModel`: the `aggregation` ("min", "last",
+    "product") of its step probabilities (`process_reward.prm_scores`); votes weighted by that
+    probability."""
+
+    def score(samples, problems):
+        prompt_ids, completion_ids = sample_ids(samples)
+        longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+        model = prm
+        if longest > prm.config.seq_len:  # One bucket of the longest row; scores unchanged.
+            model = dataclasses.replace(
+                prm, config=dataclasses.replace(prm.config, seq_len=longest)
+            )
+        return process_reward.prm_scores(model, prompt_ids, completion_ids, aggregation)
+
+    return Ranker(f"prm_{aggregation}", score, lambda p: np.nan_to_num(p, nan=0.0))
+
+
+# ------------------------------------------------------------------------------------------
+# Curves, their table and their plot.
+# ------------------------------------------------------------------------------------------
+
+
+def curves(
+    rewards_BG,
+    ns: Sequence[int],
+    scores: dict | None = None,
+    answers_BG: Sequence[Sequence[str | None]] | None = None,
+    weights: dict | None = None,
+    *,
+    seed: int = 0,
+    max_subsets: int = eval_metrics.MAX_SUBSETS,
+) -> dict:
+    """The test-time scaling curves (module docstring), each a list over `ns`.
+
+    A sample is correct (pass@N) when its reward is positive; best-of-N and voting average
+    the rewards themselves.
+
+    Args:
+      rewards_BG: [B, G] rewards.
+      ns: the N values, each in [1, G].
+      scores: {scorer: [B, G] scores}: a `best_of/<scorer>` curve each.
+      answers_BG: [B][G] extracted answers: the `maj@N` curve (none without answers).
+      weights: {scorer: [B, G] vote weights}: a `wmaj@N/<scorer>` curve each (with answers).
+      seed: the random subsets' seed where voting cannot count them all.
+      max_subsets: `eval_metrics.maj_at_n`'s.
+
+    Returns:
+      {"N": ns, "pass@N": [...], "best_of/<scorer>": [...], "maj@N": [...],
+      "wmaj@N/<scorer>": [...], "stderr": {voting curve: [Monte-Carlo standard error of the
+      mean over problems, 0 where exact]}, "vote_subsets": [subsets counted per problem at
+      each N (C(G, N) where exact)]}; the voting keys only with answers.
+    """
+    rewards_BG = np.asarray(rewards_BG, np.float64)
+    B, G = rewards_BG.shape
+    correct_B = (rewards_BG > 0).sum(1)
+    out = {"N": [int(n) for n in ns]}
+    out["pass@N"] = [float(eval_metrics.pass_at_k(G, correct_B, n).mean()) for n in ns]
+    for name, s_BG in (scores or {}).items():
+        out[f"best_of/{name}"] = [
+            float(eval_metrics.best_of_n(s_BG, rewards_BG, n).mean()) for n in ns
+        ]
+    if answers_BG is None:
+        return out
+    stderr, subsets = {}, []
+    # Every weighting votes over the same subsets (the same seed): their differences are the
+    # weights', not the draws'.
+    voters = {"maj@N": None} | {f"wmaj@N/{k}": w for k, w in (weights or {}).items()}
+    for key, w_BG in voters.items():
+        votes = [
+            eval_metrics.maj_at_n(
+                answers_BG, rewards_BG, n, w_BG, max_subsets=max_subsets, seed=seed
+            )
+            for n in ns
+        ]
+        out[key] = [float(v.value_B.mean()) for v in votes]
+        stderr[key] = [float(np.sqrt((v.stderr_B**2).sum()) / B) for v in votes]
+        subsets = [v.subsets for v in votes]
+    out["stderr"] = stderr
+    out["vote_subsets"] = subsets
+    return out
+
+
+def curve_keys(c: dict) -> list[str]:
+    """The curves of a `curves` dict, in its order."""
+    return [k for k in c if k not in ("N", "stderr", "vote_subsets")]
+
+
+def table(c: dict) -> str:
+    """The curves as a text table, one row per curve, one column per N; a voting value
+    estimated from random subsets is followed by `~` (its standard error is in `stderr`)."""
+    width = max(len(k) for k in curve_keys(c)) + 2
+    lines = [f"  {'N':<{width}}" + "".join(f"{n:>9}" for n in c["N"])]
+    for key in curve_keys(c):
+        err = c.get("stderr", {}).get(key, [0.0] * len(c["N"]))
+        cells = [f"{v:>8.4f}" + ("~" if e > 0 else " ") for v, e in zip(c[key], err)]
+        lines.append(f"  {key:<{width}}" + "".join(cells))
+    if any(e > 0 for errs in c.get("stderr", {}).values() for e in errs):
+        most = max(e for errs in c["stderr"].values() for e in errs)
+        lines.append(
+            f"  ~: a mean over {max(c['vote_subsets'])} random subsets per problem "
+            f"(standard error <= {most:.1e})"
+        )
+    return "\n".join(lines)
+
+
+def plot(c: dict, path: str, *, title: str | None = None) -> str:
+    """Draws the curves against N (log2 axis) and saves a PNG (matplotlib's Agg canvas, no
+    pyplot state): pass@N black dashed, maj@N grey dotted, and one colour per scorer, its
+    best-of-N solid and its weighted vote dotted; votes estimated from random subsets carry
+    their Monte-Carlo error bars. Returns `path`."""
+    import matplotlib.ticker
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ns = c["N"]
+    scorers = list(dict.fromkeys(key.split("/", 1)[1] for key in curve_keys(c) if "/" in key))
+    colors = {"pass@N": "black", "maj@N": "grey"}
+    for key in curve_keys(c):
+        scorer = key.split("/", 1)[1] if "/" in key else None
+        color = colors.get(key) or f"C{scorers.index(scorer) % 10}"
+        fmt = "o--" if key == "pass@N" else "s:" if "maj@N" in key else "o-"
+        yerr = c.get("stderr", {}).get(key)
+        ax.errorbar(ns, c[key], yerr=yerr, fmt=fmt, color=color, ms=4, label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("N (samples per problem)")
+    ax.set_ylabel("accuracy (mean reward)")
+    ax.set_title(title or "test-time scaling")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
