@@ -203,6 +203,18 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # params checkpoint (a run's WORKDIR/final or WORKDIR/sft, its tokenizer.model beside it),
     # a Hugging Face model directory, or "self" (the policy the run starts from); "" for none.
     c.teacher = dict(checkpoint="")
+    # Preference optimization (README, "Preference optimization: offline and iterative DPO"),
+    # run by the preference driver (`rl.dpo`) when `file` or `iterations_every` is set: each
+    # step trains on `batch.prompts` pairs (batch.group_size = 2: chosen, rejected) with a
+    # preference loss chain (dpo, ipo, simpo, kto). Offline: `file`, a jsonl/json/parquet
+    # file of prompt/chosen/rejected rows, or "warm_start": pairs made once from the warm
+    # start's own samples (`prompts` training prompts, 0: the whole prompt pool; cached in
+    # WORKDIR/preference_pairs.jsonl), the reference being the warm start. Iterative:
+    # `iterations_every` = K > 0 steps per round; each round samples `samples` completions of
+    # `prompts` prompts (0: K x batch.prompts) with the current policy, forms pairs from the
+    # verifier's scores and trains K steps against the policy of the round's start. `pairs`:
+    # "best_vs_worst" (one per prompt) or "all" (every correct x incorrect).
+    c.preference = dict(file="", iterations_every=0, samples=8, pairs="best_vs_worst", prompts=0)
     c.filters = dict(
         zero_variance=False,
         dynamic_sampling=False,

@@ -777,7 +777,19 @@ def _config(name, arg=None):
     return module.get_config(arg)
 
 
-RECIPES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "ppo", "quickstart", "scalerl", "distill")
+RECIPES = (
+    "grpo",
+    "dapo",
+    "drgrpo",
+    "gspo",
+    "cispo",
+    "ppo",
+    "quickstart",
+    "scalerl",
+    "distill",
+    "dpo",
+    "iterative_dpo",
+)
 VARIANTS = (
     [(name, arg) for name in RECIPES for arg in (None, "smoke")]
     + [("scalerl", f"loss={loss}") for loss in ("ppo_clip", "gspo", "cispo")]
@@ -832,6 +844,7 @@ def test_every_config_chain_checks_and_runs(name, arg):
         ("scalerl", None, {"logp"}),
         ("quickstart", "entropy_rho=0.2", {"logp", "entropy"}),
         ("distill", None, {"logp", "teacher_logp"}),  # The teacher's pass: the rollouts'.
+        ("dpo", None, {"logp", "ref_logp"}),
     ],
 )
 def test_model_terms(name, arg, model_terms):

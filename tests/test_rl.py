@@ -16,6 +16,8 @@ from rlscale.rl import checks, learner, rollouts
 from rlscale.sampling import SamplingConfig, scoring
 
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart", "distill"]
+# Preference runs (the preference driver): pairs made from the warm start, iterative rounds.
+RECIPES += ["dpo", "iterative_dpo"]
 # The two transforms added as one function and one config line each.
 VARIANTS = ["grpo:baseline=reinforce_pp", "quickstart:entropy_rho=0.2"]
 # The cispo run samples under a logits transform: the learner's logprobs must follow it (ratio
@@ -380,6 +382,10 @@ def test_bad_config_lists_every_problem():
         rl.validate(config)
     text = str(e.value)
     assert "learner.pack_rows=-1 must be an integer >= 0" in text
+    config = load_config("grpo")
+    config.objective.chain = "process_advantages | token_ratio | cispo | aggregate(mode=token_mean)"
+    with pytest.raises(ValueError, match=r"reads step_reward \(process_advantages\), which the RL"):
+        rl.validate(config)
     assert "batch.prompt_pool=5 must be 0 (every training prompt) or at least batch.prompts" in text
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text

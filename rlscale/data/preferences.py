@@ -29,6 +29,7 @@ samples.
 """
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -203,3 +204,12 @@ def _finite(r) -> bool:
         return math.isfinite(float(r))
     except (TypeError, ValueError):
         return False
+
+
+def write_pairs(path: str, pairs: Sequence[Pair]) -> None:
+    """Writes pairs as jsonl rows `{"prompt", "chosen", "rejected"}`, the layout `read_pairs`
+    reads back (the same pairs, in order; `source` is not written)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for p in pairs:
+            row = {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -6,20 +6,25 @@ rollouts  `RolloutSource`: prompts -> generator requests -> scored, filtered `Ro
 learner   `TrainState`, the forward plan of real tokens, one compiled update (`Learner.update`)
 state     `RunState`: everything a checkpoint holds; opening and resuming checkpoints
 report    compute accounting, the step record, the files a finished run leaves
-loop      what both drivers share: start-up, evaluation, the end of each step, the finish
+pairs     `PairSource`: preference pairs (a file's, or formed from samples) -> `Rollouts`
+loop      what the drivers share: start-up, evaluation, the end of each step, the finish
 sync      the synchronous driver
 pipeline  the pipeline driver: a generator thread with in-flight weight updates
+dpo       the preference driver: offline and iterative DPO (`config.preference`)
 """
 
 from rlscale.preemption import PreemptedError
-from rlscale.rl import pipeline, sync
+from rlscale.rl import dpo, pairs, pipeline, sync
 from rlscale.rl.checks import RESUMABLE_CHANGES, validate
 from rlscale.rl.setup import sampling_config
 
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
-    """Runs (or resumes) RL in `workdir` with the driver `config.pipeline.mode` names."""
+    """Runs (or resumes) RL in `workdir` with the driver `config.pipeline.mode` names, or a
+    preference run (`config.preference`) with the preference driver."""
     driver = sync if config.pipeline.mode == "sync" else pipeline
+    if pairs.enabled(config):
+        driver = dpo
     return driver.run(config, workdir, allow_config_change=allow_config_change)
 
 

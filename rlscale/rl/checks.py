@@ -9,9 +9,11 @@ import jax
 
 from rlscale import chat, objectives, sharding
 from rlscale import tokenizer as tokenizer_lib
-from rlscale.data import formats, math_data, tasks
+from rlscale.data import formats, math_data, preferences, tasks
 from rlscale.data import load as data_load
 from rlscale.model import decoder
+from rlscale.objectives import preference as preference_losses
+from rlscale.rl import pairs
 from rlscale.sampling.sampler import think_budget_problems
 
 # Config keys that may change between a run and its resumption: they do not change what the
@@ -83,11 +85,11 @@ def _pipeline_problems(config, gen_div: int) -> list[str]:
             "pipeline.mode='sync' generates each batch with the current policy on the "
             "trainer's devices: pipeline.max_staleness and pipeline.generator_devices must be 0"
         )
-    slots = p.slots or b.prompts * b.group_size
-    if not isinstance(slots, int) or slots < 0 or slots % b.group_size:
-        problems.append(
-            f"pipeline.slots={p.slots!r} must be a multiple of batch.group_size={b.group_size}"
-        )
+    G = samples_per_prompt(config)
+    slots = p.slots or b.prompts * G
+    if not isinstance(slots, int) or slots < 0 or slots % G:
+        what = "preference.samples" if G != b.group_size else "batch.group_size"
+        problems.append(f"pipeline.slots={p.slots!r} must be a multiple of {what}={G}")
     elif slots % gen_div:
         problems.append(
             f"pipeline.slots={slots} does not divide the generator's batch axes ({gen_div} devices)"
@@ -269,19 +271,111 @@ def _pieces(tokenizer) -> dict[int, str]:
     return {i: piece for piece, i in vocab.items()}
 
 
+def samples_per_prompt(config) -> int:
+    """Completions the generator samples per prompt: `batch.group_size`, or in a preference
+    run that forms its pairs from samples (iterative rounds, pairs made from the warm start)
+    `preference.samples`; its learner batches are then pairs (groups of 2 rows)."""
+    return config.preference.samples if pairs.samples_pairs(config) else config.batch.group_size
+
+
+def _preference_problems(config, resolved) -> list[str]:
+    """A preference run (`preference.file` or `preference.iterations_every`): a chain that
+    ends in a preference loss (a transform of `objectives.preference`; `resolved`: the
+    chain's transforms, None when it has problems of its own), batches of pairs
+    (`batch.group_size` = 2), the keys' values, and none of what only RL batches have
+    (filters, pipeline modes)."""
+    p, b = config.preference, config.batch
+    problems = []
+    if not isinstance(p.iterations_every, int) or p.iterations_every < 0:
+        problems.append(
+            f"preference.iterations_every={p.iterations_every!r} must be an integer >= 0 (0: "
+            "no rounds)"
+        )
+        return problems
+    if not isinstance(p.file, str):
+        return problems + [f"preference.file={p.file!r} must be a path or ''"]
+    if not (p.file or p.iterations_every):
+        return problems
+    which = "preference.file" if p.file else "preference.iterations_every"
+    if p.file and p.iterations_every:
+        problems.append(
+            f"preference.file={p.file!r} and preference.iterations_every={p.iterations_every} "
+            "are exclusive: offline DPO trains on a file's pairs, iterative DPO on pairs it "
+            "samples each round; set one"
+        )
+    losses = [
+        e.name for e in objectives.entries() if e.factory.__module__ == preference_losses.__name__
+    ]
+    if resolved is not None and resolved[-1][0].name not in losses:
+        problems.append(
+            f"objective.chain={config.objective.chain!r} is not a preference loss: with {which} "
+            f"set, the run trains on preference pairs, so the chain must end in one of "
+            f"{', '.join(losses)} (e.g. objective.chain='dpo(beta=0.1)')"
+        )
+    if b.group_size != 2:
+        problems.append(
+            f"batch.group_size={b.group_size}: with {which} set, batches are preference pairs "
+            "(groups of 2 rows: chosen, rejected); set batch.group_size=2 (batch.prompts "
+            "counts pairs)"
+        )
+    if p.pairs not in preferences.MODES:
+        problems.append(f"preference.pairs={p.pairs!r} is not one of {preferences.MODES}")
+    if not isinstance(p.prompts, int) or p.prompts < 0:
+        problems.append(f"preference.prompts={p.prompts!r} must be an integer >= 0 (0: default)")
+    if pairs.samples_pairs(config):
+        if not isinstance(p.samples, int) or p.samples < 2:
+            problems.append(
+                f"preference.samples={p.samples!r} must be an integer >= 2: pairs are formed "
+                "from a prompt's samples"
+            )
+        if config.sampling.temperature == 0:
+            problems.append(
+                f"sampling.temperature=0 (greedy) gives every one of a prompt's "
+                f"preference.samples={p.samples} completions the same text: no pair; set it > 0"
+            )
+    elif p.file:
+        trouble = formats.check_path(p.file)
+        if trouble:
+            problems.append(
+                f"preference.file={p.file!r}: {trouble} (or {pairs.MADE!r}: pairs made "
+                "from the warm start's samples)"
+            )
+    on = [k for k in ("zero_variance", "dynamic_sampling", "retire") if config.filters[k]]
+    on += ["overlong_cache"] * bool(config.filters.overlong_cache)
+    if on:
+        problems.append(
+            f"filters.{', filters.'.join(on)} act on sampled RL batches; with {which} set the "
+            "run trains on pairs: turn them off"
+        )
+    if config.pipeline.mode != "sync":
+        problems.append(
+            f"pipeline.mode={config.pipeline.mode!r}: a preference run ({which}) has its own "
+            "driver, which samples rounds and trains in turn; set pipeline.mode='sync'"
+        )
+    return problems
+
+
 def validate(config) -> None:
     """Raises ValueError listing every problem with the config."""
     b, u = config.batch, config.learner
     problems = objectives.check(
         config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
     )
-    readers = None
+    readers = resolved = None
     if not problems:  # The transforms that read the teacher's logprobs.
         resolved = objectives.resolve(
             config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
         )
         readers = [e.name for e, kwargs in resolved if "teacher_logp" in e.required(kwargs)]
     problems += _teacher_problems(config, readers)
+    problems += _preference_problems(config, resolved)
+    steps = [e.name for e, kwargs in resolved or () if "step_reward" in e.required(kwargs)]
+    if steps:  # `rlscale.process_reward` scores steps; no rollout stage provides them yet.
+        problems.append(
+            f"objective.chain reads step_reward ({', '.join(steps)}), which the RL loop does "
+            "not provide yet: process rewards are available through rlscale.process_reward "
+            "(labels, a PRM, best-of-N in rlscale.evaluate --scorer prm)"
+        )
     if b.prompts < 1:
         problems.append(f"batch.prompts={b.prompts} must be >= 1")
     if b.group_size < 1:

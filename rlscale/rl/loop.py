@@ -77,16 +77,21 @@ class Loop:
     def record(self, step: int, stats, learner_metrics, applied, times) -> dict:
         """The step's metrics line (before the compute counters); too many skipped
         (non-finite) updates in a row stop the run here."""
-        applied = np.asarray(applied)  # Waits for the update.
-        for ok in map(bool, applied):
-            self.skips.update(ok, step, last_checkpoint=self.ckpt.latest_step())
         return report.step_record(
             stats,
             learner_metrics,
             retired=len(self.run.history.retired),
-            skipped=sum(not bool(ok) for ok in applied),
+            skipped=self.skipped(step, applied),
             times=times,
         )
+
+    def skipped(self, step: int, applied) -> int:
+        """How many of the step's optimizer updates were skipped (non-finite: `applied` is
+        False); too many in a row stop the run here."""
+        applied = np.asarray(applied)  # Waits for the update.
+        for ok in map(bool, applied):
+            self.skips.update(ok, step, last_checkpoint=self.ckpt.latest_step())
+        return sum(not bool(ok) for ok in applied)
 
     def end_step(self, step: int, record: dict) -> None:
         """Adds the counters (and an evaluation when due), writes the line, then stops on

@@ -26,12 +26,22 @@ class Compute:
         """One step's FLOPs: sampling (prompts + generated tokens), the learner's `passes`
         no-grad forward passes (the trainer's old terms, the reference's) and its training
         passes."""
+        generated = float(stats["lengths"].sum())
+        self.add_sampling(model_cfg, stats["prompt_tokens"] + generated, rollouts.prompt_len)
+        self.add_training(model_cfg, rollouts, passes)
+
+    def add_sampling(self, model_cfg, tokens: float, prompt_len: int):
+        """Sampling FLOPs: a forward pass over `tokens` (the prompts' tokens, once per prompt,
+        plus the generated ones) at the mean context of prompts padded to `prompt_len` and
+        half the completion budget."""
+        ctx = prompt_len + self.max_new_tokens / 2
+        self.counters["compute/sample_flops"] += compute.forward_flops(model_cfg, tokens, ctx)
+
+    def add_training(self, model_cfg, rollouts, passes):
+        """The learner's FLOPs on a batch: `passes` no-grad forward passes (the trainer's old
+        terms, the reference's) and `epochs` training passes over its sequences' tokens."""
         ctx = rollouts.prompt_len + self.max_new_tokens / 2
         seq_tokens = float(rollouts.attn_mask_NL.sum())
-        generated = float(stats["lengths"].sum())
-        self.counters["compute/sample_flops"] += compute.forward_flops(
-            model_cfg, stats["prompt_tokens"] + generated, ctx
-        )
         self.counters["compute/train_flops"] += (
             compute.forward_flops(model_cfg, seq_tokens, ctx) * passes
             + compute.train_flops(model_cfg, seq_tokens, ctx) * self.epochs
@@ -45,42 +55,96 @@ class Compute:
         return {**c, "compute/flops": c["compute/sample_flops"] + c["compute/train_flops"]}
 
 
-def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
-    """The metrics line of one RL step (before evaluation and compute counters); with the
-    step's seconds (`time/step_s`), the generated tokens per second (`time/tokens_per_s`)."""
+def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
+    """(The batch's loss, the learner's other metrics as means over its optimizer steps and
+    micro-batches). With `match`, the sampler-vs-learner logprob match of the first step
+    (`learner.logp_match`); without (rows no sampler wrote), none."""
     mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
     ran = mets.pop("train/micro_ran", None)  # Packed: [S, U], the micro-batches each step ran.
-    if "train/logp_match_stats" in mets:  # The first step's micro-batches -> gap, Pearson r.
-        match = mets.pop("train/logp_match_stats")
-        first = len(match["n"][0]) if ran is None else int(ran[0].sum())
-        chunks = [{k: v[0, u] for k, v in match.items()} for u in range(first)]
+    stats = mets.pop("train/logp_match_stats", None)
+    if match and stats is not None:  # The first step's micro-batches -> gap, Pearson r.
+        first = len(stats["n"][0]) if ran is None else int(ran[0].sum())
+        chunks = [{k: v[0, u] for k, v in stats.items()} for u in range(first)]
         mets.update(learner.logp_match(chunks))
     if ran is not None:  # Per micro-batch metrics past a step's count are zeros: left out.
         mets = {k: v[ran] if np.shape(v) == ran.shape else v for k, v in mets.items()}
-    failures = stats["failures"]
+    means = {k: float(np.mean(v, dtype=np.float64)) for k, v in mets.items()}
+    return loss_sum / max(denom, 1.0), means
+
+
+def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
+    """The metrics line of one RL step (before evaluation and compute counters); with the
+    step's seconds (`time/step_s`), the generated tokens per second (`time/tokens_per_s`)."""
+    loss, means = learner_means(learner_metrics)
     if "time/step_s" in times:  # Generated tokens kept for training, per second of the step.
         times = {**times, "time/tokens_per_s": float(stats["lengths"].sum()) / times["time/step_s"]}
     return {
-        "train/reward_mean": float(stats["reward"].mean()),
-        "train/pass_rate": float(stats["correct"].mean()),
-        "train/loss": loss_sum / max(denom, 1.0),
-        "train/response_length": float(stats["lengths"].mean()),
-        "train/truncated_frac": float(np.mean(stats["truncated"])),
-        "train/interrupted_frac": float(np.mean(stats["interrupted"])),
+        **samples_record(stats),
+        "train/loss": loss,
         "train/kept_prompts": stats["kept_prompts"],
         "train/filtered_prompts": stats["filtered_prompts"],
         "train/sampling_rounds": stats["rounds"],
         "train/retired_prompts": retired,
         "train/newly_retired": stats["newly_retired"],
         "train/skipped_updates": skipped,
+        **times,
+        **means,
+    }
+
+
+def samples_record(stats) -> dict:
+    """What a step's samples were (`stats` of `RolloutSource.rollouts` or of
+    `pairs.sample_pairs`): their rewards, pass rate, lengths, the prompts sampled and the
+    verifier's failures."""
+    failures = stats["failures"]
+    return {
+        "train/reward_mean": float(stats["reward"].mean()),
+        "train/pass_rate": float(stats["correct"].mean()),
+        "train/response_length": float(stats["lengths"].mean()),
+        "train/truncated_frac": float(np.mean(stats["truncated"])),
+        "train/interrupted_frac": float(np.mean(stats["interrupted"])),
         "data/prompt_ids": [int(i) for i in stats["prompt_ids"]],  # Every prompt sampled.
         "reward/failures": sum(failures.values()),
         **{f"reward/failures_{kind}": n for kind, n in failures.items()},
-        **times,
-        **{k: float(np.mean(v, dtype=np.float64)) for k, v in mets.items()},
     }
+
+
+def pair_record(sampled, pair_set, pair_ids, learner_metrics, *, skipped, times) -> dict:
+    """The metrics line of one preference step (before evaluation and compute counters).
+
+    The pairs in force (`pairs.PairSet`): `pref/pairs`, and where they were sampled
+    `pref/round_prompts` and `pref/prompts_without_pair`, `pref/round` for iterative rounds;
+    the step's pairs (`pref/batch_pairs`, `data/pair_ids`) and the epochs drawn over them
+    (`pref/epochs`); on a step that sampled a round (`sampled`: `pairs.sample_pairs`'s
+    stats), its samples as an RL step reports them; and the learner's metrics (the loss, the
+    preference transform's implicit rewards and pair accuracy); a step with no pair to train
+    on (`learner_metrics` empty) has a null loss. The rows carry no sampler logprobs, so the
+    sampler-vs-learner match (`train/logp_gap_abs`, `train/prob_pearson`) is undefined: null.
+    """
+    stats = pair_set.stats
+    record = samples_record(sampled) if sampled is not None else {}
+    record["pref/pairs"] = stats["pairs"]
+    if "prompts" in stats:
+        record["pref/round_prompts"] = stats["prompts"]
+        record["pref/prompts_without_pair"] = stats["prompts_without_pair"]
+    if pair_set.round >= 0:
+        record["pref/round"] = pair_set.round
+    record.update(
+        {
+            "pref/batch_pairs": len(pair_ids),
+            "pref/epochs": pair_set.epochs(),
+            "data/pair_ids": [int(i) for i in pair_ids],
+            "train/skipped_updates": skipped,
+            **times,
+        }
+    )
+    record["train/loss"] = float("nan")
+    if learner_metrics:
+        loss, means = learner_means(learner_metrics, match=False)
+        record.update({"train/loss": loss, **means})
+    return {**record, **dict.fromkeys(("train/logp_gap_abs", "train/prob_pearson"), float("nan"))}
 
 
 def staleness(rollouts, version: int) -> dict:

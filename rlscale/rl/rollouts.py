@@ -128,6 +128,12 @@ class RolloutSource:
         problems = [self.problems[ids[c.request.id[1]]] for c in completed]
         return score_completed(self.tokenizer, self.scorer, completed, problems, self.scfg)
 
+    def sample(self, params, ids, rng, version) -> Samples:
+        """Scored samples of prompts `ids` (`SamplingConfig.num_samples` each, in prompt
+        order), generated with `params` (policy `version`), without filters or assembly: what
+        a preference run forms its pairs from (`rl.pairs`)."""
+        return self._sample(params, ids, rng, version)
+
     def _sample(self, params, ids, rng, version) -> Samples:
         """Every request for `ids` generated with `params` (policy `version`), and scored:
         requests that complete early are scored while the engine decodes the rest."""

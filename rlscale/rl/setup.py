@@ -1,7 +1,7 @@
 """Builds the parts of an RL run from its config: the meshes and each role's layout, the
 tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint), its
 frozen reference and a distillation teacher, the generator engine and the evaluation sampler,
-the learner, the rollout source, the verifier pool.
+the learner, the rollout source, the verifier pool, and a preference run's pair file.
 
 The learner keeps params in the training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`,
 tensor parallel over `tensor`) on the trainer's mesh. The generator receives them resharded
@@ -25,7 +25,7 @@ from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.model import hf
 from rlscale.rewards import isolation
-from rlscale.rl import checks, learner, rollouts
+from rlscale.rl import checks, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.engine import Generator
@@ -57,6 +57,7 @@ class Setup:
     train_scorer: scoring.Scorer
     eval_scorer: scoring.Scorer
     programs: programs.Programs
+    preference_pairs: list  # `preference.file`'s pairs (read at set-up); empty without one.
 
     def close(self):
         if self.pool is not None:
@@ -126,7 +127,7 @@ def sampling_settings(config) -> dict:
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p,
-        num_samples=config.batch.group_size,
+        num_samples=checks.samples_per_prompt(config),
         buckets=tuple(s.buckets),
     )
 
@@ -264,11 +265,13 @@ def build(config, workdir: str) -> Setup:
     else:
         tokenizer = _tokenizer(config, workdir, splits["train"])
     scfg = sampling_config(config, tokenizer)
-    G = config.batch.group_size
+    G = checks.samples_per_prompt(config)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     problems = checks.pack_problems(config, longest)
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
+    preference_pairs, trouble = pairs.read_file(config, tokenizer, scfg)
+    problems += trouble
     if problems:  # Before the warm start's training.
         raise ValueError("; ".join(problems))
     progs = programs.Programs(mesh)
@@ -327,4 +330,5 @@ def build(config, workdir: str) -> Setup:
         train_scorer=scoring.Scorer(reward_fn, pool, config.reward.timeout),
         eval_scorer=scoring.Scorer(task.verify, pool, config.reward.timeout),
         programs=progs,
+        preference_pairs=preference_pairs,
     )

@@ -4,7 +4,9 @@ Device part: the learner's `TrainState` (policy and value params, optimizer stat
 objective's transform states, the update count) and the run's RNG key. Host part (JSON): the
 prompt stream's epoch, cursor and shuffle seed, the pass-rate history and retired set, the
 compute counters, the earlier evaluations, the length of `metrics.jsonl` and the resolved
-config. The reference params are the warm start's, reloaded at start-up (never checkpointed).
+config. The reference params are the warm start's, reloaded at start-up (never checkpointed),
+except in iterative preference runs, whose reference is the policy at the current round's
+start: there it is device state (`ref`), and the round's pairs host state (`pairs`).
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ from absl import logging
 from rlscale import checkpoint, sharding
 from rlscale.data import filters
 from rlscale.rl import checks, report
+from rlscale.rl import pairs as pairs_lib
 
 
 @dataclasses.dataclass
@@ -30,9 +33,16 @@ class RunState:
     evals: list
     config: dict
     metrics_offset: int | None = None  # Set when restored: where metrics.jsonl is cut back to.
+    # Iterative preference runs: the reference params of the current round (None: the warm
+    # start's, reloaded at start-up).
+    ref: Any = None
+    pairs: pairs_lib.PairSet | None = None  # Preference runs: the pairs in force and their draw.
 
     def state(self, metrics_offset: int) -> tuple[dict, dict]:
         """(device tree, host dict) to checkpoint."""
+        device = {"train": self.train, "rng": self.rng}
+        if self.ref is not None:
+            device["ref"] = self.ref
         host = {
             "stream": self.stream.state(),
             "history": self.history.state(),
@@ -40,8 +50,9 @@ class RunState:
             "evals": self.evals,
             "metrics_offset": metrics_offset,
             "config": self.config,
+            "pairs": None if self.pairs is None else self.pairs.state(),
         }
-        return {"train": self.train, "rng": self.rng}, host
+        return device, host
 
     @classmethod
     def from_state(cls, device: dict, host: dict) -> "RunState":
@@ -54,6 +65,10 @@ class RunState:
             evals=host["evals"],
             config=host["config"],
             metrics_offset=host["metrics_offset"],
+            ref=device.get("ref"),  # Absent unless the run refreshes its reference.
+            pairs=None
+            if host.get("pairs") is None
+            else pairs_lib.PairSet.from_state(host["pairs"]),
         )
 
 
@@ -84,6 +99,10 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
     # Replicated over the mesh: every host checkpoints (and restores) the same key.
     rng = sharding.replicate(jax.random.key(config.seed), setup.mesh)
     fresh = RunState(train, rng, stream, history, report.Compute().counters, [], config_dict)
+    if pairs_lib.enabled(config):
+        fresh.pairs = pairs_lib.PairSet()
+        if config.preference.iterations_every:  # Refreshed each round (None: no reference).
+            fresh.ref = setup.ref_params
     start = 0
     if ckpt.latest_step() is not None:
         device, _ = fresh.state(0)

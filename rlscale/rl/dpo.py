@@ -1,0 +1,60 @@
+"""The preference driver: offline and iterative (semi-online) DPO on the RL loop's parts.
+
+Each step trains the policy on `batch.prompts` preference pairs (rows 2p chosen, 2p + 1
+rejected) with the objective's preference loss (`dpo`, `ipo`, `simpo`, `kto`) against a
+reference, one `Learner.update` as an RL step's; evaluation, checkpoints, preemption and
+the compute counters are the RL loop's (`loop.Loop`), so a preference run's curve lies on
+the same compute axis as an RL run's. The pairs come from `rl.pairs.PairSource`:
+
+- offline (`preference.file`): a file's pairs, or pairs made once from the warm start's own
+  samples ('warm_start'), in reshuffled epochs; the reference is the warm start.
+- iterative (`preference.iterations_every` = K): before steps 1, K + 1, 2K + 1, ... a round
+  samples `preference.samples` completions of each of its prompts with the current policy,
+  the verifier scores them and pairs are formed; the reference becomes the policy of the
+  round's start. The round's sampling counts in `compute/sample_flops` as an RL step's does.
+
+A step whose round formed no pair trains nothing (its line says `pref/batch_pairs` 0).
+"""
+
+import time
+
+import jax
+
+from rlscale.rl import loop, pairs, report
+
+
+def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+    """Runs (or resumes) a preference run in `workdir`; returns the summary."""
+    lp = loop.Loop(config, workdir, allow_config_change)
+    s, run, comp = lp.s, lp.run, lp.comp
+    source = pairs.PairSource(config, s, lp.source, workdir)
+    every, devices = config.preference.iterations_every, s.mesh.devices.size
+    with lp.running():
+        source.start(run, comp, fresh=lp.start == 0)
+        for step in range(lp.start + 1, config.steps + 1):
+            t_sample = time.time()
+            sampled = None
+            if every and (step - 1) % every == 0:
+                sampled = source.new_round(run, comp, step)
+            t_update = time.time()
+            roll, ids = source.batch(run.pairs)
+            mets, applied = {}, []
+            if roll is not None:
+                train, mets, applied = s.learner.update(
+                    run.train, source.reference(run), roll, step
+                )
+                run.train = jax.block_until_ready(train)
+                comp.add_training(s.model_cfg, roll, s.learner.forward_passes)
+            t_done = time.time()
+            comp.add_seconds(t_done - t_sample, devices)
+            times = {
+                "time/sample_s": t_update - t_sample,
+                "time/update_s": t_done - t_update,
+                "time/step_s": t_done - t_sample,
+            }
+            skipped = lp.skipped(step, applied)
+            lp.end_step(
+                step,
+                report.pair_record(sampled, run.pairs, ids, mets, skipped=skipped, times=times),
+            )
+    return lp.finish()

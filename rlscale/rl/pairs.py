@@ -1,0 +1,437 @@
+"""Preference pairs as learner batches: read from a file, made from the warm start's samples,
+or formed each round from the current policy's (iterative DPO); and their resumable draw.
+
+Rows. A pair becomes two learner rows, as a sampled group of two would be (`pair_rollouts`):
+row 2p holds the prompt and the chosen completion, row 2p + 1 the prompt and the rejected
+one, the layout the paired losses of `rlscale.objectives.preference` read; prompts are
+left-padded to their sampling bucket and every completion token is trained on. The rows
+carry no sampler logprobs (zeros: no preference loss reads them, and the driver reports no
+sampler-vs-learner match); `correct` and `reward` hold the label (1 chosen, 0 rejected:
+what KTO reads).
+
+Tokens (`TokenPair`). A file's text pairs (and pairs made from the warm start, which are
+written as a file) are encoded as the RL loop encodes a prompt (`chat.encode_prompt`) and
+each completion as its text's ids plus the stop token the sampler ends at (unless the text
+already ends in one), cut to `sampling.max_new_tokens` (`encode_pairs`). A round's pairs
+keep the tokens that were sampled, prompt and completions (with their stop token), so the
+learner trains on exactly the rows the policy wrote.
+
+Pairs from samples (`sample_pairs`): `preference.samples` completions of each prompt,
+generated and scored by the verifier as RL rollouts are (`RolloutSource.sample`), become
+pairs prompt by prompt (`data.preferences.pairs_from_samples` on their texts: `best_vs_worst`
+or `all`), so a prompt whose samples all score alike gives none (`prompts_without_pair`).
+
+The draw (`PairSet`, in `RunState`): batches of `batch.prompts` pairs in reshuffled epochs
+(a `filters.PromptStream` over pair indices; with fewer pairs than a batch, a batch repeats
+them). A file's pairs are read again at a restart and checked against the digest the
+checkpoint holds; a round's pairs are saved in the checkpoint (as token ids), so a resumed
+round trains on exactly its pairs.
+
+Dimension letters: B pairs (`batch.prompts`), G samples per prompt, N = 2B rows, P padded
+prompt length, M completion tokens.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from rlscale import chat, sharding
+from rlscale.data import filters, preferences
+from rlscale.data.preferences import Pair
+from rlscale.rl import rollouts
+
+# `preference.file` naming pairs the run makes from its warm start's samples, cached in
+# WORKDIR/MADE_FILE with what made them (MADE_META).
+MADE = "warm_start"
+MADE_FILE = "preference_pairs.jsonl"
+MADE_META = "preference_pairs.json"
+
+
+def enabled(config) -> bool:
+    """Whether the run is a preference run (`rl.dpo`): a pair file or iterative rounds."""
+    p = config.preference
+    return bool(p.file) or bool(p.iterations_every)
+
+
+def samples_pairs(config) -> bool:
+    """Whether the run samples the completions its pairs are formed from (iterative rounds,
+    or pairs made from the warm start), `preference.samples` per prompt."""
+    p = config.preference
+    return bool(p.iterations_every) or p.file == MADE
+
+
+class TokenPair(NamedTuple):
+    """A pair as token ids: the prompt's (as the sampler is given it) and each completion's
+    (its last token a stop token unless cut at `sampling.max_new_tokens`)."""
+
+    prompt: tuple[int, ...]
+    chosen: tuple[int, ...]
+    rejected: tuple[int, ...]
+
+
+def digest(token_pairs) -> str:
+    """A fingerprint of token pairs, in order."""
+    h = hashlib.sha256()
+    for p in token_pairs:
+        h.update(json.dumps([list(p.prompt), list(p.chosen), list(p.rejected)]).encode())
+    return h.hexdigest()[:16]
+
+
+def read_file(config, tokenizer, scfg) -> tuple[list[TokenPair], list[str]]:
+    """(The pairs of `preference.file`, encoded; problems naming the key): its malformed rows
+    (each by file and line, from `read_pairs`, which also drops ties with one warning) and
+    prompts longer than the largest sampling bucket. No pairs and no problems for a run
+    without a file, or with pairs it makes itself (those are read by `PairSource.start`)."""
+    path = config.preference.file
+    if not path or path == MADE:
+        return [], []
+    try:
+        pairs = preferences.read_pairs(path)
+    except (OSError, ValueError) as e:
+        return [], [f"preference.file={path!r}: {e}"]
+    token_pairs, problems = encode_pairs(pairs, tokenizer, scfg)
+    return token_pairs, [f"preference.file={path!r}: {p}" for p in problems]
+
+
+def encode_pairs(pairs, tokenizer, scfg) -> tuple[list[TokenPair], list[str]]:
+    """Text pairs as token pairs, encoded as a sampled row is (see the module docstring), and
+    the pairs whose prompt is longer than the largest sampling bucket (the first five named
+    by `Pair.source`)."""
+    M, stops = scfg.max_new_tokens, scfg.stop_tokens
+
+    def completion(text):
+        ids = tokenizer.encode(text)
+        if not ids or ids[-1] not in stops:
+            ids = ids + [stops[0]]
+        return tuple(ids[:M])
+
+    out = [
+        TokenPair(
+            tuple(chat.encode_prompt(tokenizer, p.prompt)),
+            completion(p.chosen),
+            completion(p.rejected),
+        )
+        for p in pairs
+    ]
+    longest = scfg.buckets[-1]
+    long = [p.source for p, t in zip(pairs, out) if len(t.prompt) > longest]
+    if not long:
+        return out, []
+    named = ", ".join(long[:5]) + (", ..." if len(long) > 5 else "")
+    return out, [
+        f"{len(long)} prompts are longer than the largest prompt bucket ({longest} tokens, "
+        f"sampling.buckets={tuple(scfg.buckets)}): {named}"
+    ]
+
+
+def pair_rollouts(token_pairs, scfg) -> rollouts.Rollouts:
+    """The learner batch of `token_pairs`: rows 2p (chosen) and 2p + 1 (rejected) of pair p,
+    prompts left-padded to the bucket of the longest, completions right-padded to
+    `sampling.max_new_tokens` (see the module docstring)."""
+    M = scfg.max_new_tokens
+    P = scfg.bucket(max(len(p.prompt) for p in token_pairs))
+    N = 2 * len(token_pairs)
+    tokens_NL = np.full((N, P + M), scfg.pad_id, np.int32)
+    attn_NL = np.zeros((N, P + M), bool)
+    for p, pair in enumerate(token_pairs):
+        prompt = pair.prompt
+        for row, ids in ((2 * p, pair.chosen), (2 * p + 1, pair.rejected)):
+            tokens_NL[row, P - len(prompt) : P] = prompt
+            tokens_NL[row, P : P + len(ids)] = ids
+            attn_NL[row, P - len(prompt) : P + len(ids)] = True
+    label_N = np.tile([True, False], len(token_pairs))
+    return rollouts.Rollouts(
+        tokens_NL=tokens_NL,
+        attn_mask_NL=attn_NL,
+        mask_NM=attn_NL[:, P:].copy(),
+        sampler_logp_NM=np.zeros((N, M), np.float32),
+        reward_N=label_N.astype(np.float32),
+        correct_N=label_N,
+        row_weight_N=np.ones((N,), np.float32),
+        version_NM=np.zeros((N, M), np.int32),
+        prompt_len=P,
+    )
+
+
+def sample_pairs(source, params, ids, rng, version, mode):
+    """Pairs formed from samples of training prompts `ids`: `source` (a `RolloutSource`)
+    generates them with `params` (policy `version`) and scores them with the run's verifier;
+    each prompt's samples give its pairs (`pairs_from_samples` in `mode`, on their texts).
+
+    Returns (pairs, token_pairs, stats): the pairs as text (`Pair`, `source` naming the
+    training problem and the samples) and as the sampled tokens themselves (`TokenPair`: the
+    prompt as it was sampled, each completion's tokens up to and with its stop token), and
+    `prompts`, `pairs`, `prompts_without_pair` with what the step record and the compute
+    counters read of the samples (`reward`, `correct`, `lengths`, `truncated`,
+    `interrupted`, `prompt_ids`, `failures`; `prompt_tokens`, `prompt_len`).
+    """
+    s = source.sample(params, ids, rng, version)
+    G = len(s.texts) // len(ids)
+    pairs, token_pairs, without = [], [], 0
+    for b, i in enumerate(ids):
+        texts = s.texts[b * G : (b + 1) * G]
+        got = preferences.pairs_from_samples(
+            [source.problems[i].prompt], [texts], [s.reward_N[b * G : (b + 1) * G]], mode
+        )
+        without += not got
+        prompt = tuple(int(t) for t, m in zip(s.prompt_BP[b], s.prompt_mask_BP[b]) if m)
+        for p in got:  # Samples of one text score alike: the first of each text stands for it.
+            chosen, rejected = (b * G + texts.index(x) for x in (p.chosen, p.rejected))
+            token_pairs.append(TokenPair(prompt, _completion(s, chosen), _completion(s, rejected)))
+            # "prompt 0: sample i over j" -> "train problem ID: sample i over j".
+            pairs.append(
+                dataclasses.replace(p, source=p.source.replace("prompt 0", f"train problem {i}", 1))
+            )
+    stats = {
+        "prompts": len(ids),
+        "pairs": len(pairs),
+        "prompts_without_pair": without,
+        "reward": s.reward_N,
+        "correct": s.reward_N > 0,
+        "lengths": s.lengths_N,
+        "truncated": s.truncated_N,
+        "interrupted": s.interrupted_N,
+        "prompt_ids": list(ids),
+        "failures": s.failures,
+        "prompt_tokens": s.prompt_tokens,
+        "prompt_len": s.prompt_BP.shape[1],
+    }
+    return pairs, token_pairs, stats
+
+
+def _completion(samples, row: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in samples.tokens_NM[row, : samples.lengths_N[row]])
+
+
+@dataclasses.dataclass
+class PairSet:
+    """The pairs a preference run's batches come from, and where their draw stands.
+
+    Attributes:
+      pairs: the pairs in force: the file's (set again after a restore, `attach`) or the
+        current round's.
+      stream: reshuffled epochs over their indices.
+      round: the current round (iterative; -1 before the first, and for a file).
+      stats: `pairs`, and where they were sampled `prompts` and `prompts_without_pair`.
+      digest: the pairs' fingerprint (`digest`).
+      saved: whether the pairs are saved with the state (a round's) or re-read (a file's).
+    """
+
+    pairs: list | None = None
+    stream: filters.PromptStream | None = None
+    round: int = -1
+    stats: dict = dataclasses.field(default_factory=dict)
+    digest: str = ""
+    saved: bool = False
+
+    def use(self, pairs, *, seed: int, stats: dict, round: int = -1, saved: bool = False):
+        """Puts `pairs` in force, their draw from the start (shuffled by `seed`)."""
+        self.pairs, self.round, self.stats, self.saved = list(pairs), round, dict(stats), saved
+        self.stream = filters.PromptStream(len(self.pairs), seed=seed)
+        self.digest = digest(self.pairs)
+
+    def attach(self, pairs, key: str) -> None:
+        """The pairs of a restored draw whose pairs are not saved (a file's): the same pairs
+        the checkpoint was trained on, or an error naming `key`."""
+        if digest(pairs) != self.digest:
+            raise ValueError(
+                f"{key}: the pairs differ from those the checkpoint was trained on "
+                f"({len(pairs)} pairs, digest {digest(pairs)}; the checkpoint's: "
+                f"{self.stream.num_prompts} pairs, digest {self.digest}): restore the file, "
+                "or start a new workdir"
+            )
+        self.pairs = list(pairs)
+
+    def draw(self, n: int) -> list[int]:
+        """The next `n` pair indices (none when there are no pairs)."""
+        return self.stream.next(n) if self.pairs else []
+
+    def epochs(self) -> float:
+        """Epochs over the pairs drawn so far."""
+        s = self.stream
+        return s.epoch + s.position / max(s.num_prompts, 1)
+
+    def state(self) -> dict:
+        return {
+            "pairs": [[list(x) for x in p] for p in self.pairs] if self.saved else None,
+            "stream": None if self.stream is None else self.stream.state(),
+            "round": self.round,
+            "stats": self.stats,
+            "digest": self.digest,
+            "saved": self.saved,
+        }
+
+    @classmethod
+    def from_state(cls, d: dict) -> "PairSet":
+        pairs = d["pairs"]
+        return cls(
+            pairs=None if pairs is None else [TokenPair(*map(tuple, p)) for p in pairs],
+            stream=None if d["stream"] is None else filters.PromptStream.from_state(d["stream"]),
+            round=d["round"],
+            stats=d["stats"],
+            digest=d["digest"],
+            saved=d["saved"],
+        )
+
+
+def round_seed(seed: int, round_index: int) -> int:
+    """The shuffle seed of a round's pairs (-1: a file's)."""
+    return int(np.random.SeedSequence([seed, round_index + 1]).generate_state(1)[0])
+
+
+def made_settings(config) -> dict:
+    """What pairs made from the warm start depend on: a cached file made with other settings
+    is made again."""
+    c = json.loads(config.to_json_best_effort())
+    keys = ("seed", "task", "tokenizer", "model", "sft", "init", "sampling")
+    return {
+        **{k: c[k] for k in keys},
+        "prompt_pool": c["batch"]["prompt_pool"],
+        "reward.fn": c["reward"]["fn"],
+        "preference": {k: v for k, v in c["preference"].items() if k != "iterations_every"},
+    }
+
+
+def read_made(workdir: str, config) -> tuple[list[Pair], dict] | None:
+    """The pairs made from the warm start and cached in `workdir`, with their record, or None
+    when there are none made with these settings."""
+    path, meta = os.path.join(workdir, MADE_FILE), os.path.join(workdir, MADE_META)
+    if not (os.path.isfile(path) and os.path.isfile(meta)):
+        return None
+    with open(meta) as f:
+        record = json.load(f)
+    if record["settings"] != json.loads(json.dumps(made_settings(config))):
+        return None
+    return preferences.read_pairs(path), record
+
+
+def write_made(workdir: str, config, pairs, record: dict) -> None:
+    """Caches pairs made from the warm start (the pairs, then their record: the record's
+    presence says the file is whole)."""
+    meta = os.path.join(workdir, MADE_META)
+    if os.path.exists(meta):
+        os.remove(meta)
+    preferences.write_pairs(os.path.join(workdir, MADE_FILE), pairs)
+    with open(meta, "w") as f:
+        json.dump({**record, "settings": made_settings(config)}, f, indent=2)
+
+
+class PairSource:
+    """A preference run's batches: the pairs put in force (a file's, ones made from the warm
+    start, or each round's) and drawn into learner rows.
+
+    Args:
+      config: the run's config.
+      setup: its parts (`setup.Setup`: the file's pairs, tokenizer, generator, learner).
+      source: its `RolloutSource`, which samples and scores the completions pairs are formed
+        from, drawing a round's prompts from the run's prompt stream.
+      workdir: where pairs made from the warm start are cached.
+    """
+
+    def __init__(self, config, setup, source, workdir: str):
+        self.config, self.s, self.source, self.workdir = config, setup, source, workdir
+
+    def start(self, run, comp, fresh: bool) -> None:
+        """Puts a file's pairs in force (`preference.file`; made from the warm start and
+        cached first when it is 'warm_start'): from the start of their draw in a fresh run
+        (pairs made by the run add their sampling to the compute counters), or checked
+        against the checkpoint's in a resumed one. Nothing for iterative rounds."""
+        path = self.config.preference.file
+        if not path:
+            return
+        token_pairs, cost = self.s.preference_pairs, None
+        stats = {"pairs": len(token_pairs)}
+        if path == MADE:
+            made = read_made(self.workdir, self.config)
+            # Every process samples (the generator spans them), so all make the pairs unless
+            # every one has them.
+            if int(sharding.sum_over_processes(np.int32(made is None))):
+                if not fresh:
+                    raise ValueError(
+                        f"preference.file={MADE!r}: the pairs this run trained on "
+                        f"({os.path.join(self.workdir, MADE_FILE)}) are missing or were made "
+                        "with other settings; start a new workdir"
+                    )
+                made = self.make(run)
+            pairs, cost = made
+            token_pairs, _ = encode_pairs(pairs, self.s.tokenizer, self.s.scfg)  # Sampled: fit.
+            stats = {k: cost[k] for k in ("prompts", "pairs", "prompts_without_pair")}
+        if not fresh:
+            run.pairs.attach(token_pairs, f"preference.file={path!r}")
+            return
+        run.pairs.use(token_pairs, seed=round_seed(self.config.seed, -1), stats=stats)
+        if cost is not None:  # The pairs' sampling, counted as a round's is.
+            comp.add_sampling(self.s.model_cfg, cost["sampled_tokens"], cost["prompt_len"])
+            comp.add_seconds(cost["seconds"], cost["devices"])
+
+    def make(self, run) -> tuple[list[Pair], dict]:
+        """Pairs from the warm start's samples of the first `preference.prompts` training
+        prompts of the pool (0: all), cached in the workdir; and their record."""
+        c, s = self.config, self.s
+        t = time.time()
+        pool = c.batch.prompt_pool or len(s.train_problems)
+        ids = list(range(c.preference.prompts or pool))
+        params, _ = s.generator_params(run.train.params)
+        pairs, _, stats = sample_pairs(
+            self.source, params, ids, jax.random.fold_in(run.rng, 0), 0, c.preference.pairs
+        )
+        record = {
+            **{k: stats[k] for k in ("prompts", "pairs", "prompts_without_pair")},
+            "sampled_tokens": stats["prompt_tokens"] + float(stats["lengths"].sum()),
+            "prompt_len": stats["prompt_len"],
+            "pass_rate": float(stats["correct"].mean()),
+            "seconds": time.time() - t,
+            "devices": s.mesh.devices.size,
+        }
+        if not pairs:
+            raise ValueError(
+                f"preference.file={MADE!r}: the warm start's {len(ids)} x "
+                f"{c.preference.samples} samples (preference.prompts x preference.samples) "
+                f"formed no pair (pass rate {record['pass_rate']:.3f}): every prompt's samples "
+                "scored alike; sample more"
+            )
+        if jax.process_index() == 0:
+            write_made(self.workdir, c, pairs, record)
+        return pairs, record
+
+    def new_round(self, run, comp, step: int) -> dict:
+        """A round of iterative DPO before `step`: `preference.samples` completions of each of
+        the round's prompts (`preference.prompts`, 0: iterations_every x batch.prompts, drawn
+        from the run's prompt stream) sampled with the current policy and scored, pairs
+        formed and put in force, their sampling counted as the online loop counts it, and the
+        reference set to the current policy. Returns the round's stats (`sample_pairs`)."""
+        c, s, source = self.config, self.s, self.source
+        p = c.preference
+        params, _ = s.generator_params(run.train.params)
+        version = int(sharding.fetch(run.train.step))
+        ids = source.stream.next(p.prompts or p.iterations_every * c.batch.prompts)
+        rng = jax.random.fold_in(run.rng, step)
+        _, token_pairs, stats = sample_pairs(source, params, ids, rng, version, p.pairs)
+        comp.add_sampling(
+            s.model_cfg, stats["prompt_tokens"] + float(stats["lengths"].sum()), stats["prompt_len"]
+        )
+        r = run.pairs.round + 1
+        kept = {k: stats[k] for k in ("prompts", "pairs", "prompts_without_pair")}
+        run.pairs.use(token_pairs, seed=round_seed(c.seed, r), stats=kept, round=r, saved=True)
+        if run.ref is not None:  # The reference of this round: the policy at its start.
+            run.ref = s.learner.reference(run.train.params)
+        return stats
+
+    def batch(self, pair_set) -> tuple[rollouts.Rollouts | None, list[int]]:
+        """The next `batch.prompts` pairs' rows and their indices (None, [] when there are no
+        pairs: a round whose samples all scored alike)."""
+        ids = pair_set.draw(self.config.batch.prompts)
+        if not ids:
+            return None, []
+        return pair_rollouts([pair_set.pairs[i] for i in ids], self.s.scfg), ids
+
+    def reference(self, run):
+        """The reference params the losses read: the current round's (iterative), else the
+        warm start's (None for a reference-free loss)."""
+        return run.ref if run.ref is not None else self.s.ref_params
