@@ -237,37 +237,24 @@ def check_test_time_flags(
     return ns
 
 
-def load_reward_model(path: str, tokenizer, longest: int):
-    """`reward_model.load(path)`, checked against the policy's tokenizer and the longest row
-    it will score (`longest` tokens: the longest prompt, max_new_tokens and the EOS); errors
-    name `--reward_model`."""
+def load_scoring_model(flag: str, path: str, load, tokenizer, longest: int):
+    """`load(path)` (`reward_model.load` or `process_reward.load`), checked against the
+    policy's tokenizer and the longest row it will score (`longest` tokens: the longest
+    prompt, max_new_tokens and the EOS); errors name `--{flag}`."""
     if not os.path.isdir(path):
-        raise ValueError(f"--reward_model={path}: no such directory")
+        raise ValueError(f"--{flag}={path}: no such directory")
     try:
-        rm = reward_model_lib.load(path)
+        model = load(path)
         reward_model_lib.check_tokenizer(path, tokenizer)
     except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"--reward_model={path}: {e}") from e
-    if longest > rm.model_cfg.max_seq_len:
+        raise ValueError(f"--{flag}={path}: {e}") from e
+    if longest > model.model_cfg.max_seq_len:
         raise ValueError(
-            f"--reward_model={path}: its decoder reads at most max_seq_len="
-            f"{rm.model_cfg.max_seq_len} tokens, but the longest prompt with "
+            f"--{flag}={path}: its decoder reads at most max_seq_len="
+            f"{model.model_cfg.max_seq_len} tokens, but the longest prompt with "
             f"--config.sampling.max_new_tokens and the EOS makes {longest}"
         )
-    return rm
-
-
-def load_prm(path: str, tokenizer):
-    """`process_reward.load(path)`, checked against the policy's tokenizer; errors name
-    `--prm`."""
-    if not os.path.isdir(path):
-        raise ValueError(f"--prm={path}: no such directory")
-    try:
-        prm = process_reward.load(path)
-        reward_model_lib.check_tokenizer(path, tokenizer)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"--prm={path}: {e}") from e
-    return prm
+    return model
 
 
 def rankers(
@@ -338,11 +325,16 @@ def run(
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
     problems = splits[split][:n]
     cfg = sampling_config(config, tokenizer, k)
-    rm = None
-    if "reward_model" in scorers and ns is not None:  # Checked before sampling anything.
+    rm = prm = None
+    if ns is not None and {"reward_model", "prm"} & set(scorers):  # Before sampling anything.
         longest = max(len(p) for p in scoring.encode_prompts(tokenizer, problems))
-        rm = load_reward_model(reward_model_dir, tokenizer, longest + cfg.max_new_tokens + 1)
-    prm = load_prm(prm_dir, tokenizer) if "prm" in scorers and ns is not None else None
+        longest += cfg.max_new_tokens + 1
+        if "reward_model" in scorers:
+            rm = load_scoring_model(
+                "reward_model", reward_model_dir, reward_model_lib.load, tokenizer, longest
+            )
+        if "prm" in scorers:
+            prm = load_scoring_model("prm", prm_dir, process_reward.load, tokenizer, longest)
     # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
     workers = config.reward.workers
     with isolation.verifier_pool(workers) if workers else contextlib.nullcontext() as pool:

@@ -119,6 +119,22 @@ def _split_r0(name, path, compute, reward, x_key, y_key):
     return Curve(name, path, c, r, r0, x_key, y_key)
 
 
+def _records(file):
+    """(line number, JSON object) of each non-blank line of a metrics file.
+
+    Raises:
+      ValueError: a line that is not JSON, naming it.
+    """
+    with open(file) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{lineno} is not a JSON object ({e})") from None
+
+
 def read_metrics(path: str, x_key: str = DEFAULT_X, y_key: str = DEFAULT_Y) -> Curve:
     """Reads the evaluation curve from a `metrics.jsonl` (a workdir or the file itself).
 
@@ -135,21 +151,14 @@ def read_metrics(path: str, x_key: str = DEFAULT_X, y_key: str = DEFAULT_Y) -> C
         return _read_samples_curve(path, file, y_key)
     compute, reward = [], []
     keys = set()
-    with open(file) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{lineno} is not a JSON object ({e})") from None
-            keys.update(record)
-            if y_key not in record:
-                continue
-            if x_key not in record:
-                raise ValueError(f"{file}:{lineno} has {y_key!r} but no {x_key!r}")
-            compute.append(math.nan if record[x_key] is None else record[x_key])
-            reward.append(math.nan if record[y_key] is None else record[y_key])
+    for lineno, record in _records(file):
+        keys.update(record)
+        if y_key not in record:
+            continue
+        if x_key not in record:
+            raise ValueError(f"{file}:{lineno} has {y_key!r} but no {x_key!r}")
+        compute.append(math.nan if record[x_key] is None else record[x_key])
+        reward.append(math.nan if record[y_key] is None else record[y_key])
     if not reward:
         close = sorted(k for k in keys if k.split("/")[0] == y_key.split("/")[0])
         raise ValueError(
@@ -174,18 +183,11 @@ def _read_samples_curve(path, file, y_key) -> Curve:
             "needs the run's group size"
         ) from None
     drawn, evals = {}, {}
-    with open(file) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{lineno} is not a JSON object ({e})") from None
-            if "data/prompt_ids" in record:
-                drawn[record["step"]] = len(record["data/prompt_ids"]) * group
-            if y_key in record:
-                evals[record["step"]] = math.nan if record[y_key] is None else record[y_key]
+    for _, record in _records(file):
+        if "data/prompt_ids" in record:
+            drawn[record["step"]] = len(record["data/prompt_ids"]) * group
+        if y_key in record:
+            evals[record["step"]] = math.nan if record[y_key] is None else record[y_key]
     if not evals:
         raise ValueError(f"no line of {file} has {y_key!r}")
     steps = sorted(evals)
