@@ -640,7 +640,7 @@ def train(
         raise ValueError(f"steps={steps} must be >= 1")
     if not isinstance(model, ModelConfig):
         model = os.fspath(model)
-        rm._tokenizer_dir_check(model, tokenizer, "the policy checkpoint")
+        rm.check_directory_tokenizer(model, tokenizer, "the policy checkpoint")
     model_cfg, graphdef, params = rm.init(model, jax.random.key(cfg.seed))
     if model_cfg.param_dtype != "float32":  # AdamW on float32 params (compute dtype kept).
         model_cfg = dataclasses.replace(model_cfg, param_dtype="float32")
@@ -658,7 +658,7 @@ def train(
     train_set = encode_examples(examples, tokenizer, cfg)
     held = encode_examples(heldout, tokenizer, cfg) if heldout else None
     opt_state = rm.init_opt_state(cfg, params)
-    stream = rm._pair_stream(train_set.num_rows, cfg.batch_rows, cfg.seed)
+    stream = rm.batch_indices(train_set.num_rows, cfg.batch_rows, cfg.seed)
     history, loss_sum, since = [], jnp.zeros((), jnp.float32), 0
     for step in range(1, steps + 1):
         rows = next(stream)

@@ -430,7 +430,7 @@ class Trained(NamedTuple):
     history: list[Record]
 
 
-def _pair_stream(num_pairs: int, batch_pairs: int, seed: int) -> Iterator[np.ndarray]:
+def batch_indices(num_pairs: int, batch_pairs: int, seed: int) -> Iterator[np.ndarray]:
     """Batches of pair indices: each epoch a fresh seeded permutation, read in order (a batch
     runs across the boundary into the next one), so every pair is seen once per epoch."""
     rng = np.random.default_rng(seed)
@@ -442,7 +442,9 @@ def _pair_stream(num_pairs: int, batch_pairs: int, seed: int) -> Iterator[np.nda
         buffer = buffer[batch_pairs:]
 
 
-def _tokenizer_dir_check(directory: str, tokenizer: tokenizer_lib.Tokenizer, what: str) -> None:
+def check_directory_tokenizer(
+    directory: str, tokenizer: tokenizer_lib.Tokenizer, what: str
+) -> None:
     """When `directory` holds its own tokenizer, it must be `tokenizer` (names both if not)."""
     if _has_tokenizer(directory):
         saved = tokenizer_lib.load(directory)
@@ -486,7 +488,7 @@ def train(
         raise ValueError(f"steps={steps} must be >= 1")
     if not isinstance(model, ModelConfig):
         model = os.fspath(model)
-        _tokenizer_dir_check(model, tokenizer, "the policy checkpoint")
+        check_directory_tokenizer(model, tokenizer, "the policy checkpoint")
     rng = jax.random.key(cfg.seed)
     model_cfg, graphdef, params = init(model, rng)
     if model_cfg.param_dtype != "float32":  # AdamW on float32 params (compute dtype kept).
@@ -505,7 +507,7 @@ def train(
     train_set = encode_pairs(pairs, tokenizer, cfg.seq_len, cfg.add_eos)
     held = encode_pairs(heldout, tokenizer, cfg.seq_len, cfg.add_eos) if heldout else None
     opt_state = init_opt_state(cfg, params)
-    stream = _pair_stream(train_set.num_pairs, cfg.batch_pairs, cfg.seed)
+    stream = batch_indices(train_set.num_pairs, cfg.batch_pairs, cfg.seed)
     history, loss_sum, since = [], jnp.zeros((), jnp.float32), 0
     for step in range(1, steps + 1):
         rows = (next(stream)[:, None] * 2 + np.arange(2)).reshape(-1)
