@@ -123,3 +123,27 @@ def warm(tmp_path_factory, worker_id):
             shutil.rmtree(workdir, ignore_errors=True)
             rl.run(golden_config("quickstart"), str(workdir))
     return workdir
+
+
+def random_decoder_params(model_cfg, seed: int):
+    """Decoder params drawn in NumPy (no init program to compile): N(0, 1 / fan_in) weights,
+    unit norm scales."""
+    import numpy as np
+    from flax import nnx
+
+    from rlscale.model import decoder
+
+    _, abstract = decoder.abstract_model(model_cfg)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return np.ones(x.shape, np.float32)
+        fan_in = x.shape[1] if "embedding" in name else x.shape[0]
+        fan_in *= x.shape[1] if "['o']" in name else 1  # [H, E, D]: H * E inputs.
+        return (rng.standard_normal(x.shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
+    nnx.replace_by_pure_dict(abstract, pure)
+    return abstract

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import random_decoder_params
 
 from rlscale import chat, checkpoint
 from rlscale import objectives as obj
@@ -167,25 +167,6 @@ def tok():
     return train_sentencepiece(corpus, 300, hard_vocab_limit=False)
 
 
-def _random_params(model_cfg, seed: int):
-    """Decoder params drawn in NumPy (no init program to compile): N(0, 1 / fan_in) weights,
-    unit norm scales (as tests/test_reward_model.py draws them)."""
-    _, abstract = decoder.abstract_model(model_cfg)
-    rng = np.random.default_rng(seed)
-
-    def draw(path, x):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name:
-            return np.ones(x.shape, np.float32)
-        fan_in = x.shape[1] if "embedding" in name else x.shape[0]
-        fan_in *= x.shape[1] if "['o']" in name else 1  # [H, E, D]: H * E inputs.
-        return (rng.standard_normal(x.shape) / np.sqrt(fan_in)).astype(np.float32)
-
-    pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
-    nnx.replace_by_pure_dict(abstract, pure)
-    return abstract
-
-
 @pytest.fixture(scope="module")
 def model_cfg(tok):
     return model_config.get("tiny", vocab_size=tok.vocab_size, **SHAPE)
@@ -195,7 +176,7 @@ def model_cfg(tok):
 def policy(tok, model_cfg, tmp_path_factory):
     """A random policy checkpoint that carries its tokenizer."""
     path = tmp_path_factory.mktemp("policy")
-    checkpoint.save_params(str(path), model_cfg, _random_params(model_cfg, 1))
+    checkpoint.save_params(str(path), model_cfg, random_decoder_params(model_cfg, 1))
     (path / "tokenizer.model").write_bytes(tok.serialized)
     return path
 
@@ -355,7 +336,7 @@ def test_mc_labels_with_the_sampler_match_sampling_directly(tok, model_cfg):
     prefixes directly (the same key, prompt + prefix encoded as a prompt) and verifying
     prefix + continuation gives."""
     graphdef, _ = decoder.abstract_model(model_cfg)
-    params = _random_params(model_cfg, 0)
+    params = random_decoder_params(model_cfg, 0)
     sampler = Sampler(graphdef, model_cfg)
     cfg = SamplingConfig(max_new_tokens=6, stop_tokens=(tok.eos_id,), buckets=(24,))
     problems = [env_problem("3", 3), env_problem("7", 2)]

@@ -47,7 +47,6 @@ with several --reuse values, the final reward against tau).
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
 import re
@@ -324,11 +323,7 @@ def iso_report(entries, root: str, *, bin_width: float = 0.01) -> dict:
         out["text"] = text
         out["png"] = plot.plot_iso_compute(optima, scaling, os.path.join(root, "iso_compute.png"))
     os.makedirs(root, exist_ok=True)
-    tmp = out["json"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, out["json"])  # Atomic: sweep shards may share ROOT.
+    runs.write_json(out["json"], report)
     return out
 
 

@@ -366,7 +366,8 @@ def describe(record: dict) -> str:
 # ==========================================================================================
 
 
-def _write_json(path, obj):
+def write_json(path, obj):
+    """Writes `obj` as indented JSON, atomically (sweep shards may share a directory)."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
@@ -393,7 +394,7 @@ def write_report(results: list[RunFit], out_dir: str, *, per_run_plots: bool = T
 
     os.makedirs(out_dir, exist_ok=True)
     fits_path = os.path.join(out_dir, "fits.json")
-    _write_json(fits_path, [r.record() for r in sort_by_asymptote(results)])
+    write_json(fits_path, [r.record() for r in sort_by_asymptote(results)])
     fitted = [r for r in results if r.fit]
     paths = {"fits": fits_path, "curves": None, "runs": []}
     if fitted:
@@ -451,7 +452,7 @@ def fit_run(
         return record
     out_dir = os.path.join(workdir, "scaling")
     os.makedirs(out_dir, exist_ok=True)
-    _write_json(os.path.join(out_dir, "fit.json"), record)
+    write_json(os.path.join(out_dir, "fit.json"), record)
     if result.fit:
         from rlscale.scaling import plot
 
@@ -592,7 +593,7 @@ def write_tan_report(
 
     os.makedirs(out_dir, exist_ok=True)
     fits_path = os.path.join(out_dir, "fits.json")
-    _write_json(fits_path, tan_record(fit, extrapolation))
+    write_json(fits_path, tan_record(fit, extrapolation))
     holdout = extrapolation.holdout_size if extrapolation else None
     png = plot.plot_tan(
         fit,
