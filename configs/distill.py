@@ -10,11 +10,12 @@ KL is the advantage (`distill_advantage`; README, "On-policy distillation").
         --config.teacher.checkpoint=/tmp/rlscale_quickstart/final \\
         --config.sft.reuse_from=/tmp/rlscale_quickstart
 
-Measured (2-core CPU, shared with other runs; seed 0, 2026-11-23; teacher: the quickstart run
-that ends at held-out pass@1 0.806): 101 s for 80 steps from the copied warm start; held-out
-pass@1 0.149 -> 0.711 at step 40 (1.24e12 FLOPs) -> 0.755 at step 80, against the teacher's
-own RL run 0.719 at step 40 and 0.806 at step 80 on the same FLOPs (the teacher's forward
-passes are not counted in compute/flops).
+Measured (2-core CPU, shared with other runs; teacher: the quickstart run that ends at
+held-out pass@1 0.806): 101 s for 80 steps from the copied warm start; held-out pass@1 0.149
+-> 0.711 at step 40 -> 0.755 at step 80 (seed 0), against the teacher's own RL run 0.719 and
+0.806 at the same steps; 3 seeds end at 0.765 [0.755, 0.777]. The teacher's forward passes
+count in compute/flops: 0.6 at 1.30e12 FLOPs against online RL's 9.6e11
+(experiments/paradigms).
 Variants: `:smoke` (3 steps of everything, used by the tests), whose teacher is `self`: the
 run's own warm start, so it needs no other run (and its advantage is zero up to the sampler's
 numerics at the first step).

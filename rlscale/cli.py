@@ -126,15 +126,15 @@ def _config_file_error(e: flags.Error) -> str:
     return f"{head}: {last}"
 
 
-def _unloaded_config_files() -> list[str]:
+def unloaded_config_files(flag_values=flags.FLAGS) -> list[str]:
     """The config file flags whose file did not load (ml_collections defers that error until
     the config is read), each as `--flag=path: reason`."""
     from ml_collections import config_flags
     from ml_collections.config_flags.config_flags import is_config_flag  # Not re-exported.
 
     bad = []
-    for name in flags.FLAGS:
-        flag = flags.FLAGS[name]
+    for name in flag_values:
+        flag = flag_values[name]
         if not is_config_flag(flag) or flag.value is None:
             continue
         try:
@@ -153,26 +153,36 @@ def _last_line(e: OSError) -> str:
     return re.sub(r"^\[Errno \d+\] ", "", last)
 
 
+FLAG_ERRORS = (flags.Error, AttributeError, KeyError, OSError)
+
+
+def flags_error(e: BaseException, argv) -> str:
+    """The one line that says which flag, config key or config file of `argv` failed to
+    parse (`e`, one of `FLAG_ERRORS`, raised by absl flags with ml_collections config
+    files)."""
+    if isinstance(e, flags.Error):
+        return _config_file_error(e)
+    if isinstance(e, OSError):  # A config file that did not load, read for its overrides.
+        return f"config file: {_last_line(e)}"
+    # A key the locked config lacks; ml_collections' message quotes it (repr, nested).
+    bad = " ".join(a for a in argv[1:] if a.startswith("--config."))
+    key = re.search(r"'([^'\\]+)", str(e))
+    hint = re.search(r'Did you mean "([^"]+)"', str(e))
+    return f"{bad}: no such config key {key.group(1) if key else str(e)!r}" + (
+        f"; did you mean {hint.group(1)!r}?" if hint else ""
+    )
+
+
 def parse_flags(argv, status: int = 1):
     """absl flag parsing (`app.run(..., flags_parser=parse_flags)`) with a bad flag, config key
     or config file reported as one `error:` line; then sets the console from `--verbosity`."""
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
-        fail(f"{_config_file_error(e)} (pass --helpshort to see the flags)", status)
-    except (AttributeError, KeyError) as e:
-        # A key the locked config lacks; ml_collections' message quotes it (repr, nested).
-        bad = " ".join(a for a in argv[1:] if a.startswith("--config."))
-        key = re.search(r"'([^'\\]+)", str(e))
-        hint = re.search(r'Did you mean "[^"]+"', str(e))
-        fail(
-            f"{bad}: no such config key {key.group(1) if key else str(e)!r}"
-            + (f"; {hint.group(0).lower()}?" if hint else ""),
-            status,
-        )
-    except OSError as e:  # A config file that did not load, read to register its overrides.
-        fail(f"config file: {_last_line(e)}", status)
-    for problem in _unloaded_config_files():
+        fail(f"{flags_error(e, argv)} (pass --helpshort to see the flags)", status)
+    except FLAG_ERRORS as e:
+        fail(flags_error(e, argv), status)
+    for problem in unloaded_config_files():
         fail(problem, status)
     verbosity = flags.FLAGS["verbosity"]
     console.configure(verbosity.value if verbosity.present else 0)

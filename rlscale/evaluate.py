@@ -43,6 +43,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -54,6 +55,7 @@ from rlscale import reward_model as reward_model_lib
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.data import tasks
+from rlscale.model.config import ModelConfig
 from rlscale.rewards import isolation
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 
@@ -90,6 +92,59 @@ def sampling_config(config, tokenizer, k: int) -> SamplingConfig:
     Tokenizers without a pad token (Llama 3) left-pad prompts with the EOS (padding is masked).
     """
     return dataclasses.replace(rl.sampling_config(config, tokenizer), num_samples=k)
+
+
+class Policy(NamedTuple):
+    """A params checkpoint loaded to sample from (`load_policy`)."""
+
+    model_cfg: ModelConfig
+    graphdef: object
+    params: dict
+    tokenizer: tokenizer_lib.Tokenizer
+    tokenizer_path: str
+    sampler: Sampler
+
+
+def load_policy(
+    config, checkpoint_dir: str, workdir: str, tokenizer_path: str | None = None
+) -> Policy:
+    """The checkpoint's params on the config's mesh in the sampling layout, its tokenizer
+    (`tokenizer_path`, else `default_tokenizer_path`) and a `Sampler` for them.
+
+    Raises:
+      ValueError: Naming `--checkpoint` when it is no directory, or the tokenizer when it has
+        more ids than the model.
+    """
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
+    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    rules = sharding.SAMPLE_RULES
+    model_cfg, graphdef, params = checkpoint.load_params(checkpoint_dir, mesh, rules)
+    tokenizer_path = tokenizer_path or default_tokenizer_path(checkpoint_dir, workdir)
+    tokenizer = tokenizer_lib.load(tokenizer_path)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer at {tokenizer_path!r} has {tokenizer.vocab_size} ids but the model "
+            f"only {model_cfg.vocab_size}: not the tokenizer this checkpoint was trained with"
+        )
+    sampler = Sampler(graphdef, model_cfg, mesh, rules)
+    return Policy(model_cfg, graphdef, params, tokenizer, tokenizer_path, sampler)
+
+
+def load_problems(config, workdir: str, split: str, n: int):
+    """(task, problems): the config's task (`load_task`, materialized in `workdir`) and the
+    first `n` problems of its `split`; ValueError naming `--split` when it has none."""
+    task, splits = load_task(config, workdir)
+    if split not in splits:
+        raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
+    return task, splits[split][:n]
+
+
+def verifier_pool(config):
+    """The config's verifier pool (`reward.workers` worker processes) as a context manager,
+    or None in-process when `reward.workers` is 0."""
+    workers = config.reward.workers
+    return isolation.verifier_pool(workers) if workers else contextlib.nullcontext()
 
 
 # ==========================================================================================
@@ -308,22 +363,9 @@ def run(
     ns = check_test_time_flags(
         best_of, k, scorers, reward_model_dir, plot, prm_dir, list(prm_aggregation)
     )
-    if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
-    mesh = sharding.make_mesh(tuple(config.mesh.shape))
-    rules = sharding.SAMPLE_RULES
-    model_cfg, graphdef, params = checkpoint.load_params(checkpoint_dir, mesh, rules)
-    tokenizer_path = tokenizer_path or default_tokenizer_path(checkpoint_dir, workdir)
-    tokenizer = tokenizer_lib.load(tokenizer_path)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer at {tokenizer_path!r} has {tokenizer.vocab_size} ids but the model "
-            f"only {model_cfg.vocab_size}: not the tokenizer this checkpoint was trained with"
-        )
-    task, splits = load_task(config, workdir)
-    if split not in splits:
-        raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
-    problems = splits[split][:n]
+    policy = load_policy(config, checkpoint_dir, workdir, tokenizer_path)
+    tokenizer, tokenizer_path = policy.tokenizer, policy.tokenizer_path
+    task, problems = load_problems(config, workdir, split, n)
     cfg = sampling_config(config, tokenizer, k)
     rm = prm = None
     if ns is not None and {"reward_model", "prm"} & set(scorers):  # Before sampling anything.
@@ -336,11 +378,10 @@ def run(
         if "prm" in scorers:
             prm = load_scoring_model("prm", prm_dir, process_reward.load, tokenizer, longest)
     # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
-    workers = config.reward.workers
-    with isolation.verifier_pool(workers) if workers else contextlib.nullcontext() as pool:
+    with verifier_pool(config) as pool:
         samples = scoring.sample_and_score(
-            Sampler(graphdef, model_cfg, mesh, rules),
-            params,
+            policy.sampler,
+            policy.params,
             tokenizer,
             problems,
             jax.random.key(seed),

@@ -1,6 +1,29 @@
 """Process rewards: Monte-Carlo step labels, a process reward model (PRM) on the decoder, and
 PRM-weighted best-of-N.
 
+    python -m rlscale.process_reward label --config configs/quickstart.py \\
+        --checkpoint WORKDIR/final --out labels.jsonl [--split train --n 64 --k 4 \\
+        --rollouts 4 --delimiter STR --seed 0]
+    python -m rlscale.process_reward train --labels labels.jsonl --out PRM_DIR \\
+        [--init WORKDIR/final | --model tiny --tokenizer PATH] \\
+        [--heldout FILE | --heldout_frac 0.1] [--label soft --steps N --lr LR]
+
+and `python -m rlscale.evaluate ... --best_of 1,2,4,8,16 --scorer prm --prm PRM_DIR` ranks a
+policy's samples with the PRM.
+
+`label` loads the policy, its tokenizer and the config's task as `rlscale.evaluate` does
+(`evaluate.load_policy`, `evaluate.load_problems`; `--config.a.b=value` overrides a field),
+samples `--k` completions for each of the first `--n` problems of the split with the config's
+sampling settings, labels their steps with `--rollouts` continuations per prefix
+(`mc_step_labels`) and writes one JSON row per completion (`label_policy`): `problem` (its
+index in the split), `sample`, `prompt`, `completion`, `delimiter`, `step_ends` (each step's
+end, a character offset), `soft`, `hard` (one label per step) and `outcome` (the verifier's
+reward). The delimiter defaults to the task's (`TASK_DELIMITERS`), else a newline. `train`
+reads such rows (`read_labels`: `prompt`, `completion` and the `--label` field are required),
+holds out `--heldout_frac` of the prompts unless given `--heldout` rows (`split_heldout`),
+trains (`train`) and saves (`save`) a PRM, and prints its held-out step accuracy. The
+tokenizer defaults to the policy's (`evaluate.default_tokenizer_path` of `--init`).
+
 Steps. A completion is split into steps at a delimiter (`split_steps`): step j ends right
 after the j-th occurrence of the delimiter, the text after the last one is the final step,
 and a piece with nothing but whitespace and delimiters joins the step before it. The default
@@ -69,11 +92,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
+from absl import flags, logging
+from ml_collections import config_flags
 
-from rlscale import chat
+from rlscale import chat, cli, console
+from rlscale import model as model_lib
 from rlscale import reward_model as rm
 from rlscale import tokenizer as tokenizer_lib
+from rlscale.data import formats
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
 from rlscale.sampling import scoring
@@ -81,6 +107,8 @@ from rlscale.sampling.sampler import SamplingConfig
 
 DEFAULT_DELIMITER = "\n"
 ARITHMETIC_DELIMITER = "="  # The arithmetic task's steps: one operation per "=".
+TASK_DELIMITERS = {"arithmetic": ARITHMETIC_DELIMITER}  # `label`'s default, by config.task.name.
+LABEL_FIELDS = ("soft", "hard")  # The labels of a labels file's row, one per step.
 FORMAT = 1  # Version of process_reward.json's layout.
 META_FILE = "process_reward.json"
 _WINDOW = 8  # Tokens of context when measuring what one token adds to the decoded text.
@@ -693,6 +721,13 @@ class ProcessRewardModel:
     config: PRMConfig
     path: str | None = None
 
+    def with_bucket(self, tokens: int) -> ProcessRewardModel:
+        """This PRM scoring in one bucket of at least `tokens` tokens (the scores do not depend
+        on the bucket): for rows longer than `config.seq_len`."""
+        if tokens <= self.config.seq_len:
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, seq_len=tokens))
+
     def score_steps(
         self,
         prompt_ids: Sequence[Sequence[int]],
@@ -862,3 +897,481 @@ def prm_scores(
         raise ValueError(f"aggregation={aggregation!r} is not one of {tuple(AGGREGATIONS)}")
     s_NS, mask_NS, _ = prm.score_steps(prompt_ids, completion_ids)
     return AGGREGATIONS[aggregation](sigmoid(s_NS), mask_NS)
+
+
+# ==========================================================================================
+# The commands: label a policy's completions, train a PRM on the labels.
+# ==========================================================================================
+
+_BUCKET_MULTIPLE = 16  # `train`'s default seq_len is the longest row rounded up to this.
+
+
+def load_config(spec: str, overrides: Sequence[str] = ()):
+    """The config `--config SPEC` names (a file, optionally with a `:variant` suffix) with its
+    `--config.a.b=value` overrides, loaded as `rlscale.evaluate` loads its `--config`
+    (ml_collections' `config_flags`, locked: a mistyped key is an error), on flags of its own
+    so that commands can run one after another in one process.
+
+    Raises:
+      ValueError: Naming the file, variant, key or value that does not load (`cli`).
+    """
+    argv = ["", f"--config={spec}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file(
+        "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=argv
+    )
+    try:
+        fv(argv)
+    except cli.FLAG_ERRORS as e:
+        raise ValueError(cli.flags_error(e, argv)) from None
+    problems = cli.unloaded_config_files(fv)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return fv.config
+
+
+def label_policy(
+    config,
+    checkpoint_dir: str,
+    *,
+    split: str = "train",
+    n: int = 64,
+    k: int = 4,
+    rollouts: int = 4,
+    delimiter: str | None = None,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
+    workdir: str | None = None,
+    batch: int = 32,
+) -> list[dict]:
+    """Monte-Carlo step labels of a policy's own completions (the `label` command).
+
+    Loads the checkpoint, its tokenizer and the config's task as `rlscale.evaluate` does,
+    samples `k` completions for each of the first `n` problems of `split` with the config's
+    sampling settings, scores them with the task's verifier, and labels every step of every
+    completion with `rollouts` continuations of its prefix (`mc_step_labels`), `batch`
+    prompts per sampler call. The completions and the continuations are sampled with two keys
+    split from `seed`.
+
+    Args:
+      config: an RL config (`configs/*.py`): its task, model mesh, sampling and reward pool.
+      checkpoint_dir: a params checkpoint (`checkpoint.save_params`), e.g. a run's
+        WORKDIR/final.
+      delimiter: what ends a step; default `TASK_DELIMITERS[config.task.name]`, else
+        `DEFAULT_DELIMITER`.
+      tokenizer_path, workdir: as `rlscale.evaluate` (default: the run's tokenizer, the
+        checkpoint's parent directory).
+
+    Returns:
+      One row per completion, problem-major: `problem` (its index in the split), `sample`
+      (0..k-1), `prompt`, `completion`, `delimiter`, `step_ends`, `soft`, `hard` (one per step:
+      `StepLabels`) and `outcome` (the verifier's reward; the last step's labels are
+      `outcome > 0`).
+
+    Raises:
+      ValueError: On n, k, rollouts or batch < 1, an empty delimiter, an empty split, a
+        delimiter that occurs in no completion (`check_delimiter`, naming it), or as
+        `evaluate.load_policy` and `evaluate.load_problems`.
+    """
+    from rlscale import evaluate  # Not at the top: evaluate imports this module.
+
+    if min(n, k, rollouts, batch) < 1:
+        raise ValueError(
+            f"--n={n}, --k={k}, --rollouts={rollouts} and --batch={batch} must be >= 1"
+        )
+    if delimiter is None:
+        delimiter = TASK_DELIMITERS.get(config.task.name, DEFAULT_DELIMITER)
+    _check_delimiter_text(delimiter)
+    checkpoint_dir = os.path.abspath(checkpoint_dir)
+    workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
+    policy = evaluate.load_policy(config, checkpoint_dir, workdir, tokenizer_path)
+    task, problems = evaluate.load_problems(config, workdir, split, n)
+    if not problems:
+        raise ValueError(f"--split={split!r} has no problems")
+    cfg = evaluate.sampling_config(config, policy.tokenizer, k)
+    sample_key, rollout_key = jax.random.split(jax.random.key(seed))
+    timeout = config.reward.timeout
+    with evaluate.verifier_pool(config) as pool:
+        samples = scoring.sample_and_score(
+            policy.sampler,
+            policy.params,
+            policy.tokenizer,
+            problems,
+            sample_key,
+            cfg,
+            scoring.Scorer(task.verify, pool, timeout),
+            chunk=batch,
+        )
+        labels = mc_step_labels(
+            policy.sampler,
+            policy.params,
+            policy.tokenizer,
+            [p for p in problems for _ in range(k)],  # Rows are problem-major.
+            samples.texts,
+            task.verify,
+            num_rollouts=rollouts,
+            cfg=cfg,
+            rng=rollout_key,
+            delimiter=delimiter,
+            pool=pool,
+            timeout=timeout,
+            chunk=batch,
+        )
+    return [
+        {
+            "problem": i // k,
+            "sample": i % k,
+            "prompt": problems[i // k].prompt,
+            "completion": text,
+            "delimiter": delimiter,
+            "step_ends": list(lab.steps.ends),
+            "soft": lab.soft.tolist(),
+            "hard": lab.hard.tolist(),
+            "outcome": float(reward),
+        }
+        for i, (text, lab, reward) in enumerate(zip(samples.texts, labels, samples.reward_N))
+    ]
+
+
+def label_summary(rows: Sequence[dict]) -> dict:
+    """What `label` prints: completions, problems, steps, the mean soft label over all steps,
+    the fraction of completions the verifier passes, and the share of completions holding
+    the delimiter at all (the others are one step each)."""
+    soft = [x for r in rows for x in r["soft"]]
+    delimiter = rows[0]["delimiter"]
+    return {
+        "completions": len(rows),
+        "problems": len({r["problem"] for r in rows}),
+        "steps": len(soft),
+        "mean_soft_label": float(np.mean(soft)) if soft else float("nan"),
+        "correct_frac": float(np.mean([r["outcome"] > 0 for r in rows])),
+        "delimiter": delimiter,
+        "delimiter_coverage": float(np.mean([delimiter in r["completion"] for r in rows])),
+    }
+
+
+def write_labels(path: str, rows: Sequence[dict]) -> None:
+    """Writes `rows` as JSON lines, whole or not at all (a temporary file renamed)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _row_problems(record, label: str, delimiter: str) -> list[str]:
+    """What is wrong with one row of a labels file (`read_labels`), field by field."""
+    if isinstance(record, ValueError):  # A line that is not JSON (`formats.records`).
+        return [str(record)]
+    if not isinstance(record, dict):
+        return [f"a row must be a JSON object, got {formats.kind(record)}"]
+    problems = [f"has no {f!r}" for f in ("prompt", "completion", label) if f not in record]
+    problems += [
+        f"{f!r} must be a string, got {formats.kind(record[f])}"
+        for f in ("prompt", "completion")
+        if f in record and not isinstance(record[f], str)
+    ]
+    d = record.get("delimiter", delimiter)
+    if not isinstance(d, str) or not d:
+        problems.append(f"'delimiter' must be a non-empty string, got {d!r}")
+    if problems:
+        return problems
+    labels = record[label]
+    if not isinstance(labels, list) or not all(map(_is_number, labels)):
+        return [f"{label!r} must be a list of numbers, got {str(labels)[:60]}"]
+    outside = [x for x in labels if not 0 <= x <= 1]  # NaN included.
+    if outside:
+        problems.append(f"{label!r} has labels outside [0, 1]: {outside[:3]}")
+    ends = list(split_steps(record["completion"], delimiter).ends)
+    if len(labels) != len(ends):
+        problems.append(
+            f"{label!r} has {len(labels)} labels but the completion has {len(ends)} steps "
+            f"at {delimiter!r}"
+        )
+    if "step_ends" in record and record["step_ends"] != ends:
+        problems.append(
+            f"'step_ends' {str(record['step_ends'])[:60]} are not the completion's steps at "
+            f"{delimiter!r}, which end at {ends}"
+        )
+    return problems
+
+
+def read_labels(
+    path: str, *, label: str = "soft", delimiter: str | None = None
+) -> tuple[list[StepExample], str]:
+    """(examples, delimiter): the labelled completions of a labels file, in file order, and
+    the delimiter their steps end with.
+
+    A row (`label`'s, or any file `formats.records` reads: `.jsonl`, `.json`, `.parquet`)
+    needs the string fields `prompt` and `completion` and the `label` field ("soft" or
+    "hard"): a list of one number in [0, 1] per step of the completion; `step_ends`, when
+    present, must be the steps' ends. The delimiter is `delimiter`, else the rows' `delimiter`
+    field, else `DEFAULT_DELIMITER`.
+
+    Raises:
+      FileNotFoundError: If `path` does not exist.
+      ValueError: On an unknown `label`, an empty file, rows whose delimiters differ (from
+        each other or from `delimiter`), or malformed rows: all at once (the first ten
+        named), each by file, line and field.
+    """
+    if label not in LABEL_FIELDS:
+        raise ValueError(f"--label={label!r} is not one of {', '.join(LABEL_FIELDS)}")
+    if delimiter is not None:
+        _check_delimiter_text(delimiter)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"labels file not found: {path!r}")
+    problem = formats.check_path(path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    rows = list(formats.records(path))
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file)")
+    found = {}  # The rows' delimiters, each with the first row that has it.
+    for where, _, r in rows:
+        d = r.get("delimiter") if isinstance(r, dict) else None
+        if isinstance(d, str) and d:
+            found.setdefault(d, where)
+    listed = ", ".join(f"{d!r} ({where})" for d, where in found.items())
+    if delimiter is not None and set(found) - {delimiter}:
+        raise ValueError(
+            f"{path}: the rows were labelled at the step delimiter {listed}, not at "
+            f"--delimiter={delimiter!r}"
+        )
+    if len(found) > 1:
+        raise ValueError(f"{path}: the rows have different step delimiters: {listed}")
+    delimiter = delimiter or next(iter(found), DEFAULT_DELIMITER)
+    examples, errors = [], []
+    for where, _, record in rows:
+        wrong = _row_problems(record, label, delimiter)
+        if wrong:
+            errors.append(f"{path}, {where}: {'; '.join(wrong)}")
+        else:
+            labels = [float(x) for x in record[label]]
+            examples.append(StepExample(record["prompt"], record["completion"], labels))
+    if errors:
+        raise ValueError(formats.malformed_rows(path, errors))
+    return examples, delimiter
+
+
+def split_heldout(
+    examples: Sequence[StepExample], frac: float, seed: int
+) -> tuple[list[StepExample], list[StepExample]]:
+    """(train, heldout): a random `frac` of the distinct prompts (rounded; at least one and
+    all but one at most, when frac > 0) held out with all their completions, so that no
+    held-out prompt is trained on.
+
+    Raises:
+      ValueError: Naming `--heldout_frac` when it is outside [0, 1), or > 0 with fewer than
+        two prompts.
+    """
+    if not 0 <= frac < 1:
+        raise ValueError(f"--heldout_frac={frac} must be in [0, 1)")
+    if frac == 0:
+        return list(examples), []
+    prompts = list(dict.fromkeys(e.prompt for e in examples))
+    if len(prompts) < 2:
+        raise ValueError(
+            f"--heldout_frac={frac}: the labels have {len(prompts)} prompt, none to hold out; "
+            "pass --heldout FILE or --heldout_frac 0"
+        )
+    n = min(max(round(frac * len(prompts)), 1), len(prompts) - 1)
+    chosen = np.random.default_rng(seed).choice(len(prompts), n, replace=False)
+    held = {prompts[i] for i in chosen}
+    return [e for e in examples if e.prompt not in held], [e for e in examples if e.prompt in held]
+
+
+def row_bucket(examples: Sequence[StepExample], tokenizer: tokenizer_lib.Tokenizer) -> int:
+    """`train`'s default `seq_len`: the longest row (prompt and completion ids, as
+    `encode_examples` encodes them), rounded up to a multiple of `_BUCKET_MULTIPLE`."""
+    prompts = [chat.encode_prompt(tokenizer, e.prompt) for e in examples]
+    completions = tokenizer.encode_batch([e.completion for e in examples])
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    return -(-longest // _BUCKET_MULTIPLE) * _BUCKET_MULTIPLE
+
+
+_LABEL_INT_FLAGS = ("n", "k", "rollouts", "seed", "batch")
+_TRAIN_INT_FLAGS = ("batch_rows", "max_steps", "eval_every", "seed", "warmup_steps")
+_TRAIN_FLOAT_FLAGS = ("lr", "weight_decay")
+
+
+def _parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
+        prog="python -m rlscale.process_reward",
+        description="Process reward models: label a policy's steps by Monte-Carlo rollouts, "
+        "train a PRM on the labels (see the module docstring).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{label,train}")
+    lp = sub.add_parser(
+        "label",
+        help="sample a policy's completions and label their steps",
+        description="Samples --k completions for each of the first --n problems of the "
+        "config's task, labels each step with --rollouts continuations of its prefix and "
+        "writes one JSON row per completion. --config.a.b=value overrides a config field.",
+    )
+    lp.add_argument(
+        "--config", required=True, help="config file, optionally with a :variant suffix"
+    )
+    lp.add_argument("--checkpoint", required=True, help="policy params, e.g. WORKDIR/final")
+    lp.add_argument("--out", required=True, help="labels file to write (JSON lines)")
+    lp.add_argument("--split", default="train", help="split of the task (default train)")
+    defaults = {"n": 64, "k": 4, "rollouts": 4, "seed": 0, "batch": 32}
+    helps = {
+        "n": "problems: the first n of the split",
+        "k": "completions sampled per problem",
+        "rollouts": "continuations sampled per step prefix",
+        "seed": "sampling seed",
+        "batch": "prompts per sampler call",
+    }
+    for name in _LABEL_INT_FLAGS:
+        help_text = f"{helps[name]} (default {defaults[name]})"
+        lp.add_argument(f"--{name}", type=int, default=defaults[name], help=help_text)
+    lp.add_argument(
+        "--delimiter",
+        default=None,
+        help="what ends a step (default: the task's, e.g. '=' for arithmetic, else a newline)",
+    )
+    lp.add_argument("--tokenizer", default=None, help="tokenizer path (as rlscale.evaluate)")
+    lp.add_argument("--workdir", default=None, help="run directory (default: the checkpoint's)")
+
+    tp = sub.add_parser(
+        "train",
+        help="train a PRM on a labels file",
+        description="Trains a process reward model on labelled completions and saves it for "
+        "rlscale.evaluate --scorer prm --prm DIR.",
+    )
+    tp.add_argument("--labels", required=True, help="labels file (the label command's rows)")
+    tp.add_argument("--out", required=True, help="directory to write the PRM to")
+    held = tp.add_mutually_exclusive_group()
+    held.add_argument("--heldout", default=None, help="held-out labels file")
+    held.add_argument(
+        "--heldout_frac",
+        type=float,
+        default=0.1,
+        help="share of the prompts held out when no --heldout is given (default 0.1)",
+    )
+    init = tp.add_mutually_exclusive_group()
+    init.add_argument("--init", default=None, help="policy checkpoint to start from")
+    init.add_argument(
+        "--model", default="tiny", help="named architecture from scratch (default tiny)"
+    )
+    tp.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer path; default: --init's own, else its run's WORKDIR/tokenizer.model",
+    )
+    tp.add_argument("--label", default="soft", choices=LABEL_FIELDS, help="labels to fit")
+    tp.add_argument("--delimiter", default=None, help="default: the rows' own")
+    tp.add_argument("--steps", type=int, default=200)
+    cfg = PRMConfig()
+    tp.add_argument(
+        "--seq_len",
+        type=int,
+        default=None,
+        help="the bucket: prompt + completion ids (default: the longest row, rounded up to 16)",
+    )
+    for name in _TRAIN_INT_FLAGS:
+        tp.add_argument(f"--{name}", type=int, default=getattr(cfg, name))
+    for name in _TRAIN_FLOAT_FLAGS:
+        tp.add_argument(f"--{name}", type=float, default=getattr(cfg, name))
+    return p
+
+
+def _print_summary(title: str, summary: dict) -> None:
+    print(f"\n{title}")
+    for key, v in summary.items():
+        if isinstance(v, float):
+            print(f"  {key:<20} {v:.4g}")
+        else:
+            print(f"  {key:<20} {v!r}" if key == "delimiter" else f"  {key:<20} {v}")
+
+
+def _label_command(args, overrides: Sequence[str]) -> dict:
+    out = os.path.abspath(args.out)
+    if os.path.isdir(out):
+        raise ValueError(f"--out={args.out} is a directory: name the labels file to write")
+    config = load_config(args.config, overrides)
+    cli.make_dir(os.path.dirname(out), "--out")
+    rows = label_policy(
+        config,
+        args.checkpoint,
+        split=args.split,
+        delimiter=args.delimiter,
+        tokenizer_path=args.tokenizer,
+        workdir=args.workdir,
+        **{name: getattr(args, name) for name in _LABEL_INT_FLAGS},
+    )
+    if jax.process_index() == 0:
+        write_labels(out, rows)
+    summary = {**label_summary(rows), "out": out}
+    _print_summary("rlscale process reward labels", summary)
+    return summary
+
+
+def _train_command(args) -> dict:
+    from rlscale import evaluate  # Not at the top: evaluate imports this module.
+
+    if args.init is not None and not os.path.isdir(args.init):
+        raise ValueError(f"--init={args.init}: no such directory")
+    examples, delimiter = read_labels(args.labels, label=args.label, delimiter=args.delimiter)
+    if args.heldout:
+        heldout, _ = read_labels(args.heldout, label=args.label, delimiter=delimiter)
+    else:
+        examples, heldout = split_heldout(examples, args.heldout_frac, args.seed)
+    if args.tokenizer is None:
+        if args.init is None:
+            raise ValueError("--tokenizer: required unless --init names a policy checkpoint")
+        init = os.path.abspath(args.init)
+        args.tokenizer = evaluate.default_tokenizer_path(init, os.path.dirname(init))
+    tok = tokenizer_lib.load(args.tokenizer)
+    cfg = PRMConfig(
+        delimiter=delimiter,
+        seq_len=row_bucket([*examples, *heldout], tok) if args.seq_len is None else args.seq_len,
+        **{name: getattr(args, name) for name in _TRAIN_INT_FLAGS + _TRAIN_FLOAT_FLAGS},
+    )
+    model = args.init or model_lib.get(args.model, vocab_size=tok.vocab_size)
+    cli.make_dir(args.out, "--out")
+
+    return rm.train_and_save(
+        train,
+        save,
+        examples,
+        heldout,
+        tok,
+        cfg,
+        args.steps,
+        model,
+        args.out,
+        kind="process reward model",
+        rows_name="completions",
+        metric="step accuracy",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """`python -m rlscale.process_reward label|train ...` (see the module docstring); returns
+    the command's summary. `label` passes its `--config.a.b=value` overrides to the config."""
+    p = _parser()
+    args, rest = p.parse_known_args(argv)
+    overrides, unknown = [], []
+    for i, a in enumerate(rest):
+        after = rest[i - 1] if i else ""
+        is_value = after.startswith("--config.") and "=" not in after and a[:2] != "--"
+        is_override = args.command == "label" and (a.startswith("--config.") or is_value)
+        (overrides if is_override else unknown).append(a)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "label":
+        return _label_command(args, overrides)
+    return _train_command(args)
+
+
+if __name__ == "__main__":
+    # The package's module, not this __main__ copy: the verifier pool's workers unpickle
+    # `PrefixVerifier` by its module path, which `__main__` is not in them.
+    from rlscale import process_reward
+
+    console.configure(0)  # Warnings (rows dropped, steps without a delimiter) on stderr.
+    cli.guard(process_reward.main)()

@@ -673,6 +673,13 @@ class RewardModel:
     tokenizer: tokenizer_lib.Tokenizer
     config: RMConfig
 
+    def with_bucket(self, tokens: int) -> RewardModel:
+        """This reward model scoring in one bucket of at least `tokens` tokens (the scores do
+        not depend on the bucket): for rows longer than `config.seq_len`."""
+        if tokens <= self.config.seq_len:
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, seq_len=tokens))
+
     def score_ids(self, rows: Sequence[Sequence[int]], chunk: int = 64) -> np.ndarray:
         """r [N] of id rows (prompt + completion ids, as `encode_rows` makes them).
 
@@ -816,27 +823,53 @@ def main(argv: Sequence[str] | None = None) -> dict:
     heldout = preferences.read_pairs(args.heldout, **fields) if args.heldout else []
     cli.make_dir(args.out, "--out")
 
-    def log(r: Record):
-        acc = "" if r.heldout_accuracy is None else f"  held-out accuracy {r.heldout_accuracy:.3f}"
-        print(f"step {r.step}/{args.steps}  loss {r.loss:.4f}{acc}", file=sys.stderr, flush=True)
-
-    trained = train(pairs, tok, cfg, args.steps, model=model, heldout=heldout, log=log)
-    save(args.out, trained.model_cfg, trained.params, tok, cfg, trained.history)
-    summary = {
-        "train_pairs": len(pairs),
-        "heldout_pairs": len(heldout),
-        "steps": args.steps,
-        "final_loss": trained.history[-1].loss,
-        "heldout_accuracy": trained.history[-1].heldout_accuracy,
-        "out": os.path.abspath(args.out),
-    }
-    acc = summary["heldout_accuracy"]
-    print(
-        f"held-out accuracy {acc:.4f} ({len(heldout)} pairs)"
-        if acc is not None
-        else "held-out accuracy: no --heldout pairs"
+    return train_and_save(
+        train,
+        save,
+        pairs,
+        heldout,
+        tok,
+        cfg,
+        args.steps,
+        model,
+        args.out,
+        kind="reward model",
+        rows_name="pairs",
+        metric="accuracy",
     )
-    print(f"reward model written to {summary['out']}")
+
+
+def train_and_save(
+    train_fn, save_fn, rows, heldout, tok, cfg, steps, model, out, *, kind, rows_name, metric
+) -> dict:
+    """What the training commands (this module's and `process_reward`'s) share: trains
+    (`train_fn`, logging each record on stderr), saves (`save_fn`) to `out`, prints the
+    held-out `metric` and where the `kind` was written, and returns the summary:
+    `train_{rows_name}`, `heldout_{rows_name}`, `steps`, `final_loss`, `heldout_{metric}`
+    (spaces as underscores), `out`."""
+    key = "heldout_" + metric.replace(" ", "_")
+
+    def log(r: Record):
+        acc = "" if r.heldout_accuracy is None else f"  held-out {metric} {r.heldout_accuracy:.3f}"
+        print(f"step {r.step}/{steps}  loss {r.loss:.4f}{acc}", file=sys.stderr, flush=True)
+
+    trained = train_fn(rows, tok, cfg, steps, model=model, heldout=heldout, log=log)
+    save_fn(out, trained.model_cfg, trained.params, tok, cfg, trained.history)
+    summary = {
+        f"train_{rows_name}": len(rows),
+        f"heldout_{rows_name}": len(heldout),
+        "steps": steps,
+        "final_loss": trained.history[-1].loss,
+        key: trained.history[-1].heldout_accuracy,
+        "out": os.path.abspath(out),
+    }
+    acc = summary[key]
+    print(
+        f"held-out {metric} {acc:.4f} ({len(heldout)} {rows_name})"
+        if acc is not None
+        else f"held-out {metric}: no held-out {rows_name}"
+    )
+    print(f"{kind} written to {summary['out']}")
     return summary
 
 

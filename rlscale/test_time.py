@@ -29,7 +29,6 @@ A process reward model is one more `Ranker` per aggregation, `prm_min`, `prm_las
 Dimension letters: B problems, G samples per problem, N = B * G rows.
 """
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -94,9 +93,7 @@ def reward_model_ranker(rm) -> Ranker:
     def score(samples, problems):
         prompt_ids, completion_ids = sample_ids(samples)
         longest = max(len(p) + len(c) + 1 for p, c in zip(prompt_ids, completion_ids))
-        model = rm
-        if longest > rm.config.seq_len:
-            model = dataclasses.replace(rm, config=dataclasses.replace(rm.config, seq_len=longest))
+        model = rm.with_bucket(longest)
         return model.score_completions(prompt_ids, completion_ids).astype(np.float64)
 
     return Ranker("reward_model", score, _sigmoid)
@@ -110,11 +107,7 @@ def prm_ranker(prm, aggregation: str) -> Ranker:
     def score(samples, problems):
         prompt_ids, completion_ids = sample_ids(samples)
         longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-        model = prm
-        if longest > prm.config.seq_len:  # One bucket of the longest row; scores unchanged.
-            model = dataclasses.replace(
-                prm, config=dataclasses.replace(prm.config, seq_len=longest)
-            )
+        model = prm.with_bucket(longest)
         return process_reward.prm_scores(model, prompt_ids, completion_ids, aggregation)
 
     return Ranker(f"prm_{aggregation}", score, lambda p: np.nan_to_num(p, nan=0.0))

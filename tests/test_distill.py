@@ -152,6 +152,7 @@ def _teacher(tiny, graphdef, params, buckets=2):
     return Teacher(
         graphdef,
         params,
+        model_cfg=tiny[0],
         mesh=mesh,
         temperature=TEMPERATURE,
         micro_batches=2,
@@ -229,10 +230,11 @@ def test_teacher_from_an_rlscale_checkpoint(tiny, tmp_path):
     config.teacher.checkpoint = str(tmp_path / "final")
     config.sampling.temperature, config.sampling.max_new_tokens = TEMPERATURE, M
     config.learner.length_buckets = 2
-    teacher = setup.make_teacher(config, mesh, None, None, programs.Programs(mesh))
+    teacher = setup.make_teacher(config, mesh, None, None, None, programs.Programs(mesh))
     roll = _sample(tiny, temperature=TEMPERATURE)
     expected = _full_forward_logp(graphdef, other, roll)
     np.testing.assert_allclose(teacher(roll), expected, rtol=1e-6, atol=1e-6)
+    assert teacher.model_cfg == cfg  # Its forward passes count at its own size.
 
 
 # ---- bad configs and teachers -------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_mistyped_key_fails_naming_it(tmp_path):
         "--config.sampling.temprature=0.5",
         workdir=tmp_path,
     )
-    one_error_line(r, "no such config key 'temprature'", 'did you mean "temperature"')
+    one_error_line(r, "no such config key 'temprature'", "did you mean 'temperature'?")
     assert not (tmp_path / "config.json").exists()
 
 

@@ -9,27 +9,35 @@ outcomes evenly, within binomial bounds when it samples them). A 2-layer PRM tra
 scratch on noisy soft labels of such completions (prompt `bad D:`, the label of step j: no D
 so far) must label held-out steps right (> 0.9), also where only the prompt's digit decides.
 Then split_steps, the loss, the aggregations and DeepSeekMath's process advantages by hand.
+Last, the command line on the suite's warm start: `label`, `train`, then `rlscale.evaluate
+--scorer prm` on the PRM it wrote, and a user's mistakes as one `error:` line.
 """
 
+import contextlib
 import dataclasses
 import functools
+import io
+import json
 import logging
 import os
 import pickle
 import random
 import re
+import runpy
+import sys
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_decoder_params
+from conftest import ROOT, random_decoder_params
 
-from rlscale import chat, checkpoint
+from rlscale import chat, checkpoint, cli, evaluate
 from rlscale import objectives as obj
 from rlscale import process_reward as pr
 from rlscale import reward_model as rm
+from rlscale import tokenizer as tokenizer_lib
 from rlscale.model import config as model_config
 from rlscale.model import decoder
 from rlscale.objectives import registry
@@ -652,3 +660,222 @@ def test_process_chains_check():
             obj.process_advantages(group_size=2),
             {k: v[:1].repeat(5, 0) for k, v in _process_terms().items() if k != "reward"},
         )
+
+
+# ---- the command line, on the suite's warm start --------------------------------------------
+
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+N, K, ROLLOUTS = 3, 2, 4
+
+
+def _label_args(warm, *more):
+    """`label` on the warm start (the quickstart smoke run's final params), one device and the
+    verifier in-process, as the warm run itself."""
+    return [
+        "label",
+        "--config",
+        f"{QUICKSTART}:smoke",
+        "--config.mesh.shape=(1,1,1)",
+        "--config.reward.workers=0",
+        "--checkpoint",
+        str(warm / "final"),
+        *("--n", str(N), "--k", str(K), "--rollouts", str(ROLLOUTS)),
+        *more,
+    ]
+
+
+class EvenLengthTask:
+    """The arithmetic problems graded by `_even_length`, which the warm start's completions and
+    continuations pass about half the time (the task's own verifier it rarely passes: all-zero
+    labels would test nothing)."""
+
+    def verify(self, text, problem):
+        return _even_length(text, problem)
+
+
+def _problems(warm):
+    """The first N problems of the train split, as `label` reads them."""
+    _, splits = evaluate.load_task(pr.load_config(f"{QUICKSTART}:smoke"), str(warm))
+    return splits["train"][:N]
+
+
+@pytest.fixture(scope="module")
+def labelled(warm, tmp_path_factory):
+    """(summary, rows, the labels file, what `label` printed)."""
+    out = tmp_path_factory.mktemp("labels") / "labels.jsonl"
+    load_task = evaluate.load_task
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(evaluate, "load_task", lambda c, w: (EvenLengthTask(), load_task(c, w)[1]))
+        summary = pr.main(_label_args(warm, "--out", str(out)))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return summary, rows, out, printed.getvalue()
+
+
+def test_cli_label_writes_each_completions_step_labels(labelled, warm):
+    """One row per completion, problem-major: its problem's prompt, the outcome the verifier
+    gives its text, the steps `split_steps` finds at the arithmetic task's "=" (the default),
+    soft labels that are fractions of the K rollouts, hard labels that say whether any rollout
+    passed, and a last label that is the outcome; the summary counts them."""
+    summary, rows, out, printed = labelled
+    problems = _problems(warm)
+    assert [(r["problem"], r["sample"]) for r in rows] == [
+        (i, j) for i in range(N) for j in range(K)
+    ]
+    for r in rows:
+        problem = problems[r["problem"]]
+        assert r["prompt"] == problem.prompt and r["delimiter"] == pr.ARITHMETIC_DELIMITER
+        assert r["outcome"] == _even_length(r["completion"], problem)
+        assert r["step_ends"] == list(pr.split_steps(r["completion"], "=").ends)
+        assert len(r["soft"]) == len(r["hard"]) == len(r["step_ends"]) > 0
+        soft = np.array(r["soft"])
+        assert np.all((soft >= 0) & (soft <= 1))
+        np.testing.assert_array_equal(soft * ROLLOUTS, np.round(soft * ROLLOUTS))
+        assert r["hard"] == [float(x > 0) for x in r["soft"]]
+        assert r["soft"][-1] == r["hard"][-1] == float(r["outcome"] > 0)
+    # The checks above have teeth: outcomes of both kinds, several steps, labels strictly
+    # between 0 and 1.
+    assert 0 < np.mean([r["outcome"] for r in rows]) < 1
+    assert any(len(r["soft"]) > 1 for r in rows)
+    assert any(0 < x < 1 for r in rows for x in r["soft"])
+    soft = [x for r in rows for x in r["soft"]]
+    with_delimiter = [("=" in r["completion"]) for r in rows]
+    assert summary == {
+        "completions": N * K,
+        "problems": N,
+        "steps": len(soft),
+        "mean_soft_label": pytest.approx(np.mean(soft)),
+        "correct_frac": pytest.approx(np.mean([r["outcome"] > 0 for r in rows])),
+        "delimiter": "=",
+        "delimiter_coverage": pytest.approx(np.mean(with_delimiter)),
+        "out": str(out),
+    }
+    assert f"  steps                {len(soft)}\n" in printed
+    assert "  delimiter            '='\n" in printed
+
+
+def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_path, capsys):
+    """`train` from the warm start's params, its tokenizer found next to them (the run's
+    WORKDIR/tokenizer.model): the PRM it writes loads, holds out one prompt's completions
+    (--heldout_frac 0.1 of 3 prompts), prints the held-out step accuracy of the params it
+    saved, scores completions, and ranks samples in `rlscale.evaluate --scorer prm`."""
+    _, rows, labels, _ = labelled
+    out = tmp_path / "prm"
+    args = ["train", "--labels", str(labels), "--init", str(warm / "final"), "--steps", "2"]
+    summary = pr.main([*args, "--batch_rows", "4", "--lr", "1e-3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    prm = pr.load(str(out))
+    assert rm.same_tokenizer(prm.tokenizer, tokenizer_lib.load(str(warm / "tokenizer.model")))
+    assert (prm.config.delimiter, prm.config.batch_rows, prm.config.lr) == ("=", 4, 1e-3)
+    # The default bucket: the longest row, rounded up to a multiple of 16.
+    tok = prm.tokenizer
+    prompt_ids = [chat.encode_prompt(tok, r["prompt"]) for r in rows]
+    completion_ids = tok.encode_batch([r["completion"] for r in rows])
+    longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    assert prm.config.seq_len % 16 == 0 and longest <= prm.config.seq_len < longest + 16
+    # The held-out rows: every completion of one of the three prompts.
+    examples, _ = pr.read_labels(str(labels))
+    train_rows, heldout = pr.split_heldout(examples, 0.1, seed=0)
+    assert len({e.prompt for e in heldout}) == 1 and len(heldout) == K
+    assert not {e.prompt for e in heldout} & {e.prompt for e in train_rows}
+    encoded = pr.encode_examples(heldout, tok, prm.config)
+    _, accuracy = pr.heldout_metrics(prm.graphdef, prm.params, encoded)
+    assert summary["heldout_step_accuracy"] == pytest.approx(accuracy)
+    assert (summary["train_completions"], summary["heldout_completions"]) == (N * K - K, K)
+    assert printed.splitlines() == [
+        f"held-out step accuracy {accuracy:.4f} ({K} completions)",
+        f"process reward model written to {out}",
+    ]
+    scores = pr.prm_scores(prm, prompt_ids, completion_ids, "min")
+    assert scores.shape == (N * K,) and np.all((scores > 0) & (scores < 1))
+    # The third command: evaluate ranks its samples with the PRM.
+    config = pr.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
+    config.reward.workers = 0
+    report = evaluate.run(
+        config,
+        str(warm / "final"),
+        k=2,
+        n=2,
+        best_of=[1, 2],
+        scorers=["prm"],
+        prm_dir=str(out),
+        output=str(tmp_path / "eval.json"),
+        plot=str(tmp_path / "curves.png"),
+    )
+    prm_scores = np.array(report["per_prompt"]["scores"]["prm_min"])
+    assert prm_scores.shape == (2, 2) and np.all((prm_scores >= 0) & (prm_scores <= 1))
+    assert list(report["test_time"]["N"]) == [1, 2]
+
+
+def test_cli_a_users_mistake_is_one_error_line(labelled, warm, tmp_path, capsys):
+    """A delimiter no completion has, malformed labels rows (each named by file, line and
+    field, all at once), a mistyped config key, a missing tokenizer."""
+
+    def error(args):
+        with pytest.raises(SystemExit) as e:
+            cli.guard(pr.main)(args)
+        assert e.value.code == 1
+        return capsys.readouterr().err
+
+    never = tmp_path / "never.jsonl"
+    err = error(_label_args(warm, "--delimiter", "\n", "--out", str(never)))
+    assert err.startswith(
+        f"error: step delimiter '\\n' occurs in none of the {N * K} completions, e.g. "
+    )
+    assert err.count("\n") == 1 and not never.exists()
+
+    _, rows, _, _ = labelled
+    bad = [
+        rows[0],
+        {k: v for k, v in rows[1].items() if k != "soft"},
+        {**rows[2], "soft": rows[2]["soft"] + [0.5]},
+        {**rows[3], "prompt": 3},
+        {**rows[4], "step_ends": [1]},
+        {**rows[5], "hard": [2.0] * len(rows[5]["hard"])},  # Fine while the soft are read.
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad) + "not json\n")
+    steps = len(rows[2]["soft"])
+    args = ["train", "--labels", str(path), "--init", str(warm / "final")]
+    assert error([*args, "--out", str(tmp_path / "prm")]) == (
+        f"error: {path}: 5 malformed rows: "
+        f"{path}, line 2: has no 'soft'; "
+        f"{path}, line 3: 'soft' has {steps + 1} labels but the completion has {steps} steps "
+        "at '='; "
+        f"{path}, line 4: 'prompt' must be a string, got int; "
+        f"{path}, line 5: 'step_ends' [1] are not the completion's steps at '=', which end at "
+        f"{rows[4]['step_ends']}; "
+        f"{path}, line 7: bad JSON: Expecting value: line 1 column 1 (char 0)\n"
+    )
+    err = error([*args, "--label", "hard", "--out", str(tmp_path / "prm")])
+    assert err.startswith(f"error: {path}: 4 malformed rows: {path}, line 4: ")
+    assert f"{path}, line 6: 'hard' has labels outside [0, 1]: [2.0, " in err
+    assert not (tmp_path / "prm").exists()
+
+    err = error(
+        ["label", "--config", f"{QUICKSTART}:smoke", "--config.sampling.max_new_token=5"]
+        + ["--checkpoint", str(warm / "final"), "--out", str(never)]
+    )
+    assert err == (
+        "error: --config.sampling.max_new_token=5: no such config key 'max_new_token'; did you "
+        "mean 'max_new_tokens'?\n"
+    )
+    err = error(["train", "--labels", str(labelled[2]), "--out", str(tmp_path / "prm")])
+    assert err == "error: --tokenizer: required unless --init names a policy checkpoint\n"
+
+
+def test_cli_label_scores_in_the_verifier_pool(warm, tmp_path, monkeypatch, capfd, caplog):
+    """`python -m rlscale.process_reward label` (the module run as `__main__`, as runpy runs
+    it) with the verifier in a worker process: the worker unpickles each continuation's
+    `PrefixVerifier` by the package's module path (defined in `__main__`, the class could not
+    be found there: every continuation crashed and counted as wrong)."""
+    out = tmp_path / "labels.jsonl"
+    args = _label_args(warm, "--out", str(out), "--n", "2", "--k", "2", "--rollouts", "2")
+    args[args.index("--config.reward.workers=0")] = "--config.reward.workers=1"
+    monkeypatch.setattr(sys, "argv", ["process_reward", *args])
+    runpy.run_module("rlscale.process_reward", run_name="__main__")
+    failures = [
+        r.getMessage() for r in caplog.records if "reward function failed" in r.getMessage()
+    ]
+    assert not failures and "Traceback" not in capfd.readouterr().err, failures[:2]
+    assert len(out.read_text().splitlines()) == 4

@@ -137,10 +137,11 @@ def test_bad_settings_are_named():
         checks.validate(config)
 
 
-@pytest.mark.parametrize("name", GENERATORS)
+@pytest.mark.parametrize("name", GENERATORS[:1])
 def test_smoke_run(name, tmp_path):
     """`configs/reasoning_gym.py:smoke` with `--config.task.dataset=NAME`: tokenizer, SFT on
-    the answers, RL scored by the generator's scorer (in the verifier pool for one of them)."""
+    the answers, RL scored by the generator's scorer in the verifier pool. One generator: the
+    others' problems and scoring are tested above, and the run does not depend on which."""
     from rlscale import rl
 
     config = load_config("reasoning_gym")

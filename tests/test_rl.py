@@ -384,7 +384,7 @@ def test_bad_config_lists_every_problem():
     assert "learner.pack_rows=-1 must be an integer >= 0" in text
     config = load_config("grpo")
     config.objective.chain = "process_advantages | token_ratio | cispo | aggregate(mode=token_mean)"
-    with pytest.raises(ValueError, match=r"reads step_reward \(process_advantages\), which the RL"):
+    with pytest.raises(ValueError, match=r"reads step_reward \(process_advantages\) but reward"):
         rl.validate(config)
     assert "batch.prompt_pool=5 must be 0 (every training prompt) or at least batch.prompts" in text
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text

@@ -89,7 +89,9 @@ def test_logprob_and_reward_model_scorers_read_the_samples():
     assert completions == [[11, 12], [13], [], [14, 15, 2]]
 
     class FakeRM:  # What reward_model_ranker uses of a RewardModel.
-        config = type("Config", (), {"seq_len": 16})()
+        def with_bucket(self, tokens):
+            assert tokens == 7  # The longest row (3 + 3 ids), with the EOS it may append.
+            return self
 
         def score_completions(self, prompt_ids, completion_ids):
             return np.array([sum(p) - len(c) for p, c in zip(prompt_ids, completion_ids)])

@@ -373,6 +373,25 @@ def check_path(path: str) -> str | None:
     return None
 
 
+MAX_LISTED = 10  # Malformed rows named in one error; the rest are counted.
+
+
+def kind(value) -> str:
+    """A JSON value's type, as a message names it."""
+    return "null" if value is None else type(value).__name__
+
+
+def malformed_rows(path: str, errors: list[str]) -> str:
+    """One message for a file's malformed rows (each already naming its line): the first
+    `MAX_LISTED` listed, the rest counted."""
+    more = len(errors) - MAX_LISTED
+    return (
+        f"{path}: {len(errors)} malformed row{'s' if len(errors) > 1 else ''}: "
+        + "; ".join(errors[:MAX_LISTED])
+        + (f"; and {more} more" if more > 0 else "")
+    )
+
+
 def _batches(batches, label: str):
     i = 0
     for batch in batches:

@@ -39,7 +39,6 @@ from absl import logging
 from rlscale.data import formats
 
 MODES = ("best_vs_worst", "all")
-_MAX_LISTED = 10  # Malformed rows named in one error; the rest are counted.
 _TIES_LISTED = 5  # Lines of dropped ties named in the warning.
 
 
@@ -98,13 +97,15 @@ def read_pairs(
             errors.append(f"{path}, {where}: {record}")
             continue
         if not isinstance(record, dict):
-            errors.append(f"{path}, {where}: a row must be a JSON object, got {_kind(record)}")
+            errors.append(
+                f"{path}, {where}: a row must be a JSON object, got {formats.kind(record)}"
+            )
             continue
         missing = [f for f in fields if f not in record]
         mistyped = [f for f in fields if f in record and not isinstance(record[f], str)]
         if missing or mistyped:
             what = [f"has no {f!r}" for f in missing]
-            what += [f"{f!r} must be a string, got {_kind(record[f])}" for f in mistyped]
+            what += [f"{f!r} must be a string, got {formats.kind(record[f])}" for f in mistyped]
             errors.append(f"{path}, {where}: {'; '.join(what)}")
             continue
         pair = Pair(*(record[f] for f in fields), source=source)
@@ -113,12 +114,7 @@ def read_pairs(
         else:
             pairs.append(pair)
     if errors:
-        more = len(errors) - _MAX_LISTED
-        raise ValueError(
-            f"{path}: {len(errors)} malformed row{'s' if len(errors) > 1 else ''}: "
-            + "; ".join(errors[:_MAX_LISTED])
-            + (f"; and {more} more" if more > 0 else "")
-        )
+        raise ValueError(formats.malformed_rows(path, errors))
     if not rows:
         raise ValueError(f"{path}: no rows (an empty file)")
     if ties:
@@ -133,10 +129,6 @@ def read_pairs(
     if not pairs:
         raise ValueError(f"{path}: all {rows} pairs have chosen == rejected: no preference left")
     return pairs
-
-
-def _kind(value) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def pairs_from_samples(

@@ -135,6 +135,7 @@ class Objective(NamedTuple):
     batch: Transform  # The batch-stage transforms, chained (possibly none).
     loss: Transform  # The loss-stage transforms, chained; ends in an aggregation.
     model_terms: frozenset[str]  # The subset of MODEL_TERMS the chain requires.
+    reads: frozenset[str]  # Every term the chain's transforms require.
 
 
 _REGISTRY: dict[str, Entry] = {}
@@ -335,7 +336,7 @@ def build(spec: str, *, group_size: int, max_len: int) -> Objective:
     model_terms = required & set(MODEL_TERMS)
     if "value" in model_terms:
         model_terms.add("old_value")
-    return Objective(chain(*batch), chain(*loss), frozenset(model_terms))
+    return Objective(chain(*batch), chain(*loss), frozenset(model_terms), frozenset(required))
 
 
 def _with_run_args(entry, kwargs, group_size, max_len):

@@ -7,13 +7,13 @@ import os
 
 import jax
 
-from rlscale import chat, objectives, sharding
+from rlscale import chat, objectives, process_reward, reward_model, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import formats, math_data, preferences, tasks
 from rlscale.data import load as data_load
 from rlscale.model import decoder
 from rlscale.objectives import preference as preference_losses
-from rlscale.rl import pairs
+from rlscale.rl import learned_rewards, pairs
 from rlscale.sampling.sampler import think_budget_problems
 
 # Config keys that may change between a run and its resumption: they do not change what the
@@ -202,6 +202,72 @@ def _teacher_problems(config, readers: list[str] | None) -> list[str]:
     return problems
 
 
+def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
+    """`reward.model` and `reward.prm` (`rl.learned_rewards`): directories of their kind, a
+    PRM exactly when the chain reads `step_reward` (through the transforms `steps`; None when
+    the chain has problems of its own), neither beside what they would contradict."""
+    r, problems = config.reward, []
+    meta = reward_model.META_FILE
+    if r.model and r.model != learned_rewards.MADE:
+        if not os.path.isfile(os.path.join(r.model, meta)):
+            problems.append(
+                f"reward.model={r.model!r} is not a reward model directory (no {meta}): write "
+                "one with python -m rlscale.reward_model, or set "
+                f"'{learned_rewards.MADE}' to train one at set-up from the warm start's samples"
+            )
+    if r.model == learned_rewards.MADE and config.init.hf_checkpoint:
+        problems.append(
+            f"reward.model={learned_rewards.MADE!r} trains from the SFT warm start, which a run "
+            "from init.hf_checkpoint has not: train one with python -m rlscale.reward_model "
+            "--init DIR and name its directory"
+        )
+    if r.model and r.fn:
+        problems.append(
+            f"reward.model={r.model!r} and reward.fn={r.fn!r} both replace the verifier's "
+            "reward: set one"
+        )
+    for key in ("model_steps", "model_batch_pairs"):
+        if not isinstance(r[key], int) or r[key] < 1:
+            problems.append(f"reward.{key}={r[key]!r} must be an integer >= 1")
+    if not r.model_lr > 0:
+        problems.append(f"reward.model_lr={r.model_lr!r} must be > 0")
+    if r.prm and not os.path.isfile(os.path.join(r.prm, process_reward.META_FILE)):
+        problems.append(
+            f"reward.prm={r.prm!r} is not a process reward model directory (no "
+            f"{process_reward.META_FILE}): write one with python -m rlscale.process_reward train"
+        )
+    if steps and not r.prm:
+        problems.append(
+            f"objective.chain reads step_reward ({', '.join(steps)}) but reward.prm is empty: "
+            "set it to a process reward model directory"
+        )
+    if r.prm and steps == []:
+        problems.append(
+            f"reward.prm={r.prm!r} is set but objective.chain reads no step_reward: add "
+            "process_advantages to the chain, or set reward.prm='' (no PRM)"
+        )
+    if (r.model or r.prm) and pairs.enabled(config):
+        problems.append(
+            "reward.model and reward.prm reward sampled RL batches; a preference run trains on "
+            "pairs labelled by the verifier: unset them"
+        )
+    return problems
+
+
+def learned_reward_tokenizer_problems(config, tokenizer) -> list[str]:
+    """A reward model or PRM directory whose tokenizer is not the run's: it would score the
+    policy's token ids as other text (`reward_model.check_tokenizer`)."""
+    problems = []
+    for key in ("model", "prm"):
+        path = config.reward[key]
+        if path and path != learned_rewards.MADE:
+            try:
+                reward_model.check_tokenizer(path, tokenizer)
+            except ValueError as e:
+                problems.append(f"reward.{key}={path!r}: {e}")
+    return problems
+
+
 def teacher_problems(config, tokenizer, source: str) -> list[str]:
     """What keeps `teacher.checkpoint` from scoring the run's tokens, known once the run has
     its tokenizer (`tokenizer`, read from `source`) and before any weights are read: a
@@ -369,13 +435,12 @@ def validate(config) -> None:
         readers = [e.name for e, kwargs in resolved if "teacher_logp" in e.required(kwargs)]
     problems += _teacher_problems(config, readers)
     problems += _preference_problems(config, resolved)
-    steps = [e.name for e, kwargs in resolved or () if "step_reward" in e.required(kwargs)]
-    if steps:  # `rlscale.process_reward` scores steps; no rollout stage provides them yet.
-        problems.append(
-            f"objective.chain reads step_reward ({', '.join(steps)}), which the RL loop does "
-            "not provide yet: process rewards are available through rlscale.process_reward "
-            "(labels, a PRM, best-of-N in rlscale.evaluate --scorer prm)"
-        )
+    steps = (
+        None
+        if resolved is None
+        else [e.name for e, kwargs in resolved if "step_reward" in e.required(kwargs)]
+    )
+    problems += _learned_reward_problems(config, steps)
     if b.prompts < 1:
         problems.append(f"batch.prompts={b.prompts} must be >= 1")
     if b.group_size < 1:

@@ -520,7 +520,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
       state: the train state (donated).
       ref_params: the reference's params (unused unless `spec.ref`).
       batch: per row [N] or [N, M]: `targets` (completion tokens), `mask`, `sampler_logp`,
-        `reward`, `correct`, `row_weight`, and `teacher_logp` where the chain reads it;
+        `reward`, `correct`, `row_weight`, and `teacher_logp`, `step_reward` and
+        `step_mask` where the chain reads them;
         packed, also `tokens` and `attn` [N, W] (prompts left-padded to W - M tokens).
       fwd: unpacked, the forward plan (`plan`), its arrays reshaped to [S, U, ...]; packed,
         `place` ([S, N] arrays of `pack`) and `count` [S].
@@ -531,7 +532,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
       (state, metrics): per micro-batch [S, U] `loss_sum`, `denominator`, the loss
       transforms' `metrics` and `match` (`logp_match_stats`), zeros past a step's count when
       packed (U: `spec.max_micro`); per step [S] `grad_norm` and `ok` (False where a
-      non-finite loss or gradient skipped the step); and with `old_logp`,
+      non-finite loss or gradient skipped the step); `batch`, the batch-stage transforms'
+      metrics (scalars); and with `old_logp`,
       `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's trained tokens).
     """
     N, M = batch["mask"].shape
@@ -576,7 +578,7 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
             jnp.abs(terms["old_logp"] - batch["sampler_logp"]) * mask_f
         ) / jnp.maximum(jnp.sum(mask_f), 1.0)
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
-    terms.pop("metrics", None)
+    metrics["batch"] = terms.pop("metrics", {})  # The batch-stage transforms' own.
     terms.pop("targets")
 
     def optimizer_step(train: TrainState, step_inputs, count):
@@ -757,6 +759,7 @@ class Learner:
             "train/grad_norm": out["grad_norm"],
             "train/logp_match_stats": out["match"],
             **{f"train/{k}": v for k, v in out["metrics"].items()},
+            **{f"train/{k}": v for k, v in out["batch"].items()},
         }
         if "trainer_logp_gap" in out:
             metrics["train/trainer_logp_gap"] = out["trainer_logp_gap"]
@@ -795,6 +798,11 @@ class Learner:
             if rollouts.teacher_logp_NM is None:
                 raise ValueError("the objective reads teacher_logp, which the rollouts lack")
             host["teacher_logp"] = rollouts.teacher_logp_NM[:, :M].astype(np.float32)
+        if "step_reward" in self.objective.reads:  # The rollout stage's PRM pass.
+            if rollouts.step_reward_NM is None:
+                raise ValueError("the objective reads step_reward, which the rollouts lack")
+            host["step_reward"] = rollouts.step_reward_NM[:, :M].astype(np.float32)
+            host["step_mask"] = rollouts.step_mask_NM[:, :M].astype(bool)
         spec = self.spec
         put = functools.partial(sharding.put_batch, mesh=self.mesh, rules=sharding.TRAIN_RULES)
         if self.pack_length:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlscale import faults, metrics, preemption
-from rlscale.rl import checks, report, setup, state
+from rlscale.rl import checks, learned_rewards, report, setup, state
 
 
 class Loop:
@@ -31,12 +31,16 @@ class Loop:
         self.config, self.workdir = config, workdir
         self.s = s = setup.build(config, workdir)
         self.ckpt, self.run, self.start = state.open_checkpoints(s, workdir, allow_config_change)
-        self.source = s.rollout_source(self.run.stream, self.run.history)
         self.comp = report.Compute(
             self.run.counters,
             max_new_tokens=config.sampling.max_new_tokens,
             epochs=config.learner.epochs,
         )
+        self.source = s.rollout_source(self.run.stream, self.run.history)
+        if config.reward.model == learned_rewards.MADE:  # Trained now, from the warm start.
+            self.source.outcome_model = learned_rewards.made_outcome(
+                config, s, self.source, self.run, self.comp, workdir, fresh=self.start == 0
+            )
         is_main = jax.process_index() == 0
         self.writer = metrics.MetricWriter(workdir, config.steps, is_main, self.run.metrics_offset)
         self.skips = faults.SkipCounter(config.faults.max_consecutive_skips)

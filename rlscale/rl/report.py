@@ -9,7 +9,7 @@ import numpy as np
 
 from rlscale import checkpoint
 from rlscale.model import hf
-from rlscale.rl import learner
+from rlscale.rl import learned_rewards, learner
 from rlscale.scaling import compute
 
 
@@ -23,11 +23,12 @@ class Compute:
         self.max_new_tokens, self.epochs = max_new_tokens, epochs
 
     def add_step(self, model_cfg, stats, rollouts, passes):
-        """One step's FLOPs: sampling (prompts + generated tokens), the learner's `passes`
-        no-grad forward passes (the trainer's old terms, the reference's) and its training
-        passes."""
+        """One step's FLOPs: sampling (prompts + generated tokens, and a learned reward's
+        forward passes over them, `scoring_flops`), the learner's `passes` no-grad forward
+        passes (the trainer's old terms, the reference's) and its training passes."""
         generated = float(stats["lengths"].sum())
         self.add_sampling(model_cfg, stats["prompt_tokens"] + generated, rollouts.prompt_len)
+        self.counters["compute/sample_flops"] += stats["scoring_flops"]
         self.add_training(model_cfg, rollouts, passes)
 
     def add_sampling(self, model_cfg, tokens: float, prompt_len: int):
@@ -203,6 +204,7 @@ def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict
         "start/eval_reward_mean": evals[0]["eval/reward_mean"],
         "end/eval_reward_mean": evals[-1]["eval/reward_mean"],
         **{f"sft/{k}": v for k, v in setup.warm_start_summary.items()},
+        **learned_rewards.summary(workdir),
         **comp.metrics(),
         "wall_s": wall_s,
     }

@@ -1,16 +1,18 @@
 """Rollouts: prompts in, scored and filtered completions out.
 
 `RolloutSource` turns the prompt stream into the learner's `Rollouts`: requests to the
-generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`),
-sampling rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling
-(all judged on correctness, before reward shaping), the soft overlong penalty, assembly into
-static shapes, and, for on-policy distillation, a teacher's logprobs of the sampled tokens
-(`rl.teacher`). The synchronous driver calls `next`; the pipeline driver calls its parts
-(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads:
-both assemble a batch with `rollouts`, which runs the teacher, so the teacher's logprobs
-travel with every batch whichever the driver.
-Every process runs the same host logic on the same data, so host state (stream, history)
-stays identical across processes without being exchanged.
+generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`), sampling
+rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling (judged on
+correctness, or on a reward model's score, before reward shaping), the soft overlong penalty,
+assembly into static shapes, and, for on-policy distillation, a teacher's logprobs of the
+sampled tokens (`rl.teacher`). Learned rewards (`rl.learned_rewards`): a reward model's score
+replaces the verifier's reward (which still decides `correct`), and a PRM's step rewards travel
+with the batch; the forward FLOPs of the reward model, the PRM and the teacher are the step's
+`scoring_flops`. The synchronous driver calls `next`; the pipeline driver calls its parts
+(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads: both
+assemble a batch with `rollouts`, which runs the teacher, so the teacher's logprobs travel with
+every batch whichever the driver. Every process runs the same host logic on the same data, so
+host state (stream, history) stays identical across processes without being exchanged.
 
 Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length,
 M new tokens, L = P + M.
@@ -45,6 +47,10 @@ class Rollouts:
     # A distillation teacher's logprob of each completion token (0 past the end); None
     # without a teacher.
     teacher_logp_NM: np.ndarray | None = None
+    # A process reward model's step rewards at each step's last token, and where they are
+    # (`learned_rewards.StepRewards`); None without one.
+    step_reward_NM: np.ndarray | None = None
+    step_mask_NM: np.ndarray | None = None
 
 
 def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
@@ -63,6 +69,8 @@ def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
         version_NM=np.zeros((N, M), np.int32),
         prompt_len=P,
         teacher_logp_NM=np.zeros((N, M), np.float32),
+        step_reward_NM=np.zeros((N, M), np.float32),
+        step_mask_NM=np.zeros((N, M), bool),
     )
 
 
@@ -78,12 +86,26 @@ class RolloutSource:
     """
 
     def __init__(
-        self, config, generator, scfg, tokenizer, problems, scorer, stream, history, teacher=None
+        self,
+        config,
+        generator,
+        scfg,
+        tokenizer,
+        problems,
+        scorer,
+        stream,
+        history,
+        teacher=None,
+        outcome_model=None,
+        step_rewards=None,
     ):
         self.generator, self.scfg, self.tokenizer = generator, scfg, tokenizer
         self.problems, self.scorer = problems, scorer
         self.stream, self.history = stream, history
         self.teacher = teacher  # A `teacher.Teacher` when the objective reads `teacher_logp`.
+        # `learned_rewards.OutcomeReward` (`reward.model`): the reward, in place of the
+        # verifier's (which still decides `correct`); `StepRewards` (`reward.prm`).
+        self.outcome_model, self.step_rewards = outcome_model, step_rewards
         self.B, self.G = config.batch.prompts, config.batch.group_size
         self.filters = config.filters
         self.max_new_tokens = config.sampling.max_new_tokens
@@ -156,17 +178,21 @@ class RolloutSource:
         """One round: the reward shaping, the pass-rate history and the filters' verdicts."""
         f, G = self.filters, self.G
         correct_N = s.reward_N > 0
-        reward_N = s.reward_N
+        reward_N, scoring_flops = s.reward_N, 0.0
+        if self.outcome_model is not None:
+            reward_N, scoring_flops = self.outcome_model(s)
+        # What the filters judge, before shaping: a shaped reward (the overlong penalty) can
+        # give a group of all-correct answers spread that carries no signal about
+        # correctness. A reward model's reward is the signal itself.
+        signal_N = correct_N if self.outcome_model is None else reward_N
         if f.overlong_cache:
             reward_N = reward_N + filters.overlong_penalty(
                 s.lengths_N, self.max_new_tokens, f.overlong_cache
             )
         newly = self.history.update(ids, correct_N.reshape(-1, G)) if f.retire else []
-        # Judged on correctness: a shaped reward (the overlong penalty) can give a group of
-        # all-correct answers spread that carries no signal about correctness.
         keep_B = np.ones(len(ids), bool)
         if f.zero_variance or f.dynamic_sampling:
-            keep_B = filters.zero_variance_keep(correct_N.reshape(-1, G).astype(np.float32))
+            keep_B = filters.zero_variance_keep(signal_N.reshape(-1, G).astype(np.float32))
         return {
             "ids": list(ids),
             "samples": s,
@@ -174,6 +200,7 @@ class RolloutSource:
             "correct": correct_N,
             "keep": keep_B,
             "newly": newly,
+            "scoring_flops": scoring_flops,
         }
 
     def next(self, params, rng, version: int) -> tuple[Rollouts, dict]:
@@ -197,8 +224,14 @@ class RolloutSource:
         """The learner batch from judged rounds (with the teacher's logprobs of its tokens
         when the run has a teacher), and their stats."""
         roll, keep_B = self._assemble(rounds)
+        # The learned rewards' and the teacher's forward passes: compute the step spends.
+        scoring_flops = sum(r["scoring_flops"] for r in rounds)
         if self.teacher is not None:
             roll.teacher_logp_NM = self.teacher(roll)
+            scoring_flops += self.teacher.flops(roll, self.max_new_tokens)
+        if self.step_rewards is not None:
+            roll.step_reward_NM, roll.step_mask_NM, flops = self.step_rewards(roll)
+            scoring_flops += flops
 
         def cat(f):
             return np.concatenate([f(r) for r in rounds])
@@ -214,6 +247,7 @@ class RolloutSource:
             "kept_prompts": int(keep_B.sum()),
             "filtered_prompts": sum(int((~r["keep"]).sum()) for r in rounds),
             "rounds": len(rounds),
+            "scoring_flops": scoring_flops,
             "newly_retired": sum(len(r["newly"]) for r in rounds),
             "failures": {
                 k: sum(r["samples"].failures[k] for r in rounds)

@@ -1,7 +1,8 @@
 """Builds the parts of an RL run from its config: the meshes and each role's layout, the
 tokenizer, the task and its problems, the policy (warm start or Hugging Face checkpoint), its
-frozen reference and a distillation teacher, the generator engine and the evaluation sampler,
-the learner, the rollout source, the verifier pool, and a preference run's pair file.
+frozen reference, a distillation teacher and learned rewards (a reward model, a PRM), the
+generator engine and the evaluation sampler, the learner, the rollout source, the verifier
+pool, and a preference run's pair file.
 
 The learner keeps params in the training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`,
 tensor parallel over `tensor`) on the trainer's mesh. The generator receives them resharded
@@ -25,7 +26,7 @@ from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.model import hf
 from rlscale.rewards import isolation
-from rlscale.rl import checks, learner, pairs, rollouts
+from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.engine import Generator
@@ -45,6 +46,10 @@ class Setup:
     params: Any  # The initial policy, training layout.
     ref_params: Any  # Frozen reference (None unless the objective reads `ref_logp`).
     teacher: teacher_lib.Teacher | None  # None unless the objective reads `teacher_logp`.
+    # `reward.model`'s (None without one, and for `MADE`, which `Loop` trains and hands to
+    # the rollout source).
+    outcome_model: learned_rewards.OutcomeReward | None
+    step_rewards: learned_rewards.StepRewards | None  # `reward.prm`'s (None without one).
     warm_start_summary: dict
     scfg: SamplingConfig
     eval_scfg: SamplingConfig
@@ -85,6 +90,8 @@ class Setup:
             stream,
             history,
             self.teacher,
+            self.outcome_model,
+            self.step_rewards,
         )
 
     def evaluate(self, params, rng) -> dict:
@@ -221,7 +228,7 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
     )
 
 
-def make_teacher(config, mesh, graphdef, params, progs) -> teacher_lib.Teacher:
+def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_lib.Teacher:
     """The run's distillation teacher (`config.teacher.checkpoint`, which `checks` has
     compared with the run's tokenizer), on the trainer's mesh in the training layout: an
     rlscale params checkpoint (`model_config.json`), a Hugging Face model directory (in
@@ -231,13 +238,14 @@ def make_teacher(config, mesh, graphdef, params, progs) -> teacher_lib.Teacher:
     if path == checks.TEACHER_SELF:
         params = jax.tree.map(jnp.copy, params)
     elif os.path.isfile(os.path.join(path, "model_config.json")):
-        _, graphdef, params = checkpoint.load_params(path, mesh)
+        model_cfg, graphdef, params = checkpoint.load_params(path, mesh)
     else:
-        _, graphdef, params = hf.load_hf(path, mesh, dtype=config.model.dtype)
+        model_cfg, graphdef, params = hf.load_hf(path, mesh, dtype=config.model.dtype)
     u = config.learner
     return teacher_lib.Teacher(
         graphdef,
         params,
+        model_cfg=model_cfg,
         mesh=mesh,
         temperature=config.sampling.temperature,
         micro_batches=u.minibatches * u.micro_batches,
@@ -270,6 +278,7 @@ def build(config, workdir: str) -> Setup:
     problems = checks.pack_problems(config, longest)
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
+    problems += checks.learned_reward_tokenizer_problems(config, tokenizer)
     preference_pairs, trouble = pairs.read_file(config, tokenizer, scfg)
     problems += trouble
     if problems:  # Before the warm start's training.
@@ -304,7 +313,7 @@ def build(config, workdir: str) -> Setup:
     ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
     teacher = None
     if "teacher_logp" in learn.objective.model_terms:
-        teacher = make_teacher(config, mesh, graphdef, params, progs)
+        teacher = make_teacher(config, mesh, model_cfg, graphdef, params, progs)
     return Setup(
         config=config,
         mesh=mesh,
@@ -318,6 +327,8 @@ def build(config, workdir: str) -> Setup:
         params=params,
         ref_params=ref,
         teacher=teacher,
+        outcome_model=learned_rewards.load_outcome(config, mesh),
+        step_rewards=learned_rewards.load_steps(config, mesh),
         warm_start_summary=summary,
         scfg=scfg,
         eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),

@@ -19,6 +19,7 @@ from rlscale import sharding
 from rlscale.rl import learner
 from rlscale.rl.rollouts import Rollouts
 from rlscale.sampling import SamplingConfig
+from rlscale.scaling import compute
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -52,6 +53,7 @@ class Teacher:
         graphdef,
         params,
         *,
+        model_cfg,
         mesh,
         temperature: float,
         micro_batches: int,
@@ -60,7 +62,7 @@ class Teacher:
         logprob_chunk: int,
         programs,
     ):
-        self.params, self.programs = params, programs
+        self.params, self.programs, self.model_cfg = params, programs, model_cfg
         self.micro_batches, self.max_len = micro_batches, max_len
         self.length_buckets = length_buckets
         self.spec = learner.Spec(
@@ -80,6 +82,12 @@ class Teacher:
             remat="none",
             offload_ref=False,
         )
+
+    def flops(self, rollouts: Rollouts, max_new_tokens: int) -> float:
+        """The FLOPs of `__call__` on the batch: one forward pass over its sequences' tokens,
+        at the context `report.Compute` counts the learner's passes at."""
+        ctx = rollouts.prompt_len + max_new_tokens / 2
+        return compute.forward_flops(self.model_cfg, float(rollouts.attn_mask_NL.sum()), ctx)
 
     def __call__(self, rollouts: Rollouts) -> np.ndarray:
         mesh = self.spec.mesh

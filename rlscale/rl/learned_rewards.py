@@ -1,0 +1,175 @@
+"""Learned rewards in the RL loop: a reward model's score as the outcome reward (RLMT) and a
+process reward model's step rewards as a dense signal.
+
+`reward.model` (README, "Reward models") replaces the verifier's reward by a Bradley-Terry
+reward model's r(x, y) (`rlscale.reward_model`): what the objective's advantages read, the
+zero-variance filter judges and the step line reports as `reward`. The verifier still
+decides `correct` (reported as the pass rate, and what held-out evaluation measures), so a
+run shows both the reward it optimizes and the correctness it was meant to buy: the gap is
+reward over-optimization. The model is a directory written by `python -m
+rlscale.reward_model`, or `MADE` ("warm_start"): one trained at set-up, `reward.model_steps`
+steps from the warm start's weights, on the pairs a preference run makes from the warm
+start's own samples (`rl.pairs`: `preference.samples` per prompt, labelled by the verifier),
+9 in 10 of them (the rest measure its held-out accuracy); cached in WORKDIR/reward_model. Its
+sampling and training count in the run's compute, as a DPO run's pairs do.
+
+`reward.prm` names a process reward model (`rlscale.process_reward`, `python -m
+rlscale.process_reward train`): each batch's `step_reward` and `step_mask` terms, read by
+`objectives.process_advantages`, hold each step's PRM probability at the step's last token
+(`ProcessRewardModel.step_rewards`).
+
+Both score on the trainer's devices, once per sampled round (the reward model, in
+`RolloutSource.judge`) or batch (the PRM, in `RolloutSource.rollouts`), and their forward
+FLOPs count in `compute/sample_flops` (`scoring_flops` of the step's stats).
+
+Dimension letters: N rows, P padded prompt length, M completion tokens.
+"""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from rlscale import process_reward, test_time
+from rlscale import reward_model as reward_model_lib
+from rlscale.rl import pairs as pairs_lib
+from rlscale.scaling import compute
+
+MADE = "warm_start"  # `reward.model`: trained at set-up on pairs made from the warm start.
+MADE_DIR = "reward_model"  # WORKDIR/MADE_DIR: the reward model made at set-up,
+MADE_RECORD = "made.json"  # with what making it cost and its held-out pair accuracy.
+HELDOUT_EVERY = 10  # Every 10th pair made from the warm start is held out.
+
+
+def _flops(model_cfg, prompt_ids, completion_ids) -> float:
+    """A forward pass over the rows, each token attending to its row's mean length."""
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    return compute.forward_flops(model_cfg, sum(lengths), np.mean(lengths) / 2)
+
+
+class OutcomeReward:
+    """A reward model's r(x, y) of each sampled row (`reward_model.RewardModel`), scored as
+    best-of-N scores them (`test_time.reward_model_ranker`), and the forward FLOPs it took."""
+
+    def __init__(self, rm: reward_model_lib.RewardModel):
+        self.rm, self._score = rm, test_time.reward_model_ranker(rm).score
+
+    def __call__(self, samples) -> tuple[np.ndarray, float]:
+        prompt_ids, completion_ids = test_time.sample_ids(samples)
+        reward_N = self._score(samples, None).astype(np.float32)
+        return reward_N, _flops(self.rm.model_cfg, prompt_ids, completion_ids)
+
+
+class StepRewards:
+    """A PRM's (step_reward [N, M], step_mask [N, M]) of a batch (`Rollouts`), and the
+    forward FLOPs it took. M is the batch's completion width; the PRM scores each row's
+    prompt and completion tokens (forced-interruption text included: it is context the
+    policy continued from)."""
+
+    def __init__(self, prm: process_reward.ProcessRewardModel):
+        self.prm = prm
+
+    def __call__(self, roll) -> tuple[np.ndarray, np.ndarray, float]:
+        P = roll.prompt_len
+        prompt_ids = [t[:P][m[:P]].tolist() for t, m in zip(roll.tokens_NL, roll.attn_mask_NL)]
+        completion_ids = [t[P:][m[P:]].tolist() for t, m in zip(roll.tokens_NL, roll.attn_mask_NL)]
+        longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+        prm = self.prm.with_bucket(longest)
+        reward_NM, mask_NM = prm.step_rewards(prompt_ids, completion_ids, roll.mask_NM.shape[1])
+        return reward_NM, mask_NM, _flops(prm.model_cfg, prompt_ids, completion_ids)
+
+
+def load_outcome(config, mesh) -> OutcomeReward | None:
+    """`reward.model`'s reward model when it names a directory (None without one, or for
+    `MADE`, which `made_outcome` trains once the run has its policy)."""
+    path = config.reward.model
+    if path in ("", MADE):
+        return None
+    return OutcomeReward(reward_model_lib.load(path, mesh))
+
+
+def load_steps(config, mesh) -> StepRewards | None:
+    """`reward.prm`'s process reward model (None without one)."""
+    return StepRewards(process_reward.load(config.reward.prm, mesh)) if config.reward.prm else None
+
+
+def made_outcome(config, setup, source, run, comp, workdir: str, fresh: bool) -> OutcomeReward:
+    """The reward model `reward.model` = `MADE` names: trained now on pairs made from the warm
+    start's samples (`source` samples them), or read from WORKDIR/reward_model where an
+    earlier start of the run left it. A fresh run adds its making (sampling, training) to
+    `comp`; `MADE_RECORD` holds the cost and the held-out pair accuracy (`summary`)."""
+    path = os.path.join(workdir, MADE_DIR)
+    record_path = os.path.join(path, MADE_RECORD)
+    if not os.path.isfile(record_path):
+        if not fresh:
+            raise ValueError(
+                f"reward.model={MADE!r}: the reward model this run trained with ({path}) is "
+                "missing; start a new workdir"
+            )
+        _make(config, setup, source, run, workdir, path)
+    with open(record_path) as f:
+        record = json.load(f)
+    if fresh:
+        for k in ("compute/sample_flops", "compute/train_flops", "compute/device_seconds"):
+            comp.counters[k] += record[k]
+    return OutcomeReward(reward_model_lib.load(path, setup.mesh))
+
+
+def _make(config, setup, source, run, workdir: str, path: str) -> None:
+    """Trains and saves the `MADE` reward model in `path`, then its record (whose presence
+    says the directory is whole)."""
+    t, c = time.time(), config.reward
+    made = pairs_lib.read_made(workdir, config)
+    sample_flops = 0.0
+    if made is None:
+        made = pairs_lib.PairSource(config, setup, source, workdir).make(run)
+        ctx = made[1]["prompt_len"] + config.sampling.max_new_tokens / 2
+        sample_flops = compute.forward_flops(setup.model_cfg, made[1]["sampled_tokens"], ctx)
+    pairs = made[0]
+    heldout = pairs[::HELDOUT_EVERY]
+    train = [p for i, p in enumerate(pairs) if i % HELDOUT_EVERY]
+    cfg = reward_model_lib.RMConfig(
+        seq_len=setup.generator.max_prompt_len + config.sampling.max_new_tokens + 1,
+        batch_pairs=c.model_batch_pairs,
+        lr=c.model_lr,
+        seed=config.seed,
+        eval_every=c.model_steps,
+    )
+    trained = reward_model_lib.train(  # From the warm start (WORKDIR/sft).
+        train,
+        setup.tokenizer,
+        cfg,
+        c.model_steps,
+        model=os.path.join(workdir, "sft"),
+        heldout=heldout,
+    )
+    reward_model_lib.save(
+        path, trained.model_cfg, trained.params, setup.tokenizer, cfg, trained.history
+    )
+    rows = 2 * c.model_batch_pairs * c.model_steps  # Padded to the bucket, as trained.
+    record = {
+        "compute/sample_flops": sample_flops,
+        "compute/train_flops": compute.train_flops(
+            trained.model_cfg, rows * cfg.seq_len, cfg.seq_len / 2
+        ),
+        "compute/device_seconds": (time.time() - t) * setup.mesh.devices.size,
+        "train_pairs": len(train),
+        "heldout_pairs": len(heldout),
+        "heldout_accuracy": trained.history[-1].heldout_accuracy,
+    }
+    if jax.process_index() == 0:
+        with open(os.path.join(path, MADE_RECORD), "w") as f:
+            json.dump(record, f, indent=2)
+
+
+def summary(workdir: str) -> dict:
+    """The `MADE` reward model's held-out pair accuracy and pair counts ({} without one)."""
+    path = os.path.join(workdir, MADE_DIR, MADE_RECORD)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        record = json.load(f)
+    keys = ("train_pairs", "heldout_pairs", "heldout_accuracy")
+    return {f"reward_model/{k}": record[k] for k in keys}
