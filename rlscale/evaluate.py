@@ -35,6 +35,12 @@ with `--prm DIR`, a process reward model (`rlscale.process_reward`), one curve p
 majority voting per scorer, each an unbiased estimate over the N-subsets of the k samples;
 they go to the report's `test_time` key (with each sample's scores under `per_prompt`), a
 printed table and a plot, `WORKDIR/test_time_{split}.png` or `--plot PATH`.
+
+Step search (`rlscale.step_search`): `--step_search W,E` with `--prm DIR` searches each
+problem's solution step by step, a beam of W partial solutions each continued E ways per step
+and ranked by the PRM (`--step_search_aggregation`, default last), and reports the answer's
+accuracy with the tokens the search sampled per problem (the report's `step_search` key),
+printed next to the best-of-N curves of `--best_of` and the tokens those sample.
 """
 
 import contextlib
@@ -52,6 +58,7 @@ from ml_collections import config_flags
 
 from rlscale import checkpoint, cli, eval_metrics, process_reward, rl, sharding, test_time
 from rlscale import reward_model as reward_model_lib
+from rlscale import step_search as step_search_lib
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.data import tasks
@@ -244,6 +251,8 @@ def check_test_time_flags(
     plot: str | None,
     prm_dir: str | None = None,
     prm_aggregation: Sequence[str] = ("min",),
+    step_search=None,
+    step_search_aggregation: str = step_search_lib.DEFAULT_AGGREGATION,
 ) -> list[int] | None:
     """The N values of `--best_of` (None without it), increasing.
 
@@ -252,7 +261,9 @@ def check_test_time_flags(
         non-integer, N < 1, N > k, a duplicate), an unknown or repeated `--scorer`, a
         `reward_model` scorer without `--reward_model` or the reverse (`prm` and `--prm`
         alike), an unknown `--prm_aggregation`, or `--scorer`, `--reward_model`, `--prm` or
-        `--plot` without `--best_of`.
+        `--plot` without `--best_of`; a malformed `--step_search` (`step_search.parse_beam`),
+        one without `--prm`, or an unknown `--step_search_aggregation`. `--prm` with
+        `--step_search` needs neither `--scorer=prm` nor `--best_of`.
     """
     problems, ns = [], None
     if best_of is not None:
@@ -273,15 +284,33 @@ def check_test_time_flags(
         )
     if "prm" in names and not prm_dir:
         problems.append("--scorer=prm needs --prm DIR")
-    if prm_dir and "prm" not in names:
+    if prm_dir and "prm" not in names and step_search is None:
         problems.append(f"--prm={prm_dir} is unused: --scorer does not name prm")
+    if step_search is not None:
+        try:
+            step_search_lib.parse_beam(step_search)
+        except ValueError as e:
+            problems.append(str(e))
+        if not prm_dir:
+            raw = step_search if isinstance(step_search, str) else ",".join(map(str, step_search))
+            problems.append(
+                f"--step_search={raw} needs --prm DIR: the process reward model that scores "
+                "each step"
+            )
+        if step_search_aggregation not in process_reward.AGGREGATIONS:
+            problems.append(
+                f"--step_search_aggregation={step_search_aggregation!r} is not one of "
+                f"{', '.join(process_reward.AGGREGATIONS)}"
+            )
     bad = [a for a in prm_aggregation if a not in process_reward.AGGREGATIONS]
     if bad:
         problems.append(
             f"--prm_aggregation: {', '.join(map(repr, bad))} not one of "
             f"{', '.join(process_reward.AGGREGATIONS)}"
         )
-    if best_of is None and (names != ["logprob"] or reward_model_dir or prm_dir):
+    if best_of is None and (
+        names != ["logprob"] or reward_model_dir or (prm_dir and step_search is None)
+    ):
         problems.append(
             "--scorer, --reward_model and --prm score the --best_of curves: pass --best_of"
         )
@@ -351,9 +380,12 @@ def run(
     plot: str | None = None,
     prm_dir: str | None = None,
     prm_aggregation: Sequence[str] = ("min",),
+    step_search: str | Sequence | None = None,
+    step_search_aggregation: str = step_search_lib.DEFAULT_AGGREGATION,
 ) -> dict:
     """Evaluates a checkpoint (see the module docstring); writes the JSON report and returns
-    it (`metrics`, and `test_time` with `best_of`)."""
+    it (`metrics`, `test_time` with `best_of`, `step_search` with `step_search`,
+    `--step_search` as "W,E" or (W, E))."""
     t_start = time.time()
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
@@ -361,21 +393,30 @@ def run(
         raise ValueError(f"--k={k} and --n={n} must be >= 1")
     scorers = list(scorers)
     ns = check_test_time_flags(
-        best_of, k, scorers, reward_model_dir, plot, prm_dir, list(prm_aggregation)
+        best_of,
+        k,
+        scorers,
+        reward_model_dir,
+        plot,
+        prm_dir,
+        list(prm_aggregation),
+        step_search,
+        step_search_aggregation,
     )
     policy = load_policy(config, checkpoint_dir, workdir, tokenizer_path)
     tokenizer, tokenizer_path = policy.tokenizer, policy.tokenizer_path
     task, problems = load_problems(config, workdir, split, n)
     cfg = sampling_config(config, tokenizer, k)
     rm = prm = None
-    if ns is not None and {"reward_model", "prm"} & set(scorers):  # Before sampling anything.
+    scored = ns is not None and {"reward_model", "prm"} & set(scorers)
+    if scored or step_search is not None:  # Before sampling anything.
         longest = max(len(p) for p in scoring.encode_prompts(tokenizer, problems))
         longest += cfg.max_new_tokens + 1
-        if "reward_model" in scorers:
+        if ns is not None and "reward_model" in scorers:
             rm = load_scoring_model(
                 "reward_model", reward_model_dir, reward_model_lib.load, tokenizer, longest
             )
-        if "prm" in scorers:
+        if prm_dir:
             prm = load_scoring_model("prm", prm_dir, process_reward.load, tokenizer, longest)
     # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
     with verifier_pool(config) as pool:
@@ -389,6 +430,25 @@ def run(
             scoring.Scorer(task.verify, pool, config.reward.timeout),
             chunk=batch,
         )
+        searched = None
+        if step_search is not None:
+            beam, expand = step_search_lib.parse_beam(step_search)
+            searched = step_search_lib.beam_search(
+                policy.sampler,
+                policy.params,
+                tokenizer,
+                problems,
+                task.verify,
+                prm,
+                beam=beam,
+                expand=expand,
+                cfg=cfg,
+                rng=jax.random.fold_in(jax.random.key(seed), 1),  # Not the samples' key.
+                aggregation=step_search_aggregation,
+                pool=pool,
+                timeout=config.reward.timeout,
+                chunk=batch,
+            )
     answer_fn = answer_fn_for(config, task)
     result = metrics(samples, k, answer_fn)
     report = {
@@ -421,6 +481,19 @@ def run(
         report["per_prompt"]["scores"] = {name: s.tolist() for name, s in scores.items()}
         plot = os.path.abspath(plot or os.path.join(workdir, f"test_time_{split}.png"))
         report["test_time_plot"] = plot
+    if searched is not None:
+        report["step_search"] = step_search_lib.summary(
+            searched, beam, expand, step_search_aggregation
+        )
+        if ns is not None:  # The same run's best-of-N, with what it samples per problem.
+            curves = report["test_time"]
+            report["step_search"]["best_of"] = {
+                "N": ns,
+                "generated_tokens_per_problem": step_search_lib.best_of_tokens(
+                    samples.lengths_N, k, ns
+                ),
+                **{key: v for key, v in curves.items() if key.startswith("best_of/")},
+            }
     result["wall_s"] = time.time() - t_start
     output = output or os.path.join(workdir, f"eval_{split}.json")
     if jax.process_index() == 0:
@@ -470,6 +543,17 @@ def define_flags():
     flags.DEFINE_string(
         "plot", None, "Test-time scaling PNG; default WORKDIR/test_time_{split}.png."
     )
+    flags.DEFINE_string(
+        "step_search",
+        None,
+        "W,E: PRM-guided beam search over steps (rlscale.step_search), W partial solutions per "
+        "problem, each continued E ways per step; needs --prm.",
+    )
+    flags.DEFINE_string(
+        "step_search_aggregation",
+        step_search_lib.DEFAULT_AGGREGATION,
+        "How --step_search scores a prefix from its step probabilities: last, min, product.",
+    )
     flags.mark_flags_as_required(["config", "checkpoint"])
 
 
@@ -494,6 +578,8 @@ def main(argv):
         prm_dir=f.prm,
         prm_aggregation=f.prm_aggregation,
         plot=f.plot,
+        step_search=f.step_search,
+        step_search_aggregation=f.step_search_aggregation,
     )
     print("\nrlscale evaluation")
     for key, v in report["metrics"].items():
@@ -502,6 +588,30 @@ def main(argv):
         print("\ntest-time scaling (mean over problems; unbiased over the N-subsets of k)")
         print(test_time.table(report["test_time"]))
         print(f"  plot: {report['test_time_plot']}")
+    if "step_search" in report:
+        print("\nstep search (PRM-guided beam search over steps)")
+        print(step_search_table(report["step_search"]))
+
+
+def step_search_table(s: dict) -> str:
+    """The report's `step_search` entry as text: the search's accuracy and tokens sampled per
+    problem, then, with `--best_of`, the same run's best-of-N curves with the tokens each N
+    samples per problem."""
+    lines = [
+        f"  {s['name']}: accuracy {s['accuracy']:.4f}, "
+        f"{s['generated_tokens_per_problem']:.1f} tokens per problem ({s['rounds']} rounds)"
+    ]
+    b = s.get("best_of")
+    if b:
+        curves = [key for key in b if key.startswith("best_of/")]
+        widths = [max(len(key), 9) + 2 for key in curves]
+        lines.append("  best-of-N, the same run:")
+        head = "".join(f"{key:>{w}}" for key, w in zip(curves, widths))
+        lines.append(f"  {'N':>6}{'tokens':>10}{head}")
+        for i, n in enumerate(b["N"]):
+            cells = "".join(f"{b[key][i]:>{w}.4f}" for key, w in zip(curves, widths))
+            lines.append(f"  {n:>6}{b['generated_tokens_per_problem'][i]:>10.1f}{cells}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -147,3 +147,19 @@ def random_decoder_params(model_cfg, seed: int):
     pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
     nnx.replace_by_pure_dict(abstract, pure)
     return abstract
+
+
+def untrained_prm(warm, path: str, seq_len: int) -> str:
+    """A process reward model directory at `path`: the warm start's decoder with a new head
+    (`reward_model.init`), steps at the arithmetic task's "=", untrained: its scores mean
+    nothing, its shapes and plumbing are what tests read. Returns `path`."""
+    import jax
+
+    from rlscale import process_reward, reward_model
+    from rlscale import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load(str(warm / "tokenizer.model"))
+    model_cfg, _, params = reward_model.init(str(warm / "sft"), jax.random.key(0))
+    cfg = process_reward.PRMConfig(delimiter=process_reward.ARITHMETIC_DELIMITER, seq_len=seq_len)
+    process_reward.save(path, model_cfg, params, tok, cfg)
+    return path

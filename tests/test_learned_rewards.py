@@ -1,15 +1,16 @@
 """Learned rewards in the RL loop (`rl.learned_rewards`): `configs/rm_rl.py:smoke` end to end
-on the 8-device mesh with a reward model made at set-up and a process reward model's step
-rewards, the PRM's terms placed as `ProcessRewardModel.step_rewards` places them on the
-unpadded rows, the compute the reward model cost, and the config and tokenizer checks."""
+(one device) with a reward model made at set-up and a process reward model's step rewards;
+the PRM's terms, scored on an 8-device mesh, placed as `ProcessRewardModel.step_rewards`
+places them on the unpadded rows; the compute the reward model cost; the config and tokenizer
+checks."""
 
 import json
 
 import numpy as np
 import pytest
-from conftest import load_config, metric_lines
+from conftest import load_config, metric_lines, untrained_prm
 
-from rlscale import process_reward, rl
+from rlscale import process_reward, rl, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.rl import checks, learned_rewards
 from rlscale.rl.rollouts import Rollouts
@@ -18,26 +19,14 @@ from rlscale.tokenizer import train_sentencepiece
 
 @pytest.fixture(scope="module")
 def prm_dir(warm, tmp_path_factory):
-    """A PRM trained for 2 steps from the warm start on hand-labelled rows: its scores are
-    not meaningful, its shapes and its place in the loop are what is tested."""
-    tok = tokenizer_lib.load(str(warm / "tokenizer.model"))
-    examples = [
-        process_reward.StepExample("2+3*4", "2+3*4=2+12=14 Answer: 14", [1.0, 1.0, 1.0]),
-        process_reward.StepExample("4*2-1", "4*2-1=6-1=5 Answer: 5", [0.0, 0.0, 0.0]),
-    ] * 2
-    cfg = process_reward.PRMConfig(
-        delimiter=process_reward.ARITHMETIC_DELIMITER, seq_len=128, batch_rows=4, eval_every=2
-    )
-    trained = process_reward.train(examples, tok, cfg, 2, model=str(warm / "sft"))
-    path = str(tmp_path_factory.mktemp("prm") / "prm")
-    process_reward.save(path, trained.model_cfg, trained.params, tok, cfg, trained.history)
-    return path
+    return untrained_prm(warm, str(tmp_path_factory.mktemp("prm") / "prm"), seq_len=128)
 
 
 @pytest.fixture(scope="module")
 def rm_run(warm, prm_dir, tmp_path_factory):
     config = load_config("rm_rl", f"smoke,prm={prm_dir}")
     config.sft.reuse_from = str(warm)
+    config.mesh.shape = (1, 1, 1)
     workdir = tmp_path_factory.mktemp("rm_rl")
     return config, rl.run(config, str(workdir)), workdir
 
@@ -88,6 +77,8 @@ def _rows(prompts, completions, pad, M):
 
 
 def test_step_rewards_read_the_unpadded_rows(prm_dir):
+    """On the loop's padded rows, with the PRM on an 8-device mesh as the trainer's: what
+    `step_rewards` gives on the unpadded rows with the PRM on one device."""
     prm = process_reward.load(prm_dir)
     tok = prm.tokenizer
     texts = [("1+1", "1+1=2 Answer: 2"), ("Hi", "a=b=c"), ("x", "no step")]
@@ -95,7 +86,8 @@ def test_step_rewards_read_the_unpadded_rows(prm_dir):
     completions = [tok.encode(c) + [tok.eos_id] for _, c in texts]
     M = 24
     roll = _rows(prompts, completions, tok.padding_id, M)
-    reward_NM, mask_NM, flops = learned_rewards.StepRewards(prm)(roll)
+    sharded = process_reward.load(prm_dir, sharding.make_mesh((8, 1, 1)))
+    reward_NM, mask_NM, flops = learned_rewards.StepRewards(sharded)(roll)
     want_reward, want_mask = prm.step_rewards(prompts, completions, M)
     np.testing.assert_array_equal(mask_NM, want_mask)
     np.testing.assert_allclose(reward_NM, want_reward, rtol=1e-6)

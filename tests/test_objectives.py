@@ -789,6 +789,7 @@ RECIPES = (
     "distill",
     "dpo",
     "iterative_dpo",
+    "rm_rl",
 )
 VARIANTS = (
     [(name, arg) for name in RECIPES for arg in (None, "smoke")]
@@ -799,6 +800,7 @@ VARIANTS = (
     ]
     + [("scalerl", "drop=no_positive_resampling"), ("scalerl", "drop=interruption")]
     + [("grpo", "baseline=reinforce_pp"), ("quickstart", "entropy_rho=0.2,smoke")]
+    + [("rm_rl", "prm=/a/prm,smoke")]
     + [("math", f"recipe={r}{s}") for r in RECIPES[:5] + ("scalerl",) for s in ("", ",smoke")]
 )
 
@@ -826,6 +828,9 @@ def test_every_config_chain_checks_and_runs(name, arg):
         "row_weight": jnp.ones(N),
         "sampler_logp": -jnp.asarray(rng.uniform(0.1, 2, (N, M)), jnp.float32),
     }
+    if "step_reward" in objective.reads:  # A PRM's step rewards (the rollout stage's).
+        run["step_mask"] = jnp.asarray(rng.integers(0, 2, (N, M)), bool)
+        run["step_reward"] = jnp.asarray(rng.uniform(0, 1, (N, M)), jnp.float32)
     model = {t: -jnp.asarray(rng.uniform(0.1, 2, (N, M)), jnp.float32) for t in obj.MODEL_TERMS}
     batch_terms = {t: model[t] for t in objective.model_terms if t.startswith(("old_", "ref_"))}
     out, _ = objective.batch.update({**run, **batch_terms}, objective.batch.init())

@@ -5,7 +5,8 @@ reward over-optimization, test-time scaling.
 
 Reads every run ROOT/ROW_sSEED (`metrics.jsonl`: held-out pass@1 and the training reward
 against `compute/flops`) and, where run.sh made them, ROOT/test_time_{sft,final}.json
-(`rlscale.evaluate --best_of`). Prints Markdown:
+(`rlscale.evaluate --best_of`) and ROOT/step_search_{sft,final}.json (`--step_search`).
+Prints Markdown:
 
 1. one row per paradigm: seeds, final pass@1 (mean [min, max]), its peak, the FLOPs at
    which it first reaches 0.6 and 0.7 (mean over the seeds that do; how many do), and the
@@ -16,7 +17,9 @@ against `compute/flops`) and, where run.sh made them, ROOT/test_time_{sft,final}
    the reward the run optimizes keeps rising while the pass rate it was meant to buy falls);
 3. test-time scaling of the warm start and online seed 0's policy: pass@N and best-of-N under
    each scorer for N = 1 ... 64, and each scorer's within-prompt ranking AUC (how often a
-   correct sample outscores an incorrect one of the same problem).
+   correct sample outscores an incorrect one of the same problem);
+4. PRM-guided step search (beam 4, 4 expansions per step) against best-of-N from the same
+   evaluation, with the tokens each samples per problem.
 
 Writes ROOT/paradigms.json (everything printed) and ROOT/paradigms.png (pass@1 against
 FLOPs, each seed a thin line, the pooled fit dashed).
@@ -31,7 +34,7 @@ import re
 
 import numpy as np
 
-from rlscale import test_time
+from rlscale import evaluate, test_time
 from rlscale.scaling import fit, runs
 
 ROWS = ("online", "offline_dpo", "iterative_dpo", "distill", "rm_rl", "prm_rl")
@@ -178,7 +181,7 @@ def main():
             first, last = o["train_reward_first5"], o["train_reward_last5"]
             peak = f"{o['pass@1_peak']:.3f} ({o['pass@1_peak_flops']:.2e})"
             print(f"| rm_rl seed {i} | {first:.2f} | {last:.2f} | {peak} | {o['pass@1_end']:.3f} |")
-    report["test_time"] = {}
+    report["test_time"], report["step_search"] = {}, {}
     for ckpt, label in (("sft", "warm start"), ("final", "online seed 0 (RL-trained)")):
         path = os.path.join(a.root, f"test_time_{ckpt}.json")
         if os.path.exists(path):
@@ -190,6 +193,12 @@ def main():
             aucs = ", ".join(f"{k} {v:.3f}" for k, v in auc.items())
             print(f"\nTest-time scaling, {label}:\n```\n{test_time.table(c)}\n```")
             print(f"Within-prompt ranking AUC of each scorer: {aucs}")
+        path = os.path.join(a.root, f"step_search_{ckpt}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                s = json.load(f)["step_search"]
+            report["step_search"][ckpt] = {k: v for k, v in s.items() if k != "per_problem"}
+            print(f"\nStep search, {label}:\n```\n{evaluate.step_search_table(s)}\n```")
     if groups:
         fits = {k: r["fit"] for k, r in report["rows"].items()}
         print("\nplot:", plot(groups, fits, os.path.join(a.root, "paradigms.png")))

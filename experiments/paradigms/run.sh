@@ -15,7 +15,8 @@
 # The PRM: Monte-Carlo step labels of online seed 0's samples (4 continuations per step
 # prefix, by that policy), a PRM trained on them from the warm start. Test-time scaling: the
 # warm start and online seed 0's policy, 64 samples of 200 held-out problems, best-of-N under
-# the policy's logprob, the reward model (rm_rl seed 0's) and the PRM (min, last, product).
+# the policy's logprob, the reward model (rm_rl seed 0's) and the PRM (min, last, product);
+# and PRM-guided step search (beam 4, 4 expansions) against best-of-16 (16 samples each).
 # WARM=DIR reuses a quickstart workdir's warm start (its data, tokenizer and SFT) for every
 # run; without it, online seed 0 trains it. Finished parts are skipped: re-run to resume.
 set -euo pipefail
@@ -82,6 +83,12 @@ if [ -d "$ROOT/prm" ] && [ -d "$ROOT/rm_rl_s0/reward_model" ]; then
       --reward_model "$ROOT/rm_rl_s0/reward_model" --prm "$ROOT/prm" \
       --prm_aggregation min,last,product \
       --output "$out" --plot "$ROOT/test_time_$ckpt.png" > "$ROOT/logs/test_time_$ckpt.log" 2>&1
+    # PRM-guided step search (beam 4 x 4 expansions) against best-of-16 at about equal tokens.
+    out=$ROOT/step_search_$ckpt.json
+    [ -f "$out" ] || $PY -m rlscale.evaluate --config configs/quickstart.py \
+      --checkpoint "$ROOT/online_s0/$ckpt" --k 16 --n 200 --best_of 1,2,4,8,16 \
+      --scorer logprob,prm --prm "$ROOT/prm" --prm_aggregation last --step_search 4,4 \
+      --output "$out" --plot "$ROOT/step_search_$ckpt.png" > "$ROOT/logs/step_search_$ckpt.log" 2>&1
   done
 fi
 $PY experiments/paradigms/analyze.py "$ROOT"

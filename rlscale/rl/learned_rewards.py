@@ -121,13 +121,12 @@ def _make(config, setup, source, run, workdir: str, path: str) -> None:
     """Trains and saves the `MADE` reward model in `path`, then its record (whose presence
     says the directory is whole)."""
     t, c = time.time(), config.reward
+    # The pairs (cached by an earlier start that stopped before the model was saved, or made
+    # now) and what sampling them cost.
     made = pairs_lib.read_made(workdir, config)
-    sample_flops = 0.0
-    if made is None:
-        made = pairs_lib.PairSource(config, setup, source, workdir).make(run)
-        ctx = made[1]["prompt_len"] + config.sampling.max_new_tokens / 2
-        sample_flops = compute.forward_flops(setup.model_cfg, made[1]["sampled_tokens"], ctx)
-    pairs = made[0]
+    pairs, made_record = made or pairs_lib.PairSource(config, setup, source, workdir).make(run)
+    ctx = made_record["prompt_len"] + config.sampling.max_new_tokens / 2
+    sample_flops = compute.forward_flops(setup.model_cfg, made_record["sampled_tokens"], ctx)
     heldout = pairs[::HELDOUT_EVERY]
     train = [p for i, p in enumerate(pairs) if i % HELDOUT_EVERY]
     cfg = reward_model_lib.RMConfig(

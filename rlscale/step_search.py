@@ -1,0 +1,339 @@
+"""Step search: beam search over a policy's reasoning steps, guided by a process reward model.
+
+    python -m rlscale.evaluate --config configs/quickstart.py --checkpoint WORKDIR/final \\
+        --prm PRM_DIR --step_search 4,4 [--step_search_aggregation last] \\
+        [--best_of 1,4,16 --scorer prm]
+
+searches each problem's solution step by step (`beam_search`), verifies the answer with the
+task's verifier and reports its accuracy with the tokens the search sampled, next to the
+same run's best-of-N curves and what they sampled.
+
+The search (Snell et al. 2024, "Scaling LLM Test-Time Compute Optimally can be More
+Effective than Scaling Model Parameters", arXiv 2408.03314, beam search against a PRM; steps
+verified as in Math-Shepherd, Wang et al. 2024, arXiv 2312.08935). A step ends at the PRM's
+delimiter (`process_reward.split_steps`: "=" for the arithmetic task, else a newline). For a
+problem x, a beam width W (`beam`) and E expansions per entry (`expand`):
+
+    round 0:  sample W * E first steps y ~ pi(. | x) (W copies of x, E samples each);
+    round r:  continue each unfinished kept prefix y E times by ONE step,
+              c ~ pi(. | x ++ y) stopped at the delimiter, giving candidates y ++ c;
+    score:    v(y) = agg_j sigmoid(s_j(x, y)) over y's steps (`process_reward.prm_scores`;
+              agg "last": the value of the whole prefix, "min" or "product");
+    keep:     the W candidates of highest v, finished ones carried over competing too,
+
+until every kept entry is finished or `max_steps` rounds have run. A candidate is finished
+when its step ended at one of the sampler's own stop tokens (the EOS, a chat template's end of
+turn) or the solution reached `cfg.max_new_tokens` tokens (the budget of one solution, as a
+best-of-N sample's; it is cut there). The answer is the kept finished entry of highest v (the
+best unfinished one when none finished) and it is scored by the task's verifier. W = E = 1
+samples one solution step by step.
+
+Stopping at the delimiter: each step is sampled with the delimiter's tokens added to the
+sampler's `stop_tokens` (a stop token is part of the completion): every token whose text ends
+with the delimiter (`step_stop_tokens`); the delimiter must be one token of the tokenizer.
+A token that holds the delimiter followed by more text (the quickstart tokenizer's "=-") does
+not stop a step: such a step holds two of the PRM's steps, and the PRM scores both.
+
+Every round is one `scoring.sample_and_score` call over all problems' unfinished entries (as
+`process_reward.mc_step_labels` samples prefixes: the prompt is the problem's followed by the
+prefix's text), padded with repeats of the first entry to a multiple of min(`chunk`, B W)
+prompts (B problems, W entries each), so every round runs the sampler on the same shapes
+within a prompt bucket; the padding rows are dropped and not counted.
+
+Compute: `Result.generated_tokens_B` counts every token sampled for a problem's candidates
+(all continuations, including the tokens cut at the budget), the number to compare with
+best-of-N's N x the mean sample length. Each round also prefills every entry's prompt and
+prefix once (`Result.prefill_tokens_B`), which best-of-N does once per problem.
+
+Dimension letters: B problems, N candidate rows of a round (entries x E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from rlscale import process_reward
+from rlscale import tokenizer as tokenizer_lib
+from rlscale.sampling import scoring
+from rlscale.sampling.sampler import SamplingConfig
+
+DEFAULT_AGGREGATION = "last"  # Snell et al. 2024 rank beam prefixes by the last step's value.
+FLAG = "--step_search"
+
+
+class Entry(NamedTuple):
+    """A partial or finished solution: its sampled ids (the EOS kept where sampling stopped
+    there), their text (EOS dropped, as `scoring.completions_text`), whether it is finished,
+    and its PRM score v (NaN before it is scored)."""
+
+    ids: tuple[int, ...]
+    text: str
+    finished: bool
+    score: float
+
+
+class Result(NamedTuple):
+    """What `beam_search` found, one value per problem (`_B`) in order.
+
+    Attributes:
+      accuracy: the share of problems whose answer the verifier rewards (> 0).
+      rewards_B: the verifier's reward of each answer.
+      texts: each answer's text.
+      generated_tokens_B: tokens sampled for each problem's candidates, all rounds.
+      prefill_tokens_B: prompt and prefix tokens prefilled for each problem, all rounds.
+      scores_B: each answer's PRM score v.
+      finished_B: whether the answer is a finished solution.
+      rounds: rounds run.
+      failures: the verifier's failures by kind (`rewards.isolation`).
+    """
+
+    accuracy: float
+    rewards_B: np.ndarray
+    texts: list[str]
+    generated_tokens_B: np.ndarray
+    prefill_tokens_B: np.ndarray
+    scores_B: np.ndarray
+    finished_B: np.ndarray
+    rounds: int
+    failures: dict
+
+
+def parse_beam(value, flag: str = FLAG) -> tuple[int, int]:
+    """(beam W, expansions E) of `--step_search W,E` ("4,4", or the two values as a sequence).
+
+    Raises:
+      ValueError: Naming `flag` unless it is two integers >= 1.
+    """
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    raw = ",".join(str(p) for p in parts)
+    try:
+        beam, expand = (int(str(p).strip()) for p in parts)
+    except ValueError:  # Not two values, or not integers.
+        beam = expand = 0
+    if min(beam, expand) < 1:
+        raise ValueError(
+            f"{flag}={raw}: expected BEAM,EXPAND, two integers >= 1 (e.g. 4,4: keep 4 partial "
+            "solutions per problem, continue each 4 ways per step)"
+        )
+    return beam, expand
+
+
+def step_stop_tokens(tokenizer: tokenizer_lib.Tokenizer, delimiter: str) -> tuple[int, ...]:
+    """The ids that end a step: every token whose text (decoded alone) ends with `delimiter`,
+    in id order (for "\\n" a byte-level BPE has many: ".\\n", "\\n\\n", ...). One pass over
+    the vocabulary.
+
+    Raises:
+      ValueError: Naming the delimiter when no token's text is exactly it (a sampler stops
+        at a token, so a delimiter of several tokens cannot end a step).
+    """
+    if not isinstance(delimiter, str) or not delimiter:
+        raise ValueError(f"step delimiter {delimiter!r} must be a non-empty string")
+    texts = {i: tokenizer.decode([i]) for i in range(tokenizer.vocab_size)}
+    if delimiter not in texts.values():
+        ids = tokenizer.encode(delimiter)
+        raise ValueError(
+            f"step delimiter {delimiter!r} is not one token of the tokenizer (it encodes to "
+            f"{len(ids)} tokens {ids[:8]}): step search stops sampling a step at a token, so "
+            f"the PRM's steps must end with one (the arithmetic task's "
+            f"{process_reward.ARITHMETIC_DELIMITER!r}, or a newline)"
+        )
+    return tuple(i for i, t in texts.items() if t.endswith(delimiter))
+
+
+def step_config(cfg: SamplingConfig, stop_ids: Sequence[int], expand: int) -> SamplingConfig:
+    """`cfg` sampling one step per row: E samples per prompt, stopping also at `stop_ids`.
+
+    Raises:
+      ValueError: Naming `think_budget` when forced interruption is on: it counts one
+        call's tokens, not the solution's.
+    """
+    if cfg.think_budget:
+        raise ValueError(
+            f"sampling.think_budget={cfg.think_budget}: forced interruption counts the tokens "
+            "of one sampler call, not of a solution sampled step by step; set it to 0 for "
+            "step search"
+        )
+    extra = tuple(i for i in stop_ids if i not in cfg.stop_tokens)
+    return dataclasses.replace(cfg, num_samples=expand, stop_tokens=(*cfg.stop_tokens, *extra))
+
+
+def _unverified(text: str, problem) -> float:
+    """The rounds' scorer: a partial solution is not verified (only the answer is)."""
+    del text, problem
+    return 0.0
+
+
+def _best(candidates: list[Entry], beam: int) -> list[Entry]:
+    """The `beam` entries of highest score, ties in candidate order (NaN ranks last)."""
+    key = [-(e.score if not math.isnan(e.score) else -math.inf) for e in candidates]
+    order = sorted(range(len(candidates)), key=key.__getitem__)
+    return [candidates[i] for i in order[:beam]]
+
+
+def beam_search(
+    sampler,
+    params,
+    tokenizer: tokenizer_lib.Tokenizer,
+    problems: Sequence,
+    verifier: Callable,
+    prm: process_reward.ProcessRewardModel,
+    *,
+    beam: int,
+    expand: int,
+    cfg: SamplingConfig,
+    rng: jax.Array,
+    aggregation: str = DEFAULT_AGGREGATION,
+    max_steps: int | None = None,
+    pool=None,
+    timeout: float | None = None,
+    chunk: int | None = None,
+) -> Result:
+    """PRM-guided beam search over steps (module docstring) for every problem at once.
+
+    Args:
+      sampler: a `sampling.Sampler` (or anything with its interface).
+      params: the policy's params.
+      tokenizer: the policy's tokenizer (the PRM's too: the caller checks,
+        `evaluate.load_scoring_model`).
+      problems: the problems (each with a `.prompt`).
+      verifier: the task's `verify(text, problem) -> reward`, applied to the answers.
+      prm: the process reward model; its `config.delimiter` ends a step.
+      beam: W, entries kept per problem.
+      expand: E, continuations of each unfinished entry per round.
+      cfg: sampling settings: temperature, top-k/p, the stop tokens that finish a solution,
+        and `max_new_tokens`, the budget of one solution (and of one step); `num_samples` is
+        replaced by E.
+      rng: the sampling key; round r samples with fold_in(rng, r).
+      aggregation: how a prefix's step probabilities make its score: "last", "min" or
+        "product" (`process_reward.AGGREGATIONS`).
+      max_steps: rounds at most; default `cfg.max_new_tokens`, after which every entry is
+        finished (each round adds at least one token to each unfinished one).
+      pool, timeout: the verifier pool and its per-sample deadline (`scoring.Scorer`).
+      chunk: prompts per sampler call (default, or when more: all B W entries, one call
+        per round).
+
+    Returns:
+      A `Result`.
+
+    Raises:
+      ValueError: On no problems, W, E, max_steps or chunk < 1, an unknown aggregation, a
+        delimiter that is not one token (`step_stop_tokens`) or forced interruption on
+        (`step_config`).
+    """
+    if not problems:
+        raise ValueError("no problems to search")
+    if min(beam, expand) < 1:
+        raise ValueError(f"beam={beam} and expand={expand} must be >= 1")
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps={max_steps} must be >= 1")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    if aggregation not in process_reward.AGGREGATIONS:
+        raise ValueError(
+            f"aggregation={aggregation!r} is not one of {tuple(process_reward.AGGREGATIONS)}"
+        )
+    step_cfg = step_config(cfg, step_stop_tokens(tokenizer, prm.config.delimiter), expand)
+    ends, budget, eos = set(cfg.stop_tokens), cfg.max_new_tokens, tokenizer.eos_id
+    rounds_max = budget if max_steps is None else max_steps
+    prompt_ids = scoring.encode_prompts(tokenizer, problems)
+    B = len(problems)
+    beams = [[Entry((), "", False, math.nan)] * beam for _ in range(B)]  # Round 0: W copies.
+    generated_B, prefill_B = np.zeros(B, np.int64), np.zeros(B, np.int64)
+    rounds = 0
+    while rounds < rounds_max:
+        live = [(b, e) for b in range(B) for e in beams[b] if not e.finished]
+        if not live:
+            break
+        items = [
+            process_reward.StepPrefix(problems[b].prompt + e.text, problems[b], e.text)
+            for b, e in live
+        ]
+        items += [items[0]] * (-len(items) % min(chunk or B * beam, B * beam))  # Static shapes.
+        samples = scoring.sample_and_score(
+            sampler,
+            params,
+            tokenizer,
+            items,
+            jax.random.fold_in(rng, rounds),
+            step_cfg,
+            scoring.Scorer(_unverified),
+            chunk,
+        )
+        rounds += 1
+        new = []  # (problem, ids, text, finished) of each candidate.
+        for i, (b, e) in enumerate(live):
+            prefill_B[b] += int(samples.prompt_mask_BP[i].sum())
+            for n in range(i * expand, (i + 1) * expand):
+                sampled = samples.tokens_NM[n, : samples.lengths_N[n]].tolist()
+                generated_B[b] += len(sampled)
+                ids = e.ids + tuple(sampled[: budget - len(e.ids)])
+                finished = len(ids) == len(e.ids) or ids[-1] in ends or len(ids) >= budget
+                text = tokenizer.decode([t for t in ids if t != eos])
+                new.append((b, ids, text, finished))
+        rows = [list(ids) for _, ids, _, _ in new]
+        longest = max(len(prompt_ids[b]) + len(ids) for b, ids, _, _ in new)
+        scores = process_reward.prm_scores(
+            prm.with_bucket(longest), [prompt_ids[b] for b, *_ in new], rows, aggregation
+        )
+        candidates = [[e for e in entries if e.finished] for entries in beams]
+        for (b, ids, text, finished), v in zip(new, scores):
+            candidates[b].append(Entry(ids, text, finished, float(v)))
+        beams = [_best(c, beam) for c in candidates]
+    answers = [next((e for e in entries if e.finished), entries[0]) for entries in beams]
+    texts = [e.text for e in answers]
+    rewards, failures = scoring.Scorer(verifier, pool, timeout)(texts, list(problems))
+    return Result(
+        accuracy=float(np.mean(rewards > 0)),
+        rewards_B=np.asarray(rewards, np.float64),
+        texts=texts,
+        generated_tokens_B=generated_B,
+        prefill_tokens_B=prefill_B,
+        scores_B=np.array([e.score for e in answers], np.float64),
+        finished_B=np.array([e.finished for e in answers], bool),
+        rounds=rounds,
+        failures=failures,
+    )
+
+
+def summary(result: Result, beam: int, expand: int, aggregation: str) -> dict:
+    """The JSON report's `step_search` entry: the settings, accuracy, tokens per problem
+    (means), rounds, the share of answers that are finished, verifier failures, and
+    `per_problem` rewards, texts, scores and generated tokens."""
+    return {
+        "name": name(beam, expand, aggregation),
+        "beam": beam,
+        "expand": expand,
+        "aggregation": aggregation,
+        "accuracy": result.accuracy,
+        "generated_tokens_per_problem": float(result.generated_tokens_B.mean()),
+        "prefill_tokens_per_problem": float(result.prefill_tokens_B.mean()),
+        "generated_tokens": int(result.generated_tokens_B.sum()),
+        "rounds": result.rounds,
+        "finished_frac": float(result.finished_B.mean()),
+        "verifier_failures": sum(result.failures.values()),
+        "per_problem": {
+            "rewards": result.rewards_B.tolist(),
+            "texts": list(result.texts),
+            "scores": result.scores_B.tolist(),
+            "generated_tokens": result.generated_tokens_B.tolist(),
+        },
+    }
+
+
+def name(beam: int, expand: int, aggregation: str) -> str:
+    """How reports name a search: `step_search(beam=4, expand=4, prm_last)`."""
+    return f"step_search(beam={beam}, expand={expand}, prm_{aggregation})"
+
+
+def best_of_tokens(lengths_N, k: int, ns: Sequence[int]) -> list[float]:
+    """Tokens best-of-N samples per problem, for each N: N x the mean length of the k samples
+    per problem (`lengths_N`, the EOS included, as `generated_tokens_B` counts it)."""
+    mean = float(np.asarray(lengths_N).reshape(-1, k).sum(1).mean()) / k
+    return [n * mean for n in ns]
