@@ -86,7 +86,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -384,38 +384,23 @@ def mc_step_labels(
 
 
 @dataclasses.dataclass(frozen=True)
-class PRMConfig:
-    """PRM training and scoring settings; static (hashable) for `train_step`. The sequence,
-    remat and optimizer fields have `reward_model.RMConfig`'s names and meaning.
+class PRMConfig(rm.TrainSettings):
+    """PRM training and scoring settings (`reward_model.TrainSettings`: the bucket, remat and
+    AdamW, each sequence being prompt + completion ids); static (hashable) for `train_step`.
 
     Attributes:
       delimiter: what ends a step; saved with the model, so scoring splits as training did.
-      seq_len: the bucket T: prompt + completion ids are padded to it.
       batch_rows: completions per training step.
       eval_batch_rows: completions per scoring call.
       max_steps: training rows are padded to this many steps (rows with more are dropped).
-      remat, eval_every, seed, lr, warmup_steps, schedule, decay_steps, final_lr_frac,
-        grad_clip, b1, b2, eps, weight_decay: as `RMConfig`.
     """
 
+    KIND: ClassVar[str] = "process reward model"
+
     delimiter: str = DEFAULT_DELIMITER
-    seq_len: int = 256
     batch_rows: int = 32
     eval_batch_rows: int = 128
     max_steps: int = 32
-    remat: str = "none"
-    eval_every: int = 50
-    seed: int = 0
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    decay_steps: int = 1000
-    final_lr_frac: float = 0.1
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -424,35 +409,18 @@ class PRMConfig:
         for name in ("batch_rows", "eval_batch_rows", "max_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
-        if not problems:
-            try:
-                self.rm_config()
-            except ValueError as e:  # The shared fields, checked as the reward model checks.
-                problems += str(e).split(": ", 1)[1].split("; ")
-        if problems:
-            raise ValueError("Invalid process reward model config: " + "; ".join(problems))
+        self._raise(problems or self.settings_problems())
 
     def rm_config(self) -> rm.RMConfig:
-        """The `RMConfig` with the same sequence, remat and optimizer settings and as many rows
-        per step: what `reward_model.save` records and `make_optimizer` reads."""
-        shared = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(rm.RMConfig)
-            if hasattr(self, f.name)
-        }
+        """The `RMConfig` with the same settings and as many rows per step: what
+        `reward_model.save` records and `make_optimizer` reads."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(rm.TrainSettings)}
         return rm.RMConfig(
             **shared,
             batch_pairs=max(1, self.batch_rows // 2),
             eval_batch_pairs=max(1, self.eval_batch_rows // 2),
             add_eos=False,
         )
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "PRMConfig") -> PRMConfig:
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown process reward model config keys {unknown}")
-        return cls(**d)
 
 
 class StepBatch(NamedTuple):
@@ -529,21 +497,9 @@ _token_scores = jax.jit(token_scores, static_argnames=("graphdef", "remat"))
 
 
 def token_scores_of_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
-    """`token_scores` [N, T], jitted, over any number of rows, `chunk` rows per call (the
-    last chunk padded with one-token rows, scored and dropped), so every call compiles once."""
-    tokens_NT, lengths_N = np.asarray(tokens_NT), np.asarray(lengths_N)
-    N, T = tokens_NT.shape
-    out = []
-    for start in range(0, N, chunk):
-        t, n = tokens_NT[start : start + chunk], lengths_N[start : start + chunk]
-        fill = chunk - len(n)
-        if fill:
-            t = np.concatenate([t, np.zeros((fill, T), t.dtype)])
-            n = np.concatenate([n, np.ones(fill, n.dtype)])
-        out.append(
-            np.asarray(jax.device_get(_token_scores(graphdef, params, t, n)))[: chunk - fill]
-        )
-    return np.concatenate(out) if out else np.zeros((0, T), np.float32)
+    """`token_scores` [N, T], jitted, over any number of rows (`reward_model.in_chunks`)."""
+    T = np.shape(tokens_NT)[1]
+    return rm.in_chunks(_token_scores, graphdef, params, tokens_NT, lengths_N, chunk, (T,))
 
 
 # ==========================================================================================
@@ -664,44 +620,23 @@ def train(
       ValueError: On steps < 1, a tokenizer the model does not fit (or a checkpoint that
         carries another one), or examples that do not encode (`encode_examples`).
     """
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be >= 1")
-    if not isinstance(model, ModelConfig):
-        model = os.fspath(model)
-        rm.check_directory_tokenizer(model, tokenizer, "the policy checkpoint")
-    model_cfg, graphdef, params = rm.init(model, jax.random.key(cfg.seed))
-    if model_cfg.param_dtype != "float32":  # AdamW on float32 params (compute dtype kept).
-        model_cfg = dataclasses.replace(model_cfg, param_dtype="float32")
-        graphdef, _ = decoder.abstract_model(model_cfg)
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
-            f"{model_cfg.vocab_size}: not the tokenizer this model was built for"
-        )
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise ValueError(
-            f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
-        )
+    model_cfg, graphdef, params = rm.start(model, tokenizer, cfg, steps)
     train_set = encode_examples(examples, tokenizer, cfg)
     held = encode_examples(heldout, tokenizer, cfg) if heldout else None
-    opt_state = rm.init_opt_state(cfg, params)
     stream = rm.batch_indices(train_set.num_rows, cfg.batch_rows, cfg.seed)
-    history, loss_sum, since = [], jnp.zeros((), jnp.float32), 0
-    for step in range(1, steps + 1):
+
+    def next_batch():
         rows = next(stream)
-        batch = StepBatch(*(x[rows] for x in train_set.batch))
-        params, opt_state, metrics = train_step(graphdef, cfg, params, opt_state, batch)
-        loss_sum, since = loss_sum + metrics["loss"], since + 1
-        if step % cfg.eval_every == 0 or step == steps:
-            acc = None
-            if held is not None:
-                acc = heldout_metrics(graphdef, params, held, cfg.eval_batch_rows)[1]
-            record = rm.Record(step, float(loss_sum) / since, acc)
-            history.append(record)
-            if log is not None:
-                log(record)
-            loss_sum, since = jnp.zeros((), jnp.float32), 0
+        return StepBatch(*(x[rows] for x in train_set.batch))
+
+    def heldout_accuracy(params):
+        if held is None:
+            return None
+        return heldout_metrics(graphdef, params, held, cfg.eval_batch_rows)[1]
+
+    params, history = rm.fit(
+        train_step, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
+    )
     return rm.Trained(model_cfg, graphdef, params, history)
 
 
@@ -818,13 +753,7 @@ def load(path: str, mesh=None) -> ProcessRewardModel:
       ValueError: On an unknown format or config key, or as `reward_model.load`.
     """
     path = os.path.abspath(path)
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{meta_path} does not exist: not a process reward model directory")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT}")
+    meta_path, meta = rm.read_meta(path, META_FILE, FORMAT, "process reward model")
     cfg = PRMConfig.from_dict(meta["config"], source=f"{meta_path} config")
     loaded = rm.load(path, mesh)
     return ProcessRewardModel(

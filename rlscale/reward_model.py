@@ -63,7 +63,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,28 +87,26 @@ _SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
-class RMConfig:
-    """Reward-model training and scoring settings; static (hashable) for `train_step`.
+class TrainSettings:
+    """What every scalar head on the decoder (this module's reward model, `process_reward`'s
+    PRM) trains and scores with: the bucket, remat, evaluation cadence and AdamW. A subclass
+    adds its batch fields and names its `KIND` in messages.
 
     The optimizer fields have the names and meaning of the RL config's `optim`
     (`make_optimizer`).
 
     Attributes:
-      seq_len: the bucket T: every sequence (prompt + completion + EOS) is padded to it.
-      batch_pairs: pairs per training step (2 x batch_pairs rows).
-      eval_batch_pairs: pairs per scoring call when measuring held-out accuracy.
-      add_eos: append the EOS to every sequence (when the tokenizer has one).
+      seq_len: the bucket T: every sequence is padded to it.
       remat: what each block's backward keeps (`decoder.REMAT_POLICIES`).
       eval_every: steps between held-out evaluations (and history records) in `train`.
-      seed: the head's init and the order of the pairs.
+      seed: the head's init and the order of the training rows.
       lr, warmup_steps, schedule, decay_steps, final_lr_frac, grad_clip, b1, b2, eps,
         weight_decay: AdamW (`make_optimizer`).
     """
 
+    KIND: ClassVar[str] = "scoring head"
+
     seq_len: int = 256
-    batch_pairs: int = 16
-    eval_batch_pairs: int = 64
-    add_eos: bool = True
     remat: str = "none"
     eval_every: int = 50
     seed: int = 0
@@ -123,9 +121,11 @@ class RMConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    def __post_init__(self):
+    def settings_problems(self, counts: tuple[str, ...] = ()) -> list[str]:
+        """Every problem with these settings; `counts`, a subclass's fields that must be >= 1,
+        are checked after `seq_len`."""
         problems = []
-        for name in ("seq_len", "batch_pairs", "eval_batch_pairs", "eval_every", "decay_steps"):
+        for name in ("seq_len", *counts, "eval_every", "decay_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("lr", "grad_clip", "eps"):
@@ -141,15 +141,39 @@ class RMConfig:
             problems.append(f"schedule={self.schedule!r} is not one of {_SCHEDULES}")
         if self.remat not in decoder.REMAT_POLICIES:
             problems.append(f"remat={self.remat!r} is not one of {tuple(decoder.REMAT_POLICIES)}")
+        return problems
+
+    def _raise(self, problems: list[str]) -> None:
         if problems:
-            raise ValueError("Invalid reward model config: " + "; ".join(problems))
+            raise ValueError(f"Invalid {self.KIND} config: " + "; ".join(problems))
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "RMConfig") -> RMConfig:
+    def from_dict(cls, d: dict, source: str | None = None):
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"{source}: unknown reward model config keys {unknown}")
+            raise ValueError(f"{source or cls.__name__}: unknown {cls.KIND} config keys {unknown}")
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class RMConfig(TrainSettings):
+    """Reward-model training and scoring settings (`TrainSettings`, each sequence being
+    prompt + completion + EOS); static (hashable) for `train_step`.
+
+    Attributes:
+      batch_pairs: pairs per training step (2 x batch_pairs rows).
+      eval_batch_pairs: pairs per scoring call when measuring held-out accuracy.
+      add_eos: append the EOS to every sequence (when the tokenizer has one).
+    """
+
+    KIND: ClassVar[str] = "reward model"
+
+    batch_pairs: int = 16
+    eval_batch_pairs: int = 64
+    add_eos: bool = True
+
+    def __post_init__(self):
+        self._raise(self.settings_problems(("batch_pairs", "eval_batch_pairs")))
 
 
 # ==========================================================================================
@@ -380,9 +404,11 @@ def encode_pairs(
     return Encoded(batch.tokens_NT, batch.lengths_N, sources)
 
 
-def score_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
-    """`score` over any number of rows, `chunk` rows per call: the last chunk is padded with
-    one-token rows (scored and dropped), so every call has the same shape and compiles once."""
+def in_chunks(fn, graphdef, params, tokens_NT, lengths_N, chunk: int, row_shape=()) -> np.ndarray:
+    """`fn(graphdef, params, tokens, lengths)` (a jitted per-row function, each row's output
+    of shape `row_shape`) over any number of rows, `chunk` rows per call: the last chunk is
+    padded with one-token rows (scored and dropped), so every call has the same shape and
+    compiles once."""
     tokens_NT, lengths_N = np.asarray(tokens_NT), np.asarray(lengths_N)
     N, T = tokens_NT.shape
     out = []
@@ -392,8 +418,13 @@ def score_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.n
         if fill:
             t = np.concatenate([t, np.zeros((fill, T), t.dtype)])
             n = np.concatenate([n, np.ones(fill, n.dtype)])
-        out.append(np.asarray(jax.device_get(score(graphdef, params, t, n)))[: chunk - fill])
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+        out.append(np.asarray(jax.device_get(fn(graphdef, params, t, n)))[: chunk - fill])
+    return np.concatenate(out) if out else np.zeros((0, *row_shape), np.float32)
+
+
+def score_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
+    """`score` [N] over any number of rows (`in_chunks`)."""
+    return in_chunks(score, graphdef, params, tokens_NT, lengths_N, chunk)
 
 
 def accuracy(graphdef, params, encoded: Encoded, chunk_pairs: int = 64) -> float:
@@ -484,13 +515,39 @@ def train(
       ValueError: On steps < 1, a tokenizer the model does not fit, or pairs that do not
         encode (`encode_pairs`).
     """
+    model_cfg, graphdef, params = start(model, tokenizer, cfg, steps)
+    train_set = encode_pairs(pairs, tokenizer, cfg.seq_len, cfg.add_eos)
+    held = encode_pairs(heldout, tokenizer, cfg.seq_len, cfg.add_eos) if heldout else None
+    stream = batch_indices(train_set.num_pairs, cfg.batch_pairs, cfg.seed)
+
+    def next_batch():
+        rows = (next(stream)[:, None] * 2 + np.arange(2)).reshape(-1)
+        return Batch(train_set.tokens_NT[rows], train_set.lengths_N[rows])
+
+    def heldout_accuracy(params):
+        return None if held is None else accuracy(graphdef, params, held, cfg.eval_batch_pairs)
+
+    params, history = fit(
+        train_step, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
+    )
+    params = center(graphdef, params, train_set, cfg.eval_batch_pairs)
+    return Trained(model_cfg, graphdef, params, history)
+
+
+def start(model: ModelConfig | str, tokenizer: tokenizer_lib.Tokenizer, cfg, steps: int):
+    """(model_cfg, graphdef, params) of a scalar head to train (`init`) for `steps` steps
+    with `cfg` (`TrainSettings`), float32 for AdamW (the compute dtype kept).
+
+    Raises:
+      ValueError: On steps < 1, a checkpoint that carries another tokenizer, a tokenizer the
+        model does not fit, or a bucket longer than the model's `max_seq_len`.
+    """
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if not isinstance(model, ModelConfig):
         model = os.fspath(model)
         check_directory_tokenizer(model, tokenizer, "the policy checkpoint")
-    rng = jax.random.key(cfg.seed)
-    model_cfg, graphdef, params = init(model, rng)
+    model_cfg, graphdef, params = init(model, jax.random.key(cfg.seed))
     if model_cfg.param_dtype != "float32":  # AdamW on float32 params (compute dtype kept).
         model_cfg = dataclasses.replace(model_cfg, param_dtype="float32")
         graphdef, _ = decoder.abstract_model(model_cfg)
@@ -504,25 +561,26 @@ def train(
         raise ValueError(
             f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
         )
-    train_set = encode_pairs(pairs, tokenizer, cfg.seq_len, cfg.add_eos)
-    held = encode_pairs(heldout, tokenizer, cfg.seq_len, cfg.add_eos) if heldout else None
+    return model_cfg, graphdef, params
+
+
+def fit(train_step_fn, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log=None):
+    """`steps` optimizer steps of `train_step_fn(graphdef, cfg, params, opt_state, batch)`
+    on `next_batch()`; every `cfg.eval_every` steps and at the end a `Record` (mean training
+    loss since the last one, `heldout_accuracy(params)`) goes to the history and to `log`.
+    Returns (params, history)."""
     opt_state = init_opt_state(cfg, params)
-    stream = batch_indices(train_set.num_pairs, cfg.batch_pairs, cfg.seed)
     history, loss_sum, since = [], jnp.zeros((), jnp.float32), 0
     for step in range(1, steps + 1):
-        rows = (next(stream)[:, None] * 2 + np.arange(2)).reshape(-1)
-        batch = Batch(train_set.tokens_NT[rows], train_set.lengths_N[rows])
-        params, opt_state, metrics = train_step(graphdef, cfg, params, opt_state, batch)
+        params, opt_state, metrics = train_step_fn(graphdef, cfg, params, opt_state, next_batch())
         loss_sum, since = loss_sum + metrics["loss"], since + 1
         if step % cfg.eval_every == 0 or step == steps:
-            acc = None if held is None else accuracy(graphdef, params, held, cfg.eval_batch_pairs)
-            record = Record(step, float(loss_sum) / since, acc)
+            record = Record(step, float(loss_sum) / since, heldout_accuracy(params))
             history.append(record)
             if log is not None:
                 log(record)
             loss_sum, since = jnp.zeros((), jnp.float32), 0
-    params = center(graphdef, params, train_set, cfg.eval_batch_pairs)
-    return Trained(model_cfg, graphdef, params, history)
+    return params, history
 
 
 # ==========================================================================================
@@ -720,6 +778,23 @@ class RewardModel:
         return self.score_ids(rows, chunk)
 
 
+def read_meta(path: str, meta_file: str, fmt: int, kind: str) -> tuple[str, dict]:
+    """(its path, its contents) of a saved model's metadata file `meta_file` in `path`.
+
+    Raises:
+      FileNotFoundError: If there is none: `path` is not a `kind` directory.
+      ValueError: If its format is not `fmt`.
+    """
+    meta_path = os.path.join(path, meta_file)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{meta_path} does not exist: not a {kind} directory")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != fmt:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {fmt}")
+    return meta_path, meta
+
+
 def load(path: str, mesh=None) -> RewardModel:
     """Reads a reward model directory written by `save`.
 
@@ -729,13 +804,7 @@ def load(path: str, mesh=None) -> RewardModel:
         (naming the file), or tokenizer files other than the ones saved.
     """
     path = os.path.abspath(path)
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{meta_path} does not exist: not a reward model directory")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT}")
+    meta_path, meta = read_meta(path, META_FILE, FORMAT, "reward model")
     cfg = RMConfig.from_dict(meta["config"], source=f"{meta_path} config")
     model_cfg, graphdef, decoder_params = checkpoint.load_params(
         os.path.join(path, DECODER_DIR), mesh

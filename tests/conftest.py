@@ -163,3 +163,14 @@ def untrained_prm(warm, path: str, seq_len: int) -> str:
     cfg = process_reward.PRMConfig(delimiter=process_reward.ARITHMETIC_DELIMITER, seq_len=seq_len)
     process_reward.save(path, model_cfg, params, tok, cfg)
     return path
+
+
+def random_policy(path, model_cfg, tokenizer):
+    """A policy checkpoint at `path` (a Path) with random params
+    (`random_decoder_params(model_cfg, 1)`) and its SentencePiece tokenizer beside them, as a
+    run's checkpoint carries it. Returns `path`."""
+    from rlscale import checkpoint
+
+    checkpoint.save_params(str(path), model_cfg, random_decoder_params(model_cfg, 1))
+    (path / "tokenizer.model").write_bytes(tokenizer.serialized)
+    return path

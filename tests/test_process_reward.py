@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, random_decoder_params
+from conftest import ROOT, random_decoder_params, random_policy
 
-from rlscale import chat, checkpoint, cli, evaluate
+from rlscale import chat, cli, evaluate
 from rlscale import objectives as obj
 from rlscale import process_reward as pr
 from rlscale import reward_model as rm
@@ -183,10 +183,7 @@ def model_cfg(tok):
 @pytest.fixture(scope="module")
 def policy(tok, model_cfg, tmp_path_factory):
     """A random policy checkpoint that carries its tokenizer."""
-    path = tmp_path_factory.mktemp("policy")
-    checkpoint.save_params(str(path), model_cfg, random_decoder_params(model_cfg, 1))
-    (path / "tokenizer.model").write_bytes(tok.serialized)
-    return path
+    return random_policy(tmp_path_factory.mktemp("policy"), model_cfg, tok)
 
 
 @pytest.fixture(scope="module")

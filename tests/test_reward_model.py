@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_decoder_params
+from conftest import random_policy
 
 from rlscale import chat, checkpoint, cli
 from rlscale import reward_model as rm
@@ -81,11 +81,8 @@ def tok():
 @pytest.fixture(scope="module")
 def policy(tok, tmp_path_factory):
     """A random policy checkpoint that carries its tokenizer."""
-    path = tmp_path_factory.mktemp("policy")
     model_cfg = model_config.get("tiny", vocab_size=tok.vocab_size, **SHAPE)
-    checkpoint.save_params(str(path), model_cfg, random_decoder_params(model_cfg, 1))
-    (path / "tokenizer.model").write_bytes(tok.serialized)
-    return path
+    return random_policy(tmp_path_factory.mktemp("policy"), model_cfg, tok)
 
 
 @pytest.fixture(scope="module")

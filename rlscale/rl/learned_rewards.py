@@ -43,10 +43,9 @@ MADE_RECORD = "made.json"  # with what making it cost and its held-out pair accu
 HELDOUT_EVERY = 10  # Every 10th pair made from the warm start is held out.
 
 
-def _flops(model_cfg, prompt_ids, completion_ids) -> float:
-    """A forward pass over the rows, each token attending to its row's mean length."""
-    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-    return compute.forward_flops(model_cfg, sum(lengths), np.mean(lengths) / 2)
+def _flops(model_cfg, lengths_N) -> float:
+    """A forward pass over rows of `lengths_N` tokens, each attending to their mean length."""
+    return compute.forward_flops(model_cfg, float(np.sum(lengths_N)), np.mean(lengths_N) / 2)
 
 
 class OutcomeReward:
@@ -57,9 +56,10 @@ class OutcomeReward:
         self.rm, self._score = rm, test_time.reward_model_ranker(rm).score
 
     def __call__(self, samples) -> tuple[np.ndarray, float]:
-        prompt_ids, completion_ids = test_time.sample_ids(samples)
         reward_N = self._score(samples, None).astype(np.float32)
-        return reward_N, _flops(self.rm.model_cfg, prompt_ids, completion_ids)
+        G = len(samples.lengths_N) // len(samples.prompt_BP)
+        lengths_N = np.repeat(samples.prompt_mask_BP.sum(1), G) + samples.lengths_N
+        return reward_N, _flops(self.rm.model_cfg, lengths_N)
 
 
 class StepRewards:
@@ -75,10 +75,10 @@ class StepRewards:
         P = roll.prompt_len
         prompt_ids = [t[:P][m[:P]].tolist() for t, m in zip(roll.tokens_NL, roll.attn_mask_NL)]
         completion_ids = [t[P:][m[P:]].tolist() for t, m in zip(roll.tokens_NL, roll.attn_mask_NL)]
-        longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-        prm = self.prm.with_bucket(longest)
+        lengths_N = roll.attn_mask_NL.sum(1)
+        prm = self.prm.with_bucket(int(lengths_N.max()))
         reward_NM, mask_NM = prm.step_rewards(prompt_ids, completion_ids, roll.mask_NM.shape[1])
-        return reward_NM, mask_NM, _flops(prm.model_cfg, prompt_ids, completion_ids)
+        return reward_NM, mask_NM, _flops(prm.model_cfg, lengths_N)
 
 
 def load_outcome(config, mesh) -> OutcomeReward | None:
