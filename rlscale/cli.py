@@ -1,24 +1,25 @@
-"""What every command-line entry point shares: a user's mistake is one `error: ...` line.
+"""What every command-line entry point shares: absl flags, and a user's mistake as one
+`error: ...` line.
 
-A command (`rlscale.main`, `rlscale.evaluate`, the scripts in tools/) that fails on a user's
+A command (`rlscale.main.*`, the scripts in tools/) defines its flags in
+`define_flags(fv, argv)` and reads them in `main(fv)` (or `main(fv, args)` with positional
+arguments); `run_command(define_flags, main)` runs it from the command line and
+`call(define_flags, main, argv)` runs it in-process on flags of its own, so that commands can
+run one after another in one process (tests, sweeps). A command that fails on a user's
 mistake ends with one line `error: <what, naming the flag, key, file or row>` on stderr and
-exit status 1 (2 for a bad argparse argument, as argparse does), never a traceback. A user's
-mistake is:
+exit status 1, never a traceback. A user's mistake is:
 
-* a bad flag or config key, or a config file that does not load (`parse_flags`), or a bad
-  argparse argument (`ArgumentParser`);
+* a bad flag or config key, or a config file that does not load (`parse_flags`);
 * raised from `main` (`guard`): an `app.UsageError`, an `OSError` about a file (a missing
   checkpoint, an unwritable directory), or a `ValueError` raised by rlscale's own code or the
   command's (the library's "bad config or input" error, whose message names the key, file or
   row).
 
 Anything else is a bug and keeps its traceback, a `ValueError` from inside JAX or NumPy
-included; `RLSCALE_TRACEBACK=1` prints the traceback of a user's mistake too. absl commands run
-with `run(main)`, which also sets the console (`console.configure` from `--verbosity`);
-argparse commands build `cli.ArgumentParser` and run `sys.exit(guard(main)())`.
+included; `RLSCALE_TRACEBACK=1` prints the traceback of a user's mistake too. The command line
+also sets the console (`console.configure` from `--verbosity`).
 """
 
-import argparse
 import functools
 import os
 import re
@@ -26,6 +27,7 @@ import sys
 import traceback
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from rlscale import console
 
@@ -76,9 +78,10 @@ def is_user_error(e: BaseException, own_dirs: tuple[str, ...] = (_PACKAGE_DIR,))
     return isinstance(e, ValueError) and _raised_in(e, own_dirs)
 
 
-def guard(main, status: int = 1):
-    """`main` with a user's mistake (`is_user_error`) reported by `fail`."""
-    code = getattr(main, "__code__", None)
+def guard(main, status: int = 1, own=None):
+    """`main` with a user's mistake (`is_user_error`) reported by `fail`; a ValueError raised
+    in the file of `own` (default `main`) counts as the command's own."""
+    code = getattr(own or main, "__code__", None)
     own_dirs = (_PACKAGE_DIR,)
     if code is not None:
         own_dirs += (os.path.dirname(os.path.abspath(code.co_filename)) + os.sep,)
@@ -95,13 +98,6 @@ def guard(main, status: int = 1):
             fail(describe(e), status)
 
     return guarded
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a bad argument reported as one `error: ...` line (exit status 2)."""
-
-    def error(self, message):
-        fail(f"{message} (see {self.prog} --help)", 2)
 
 
 def make_dir(path: str, flag: str) -> None:
@@ -129,7 +125,6 @@ def _config_file_error(e: flags.Error) -> str:
 def unloaded_config_files(flag_values=flags.FLAGS) -> list[str]:
     """The config file flags whose file did not load (ml_collections defers that error until
     the config is read), each as `--flag=path: reason`."""
-    from ml_collections import config_flags
     from ml_collections.config_flags.config_flags import is_config_flag  # Not re-exported.
 
     bad = []
@@ -171,6 +166,68 @@ def flags_error(e: BaseException, argv) -> str:
     return f"{bad}: no such config key {key.group(1) if key else str(e)!r}" + (
         f"; did you mean {hint.group(1)!r}?" if hint else ""
     )
+
+
+def define_config(fv: flags.FlagValues, argv, name: str = "config", required: bool = True):
+    """A locked ml_collections config file flag on `fv` (a mistyped `--config.a.b` key is an
+    error naming it), reading its overrides from `argv` (None: `sys.argv`)."""
+    holder = config_flags.DEFINE_config_file(
+        name,
+        None,
+        "Config file, optionally with a :variant suffix; --config.a.b=value overrides a field.",
+        flag_values=fv,
+        lock_config=True,
+        sys_argv=argv,
+    )
+    if required:
+        flags.mark_flag_as_required(name, flag_values=fv)
+    return holder
+
+
+def _positional(main) -> bool:
+    """Whether `main` takes positional arguments (`main(fv, args)`) besides the flags."""
+    return main.__code__.co_argcount > 1
+
+
+def call(define_flags, main, argv):
+    """Runs a command in-process: `define_flags` on fresh flags, `argv` (the arguments, without
+    the program name) parsed, then `main`; returns what `main` returns.
+
+    Raises:
+      ValueError: Naming the bad flag, config key or config file, or an unexpected argument.
+    """
+    argv = ["rlscale", *argv]
+    fv = flags.FlagValues()
+    define_flags(fv, argv)
+    try:
+        rest = fv(argv)
+    except FLAG_ERRORS as e:
+        raise ValueError(flags_error(e, argv)) from None
+    problems = unloaded_config_files(fv)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if _positional(main):
+        return main(fv, rest[1:])
+    if len(rest) > 1:
+        raise ValueError(f"unexpected arguments: {' '.join(rest[1:])}")
+    return main(fv)
+
+
+def run_command(define_flags, main, status: int = 1):
+    """A command's `if __name__ == "__main__":` body: `define_flags` on absl's flags, then
+    `run`; `main`'s return value is discarded."""
+    define_flags(flags.FLAGS, None)
+
+    def absl_main(argv):
+        if _positional(main):
+            main(flags.FLAGS, argv[1:])
+            return
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        main(flags.FLAGS)
+
+    parser = functools.partial(parse_flags, status=status)
+    app.run(guard(absl_main, status, own=main), flags_parser=parser)
 
 
 def parse_flags(argv, status: int = 1):
