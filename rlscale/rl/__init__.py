@@ -16,7 +16,6 @@ dpo       the preference driver: offline and iterative DPO (`config.preference`)
 from rlscale.preemption import PreemptedError
 from rlscale.rl import dpo, pairs, pipeline, sync
 from rlscale.rl.checks import RESUMABLE_CHANGES, validate
-from rlscale.rl.setup import sampling_config
 
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
@@ -28,4 +27,4 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     return driver.run(config, workdir, allow_config_change=allow_config_change)
 
 
-__all__ = ["RESUMABLE_CHANGES", "PreemptedError", "run", "sampling_config", "validate"]
+__all__ = ["RESUMABLE_CHANGES", "PreemptedError", "run", "validate"]

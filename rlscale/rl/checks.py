@@ -7,12 +7,14 @@ import os
 
 import jax
 
-from rlscale import chat, objectives, process_reward, reward_model, sharding
+from rlscale import chat, objectives, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import formats, math_data, preferences, tasks
 from rlscale.data import load as data_load
 from rlscale.model import decoder
 from rlscale.objectives import preference as preference_losses
+from rlscale.reward_models import bradley_terry, scalar_head
+from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import learned_rewards, pairs
 from rlscale.sampling.sampler import think_budget_problems
 
@@ -207,7 +209,7 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
     PRM exactly when the chain reads `step_reward` (through the transforms `steps`; None when
     the chain has problems of its own), neither beside what they would contradict."""
     r, problems = config.reward, []
-    meta = reward_model.META_FILE
+    meta = bradley_terry.META_FILE
     if r.model and r.model != learned_rewards.MADE:
         if not os.path.isfile(os.path.join(r.model, meta)):
             problems.append(
@@ -231,10 +233,10 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
             problems.append(f"reward.{key}={r[key]!r} must be an integer >= 1")
     if not r.model_lr > 0:
         problems.append(f"reward.model_lr={r.model_lr!r} must be > 0")
-    if r.prm and not os.path.isfile(os.path.join(r.prm, process_reward.META_FILE)):
+    if r.prm and not os.path.isfile(os.path.join(r.prm, prm_lib.META_FILE)):
         problems.append(
             f"reward.prm={r.prm!r} is not a process reward model directory (no "
-            f"{process_reward.META_FILE}): write one with python -m rlscale.process_reward train"
+            f"{prm_lib.META_FILE}): write one with python -m rlscale.process_reward train"
         )
     if steps and not r.prm:
         problems.append(
@@ -256,13 +258,13 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
 
 def learned_reward_tokenizer_problems(config, tokenizer) -> list[str]:
     """A reward model or PRM directory whose tokenizer is not the run's: it would score the
-    policy's token ids as other text (`reward_model.check_tokenizer`)."""
+    policy's token ids as other text (`scalar_head.check_tokenizer`)."""
     problems = []
     for key in ("model", "prm"):
         path = config.reward[key]
         if path and path != learned_rewards.MADE:
             try:
-                reward_model.check_tokenizer(path, tokenizer)
+                scalar_head.check_tokenizer(path, tokenizer)
             except ValueError as e:
                 problems.append(f"reward.{key}={path!r}: {e}")
     return problems

@@ -32,8 +32,9 @@ import time
 import jax
 import numpy as np
 
-from rlscale import process_reward, test_time
-from rlscale import reward_model as reward_model_lib
+from rlscale.eval import best_of_n
+from rlscale.reward_models import bradley_terry
+from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import pairs as pairs_lib
 from rlscale.scaling import compute
 
@@ -50,10 +51,10 @@ def _flops(model_cfg, lengths_N) -> float:
 
 class OutcomeReward:
     """A reward model's r(x, y) of each sampled row (`reward_model.RewardModel`), scored as
-    best-of-N scores them (`test_time.reward_model_ranker`), and the forward FLOPs it took."""
+    best-of-N scores them (`best_of_n.reward_model_ranker`), and the forward FLOPs it took."""
 
-    def __init__(self, rm: reward_model_lib.RewardModel):
-        self.rm, self._score = rm, test_time.reward_model_ranker(rm).score
+    def __init__(self, rm: bradley_terry.RewardModel):
+        self.rm, self._score = rm, best_of_n.reward_model_ranker(rm).score
 
     def __call__(self, samples) -> tuple[np.ndarray, float]:
         reward_N = self._score(samples, None).astype(np.float32)
@@ -68,7 +69,7 @@ class StepRewards:
     prompt and completion tokens (forced-interruption text included: it is context the
     policy continued from)."""
 
-    def __init__(self, prm: process_reward.ProcessRewardModel):
+    def __init__(self, prm: prm_lib.ProcessRewardModel):
         self.prm = prm
 
     def __call__(self, roll) -> tuple[np.ndarray, np.ndarray, float]:
@@ -87,12 +88,12 @@ def load_outcome(config, mesh) -> OutcomeReward | None:
     path = config.reward.model
     if path in ("", MADE):
         return None
-    return OutcomeReward(reward_model_lib.load(path, mesh))
+    return OutcomeReward(bradley_terry.load(path, mesh))
 
 
 def load_steps(config, mesh) -> StepRewards | None:
     """`reward.prm`'s process reward model (None without one)."""
-    return StepRewards(process_reward.load(config.reward.prm, mesh)) if config.reward.prm else None
+    return StepRewards(prm_lib.load(config.reward.prm, mesh)) if config.reward.prm else None
 
 
 def made_outcome(config, setup, source, run, comp, workdir: str, fresh: bool) -> OutcomeReward:
@@ -114,7 +115,7 @@ def made_outcome(config, setup, source, run, comp, workdir: str, fresh: bool) ->
     if fresh:
         for k in ("compute/sample_flops", "compute/train_flops", "compute/device_seconds"):
             comp.counters[k] += record[k]
-    return OutcomeReward(reward_model_lib.load(path, setup.mesh))
+    return OutcomeReward(bradley_terry.load(path, setup.mesh))
 
 
 def _make(config, setup, source, run, workdir: str, path: str) -> None:
@@ -129,14 +130,14 @@ def _make(config, setup, source, run, workdir: str, path: str) -> None:
     sample_flops = compute.forward_flops(setup.model_cfg, made_record["sampled_tokens"], ctx)
     heldout = pairs[::HELDOUT_EVERY]
     train = [p for i, p in enumerate(pairs) if i % HELDOUT_EVERY]
-    cfg = reward_model_lib.RMConfig(
+    cfg = bradley_terry.RMConfig(
         seq_len=setup.generator.max_prompt_len + config.sampling.max_new_tokens + 1,
         batch_pairs=c.model_batch_pairs,
         lr=c.model_lr,
         seed=config.seed,
         eval_every=c.model_steps,
     )
-    trained = reward_model_lib.train(  # From the warm start (WORKDIR/sft).
+    trained = bradley_terry.train(  # From the warm start (WORKDIR/sft).
         train,
         setup.tokenizer,
         cfg,
@@ -144,7 +145,7 @@ def _make(config, setup, source, run, workdir: str, path: str) -> None:
         model=os.path.join(workdir, "sft"),
         heldout=heldout,
     )
-    reward_model_lib.save(
+    bradley_terry.save(
         path, trained.model_cfg, trained.params, setup.tokenizer, cfg, trained.history
     )
     rows = 2 * c.model_batch_pairs * c.model_steps  # Padded to the bucket, as trained.

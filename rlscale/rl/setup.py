@@ -20,10 +20,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rlscale import chat, checkpoint, model, objectives, optim, programs, sharding, warm_start
+from rlscale import (
+    checkpoint,
+    model,
+    objectives,
+    optim,
+    programs,
+    saved_policy,
+    sharding,
+    warm_start,
+)
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
+from rlscale.eval import estimators
 from rlscale.model import hf
 from rlscale.rewards import isolation
 from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
@@ -95,16 +105,24 @@ class Setup:
         )
 
     def evaluate(self, params, rng) -> dict:
-        c = self.config.eval
-        return scoring.evaluate(
+        """Held-out metrics: mean reward, pass@1 (the mean correctness) and, with n > 1
+        samples per prompt, the unbiased pass@n."""
+        r = scoring.sample_and_score(
             self.sampler,
             params,
             self.tokenizer,
-            self.test_problems[: c.prompts],
+            self.test_problems[: self.config.eval.prompts],
             rng,
             self.eval_scfg,
             self.eval_scorer,
-        )
+            chunk=64,
+        ).reward_N
+        out = {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
+        n = self.eval_scfg.num_samples
+        if n > 1:  # Rows are prompt-major: each prompt's n samples give an unbiased pass@n.
+            correct_B = (r > 0).reshape(-1, n).sum(axis=1)
+            out[f"eval/pass@{n}"] = float(estimators.pass_at_k(n, correct_B, n).mean())
+        return out
 
     def initial_state(self):
         """(TrainState, PromptStream, PassRateHistory) of a fresh run."""
@@ -122,62 +140,6 @@ def _timed_reshard(params, shardings, copy=False):
     t = time.time()
     out = jax.block_until_ready(sharding.reshard(params, shardings, copy=copy))
     return out, time.time() - t
-
-
-def sampling_settings(config) -> dict:
-    """The `SamplingConfig` fields `config.sampling` (and the group size) give as they are:
-    all but the token ids, which come from a tokenizer."""
-    s = config.sampling
-    return dict(
-        think_budget=s.think_budget,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        num_samples=checks.samples_per_prompt(config),
-        buckets=tuple(s.buckets),
-    )
-
-
-def sampling_config(config, tokenizer) -> SamplingConfig:
-    """The run's `SamplingConfig`: `config.sampling` with its texts (the forced-interruption
-    phrase and end-of-thinking marker) encoded by the run's tokenizer.
-
-    Completions stop at the EOS and, for a chat-formatted task, at the template's end-of-turn
-    token. Tokenizers without a pad token (Llama 3) left-pad with the EOS (padding is masked).
-    """
-    s = config.sampling
-    stop = (tokenizer.eos_id,)
-    template = data_load.chat_template(config.task)
-    if template is not None:
-        try:
-            stop = chat.stop_token_ids(tokenizer, template)
-        except ValueError:  # The end-of-turn marker is not one token: not this model's format.
-            raise ValueError(
-                f"task.chat_template={config.task.chat_template!r}: the tokenizer has no "
-                f"{template.end_of_turn!r} token to end the assistant's turn, so the model does "
-                "not use this chat template; set the model's family, or "
-                "task.chat_template='' for text prompts"
-            ) from None
-    interrupt_ids, think_end = (), ()
-    if s.think_budget:
-        interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
-        think_end = tuple(tokenizer.encode(s.think_end))
-        if len(think_end) != 1:
-            raise ValueError(
-                f"sampling.think_end={s.think_end!r} is {len(think_end)} tokens "
-                f"({list(think_end)}); it must be exactly one token of the tokenizer"
-            )
-    try:
-        return SamplingConfig(
-            **sampling_settings(config),
-            interrupt_ids=interrupt_ids,
-            think_end_tokens=think_end,
-            stop_tokens=stop,
-            pad_id=tokenizer.padding_id,
-        )
-    except ValueError as e:  # The one set of sampling rules, reported under the config key.
-        raise ValueError(f"Invalid config: sampling: {e}") from None
 
 
 def _tokenizer(config, workdir, problems):
@@ -272,7 +234,7 @@ def build(config, workdir: str) -> Setup:
         tokenizer = tokenizer_lib.load(hf_init)
     else:
         tokenizer = _tokenizer(config, workdir, splits["train"])
-    scfg = sampling_config(config, tokenizer)
+    scfg = saved_policy.sampling_config(config, tokenizer, checks.samples_per_prompt(config))
     G = checks.samples_per_prompt(config)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     problems = checks.pack_problems(config, longest)

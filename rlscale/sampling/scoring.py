@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from rlscale import chat, eval_metrics, sharding
+from rlscale import chat, sharding
 from rlscale.rewards import isolation
 from rlscale.sampling.sampler import Sampler, SamplingConfig
 
@@ -210,15 +210,3 @@ def sample_and_score(
         prompt = (out.prompt_BP[: len(real)], out.prompt_mask_BP[: len(real)])
         parts.append(_score(tokenizer, scorer, host, rows, *prompt))
     return concat(parts, cfg.pad_id)
-
-
-def evaluate(sampler, params, tokenizer, problems, rng, cfg: SamplingConfig, scorer) -> dict:
-    """Held-out metrics: mean reward, pass@1 (the mean correctness) and, with n > 1 samples
-    per prompt, the unbiased pass@n."""
-    r = sample_and_score(sampler, params, tokenizer, problems, rng, cfg, scorer, chunk=64).reward_N
-    out = {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
-    n = cfg.num_samples
-    if n > 1:  # Rows are prompt-major: each prompt's n samples give an unbiased pass@n.
-        correct_B = (r > 0).reshape(-1, n).sum(axis=1)
-        out[f"eval/pass@{n}"] = float(eval_metrics.pass_at_k(n, correct_B, n).mean())
-    return out

@@ -11,13 +11,13 @@ same run's best-of-N curves and what they sampled.
 The search (Snell et al. 2024, "Scaling LLM Test-Time Compute Optimally can be More
 Effective than Scaling Model Parameters", arXiv 2408.03314, beam search against a PRM; steps
 verified as in Math-Shepherd, Wang et al. 2024, arXiv 2312.08935). A step ends at the PRM's
-delimiter (`process_reward.split_steps`: "=" for the arithmetic task, else a newline). For a
+delimiter (`step_labels.split_steps`: "=" for the arithmetic task, else a newline). For a
 problem x, a beam width W (`beam`) and E expansions per entry (`expand`):
 
     round 0:  sample W * E first steps y ~ pi(. | x) (W copies of x, E samples each);
     round r:  continue each unfinished kept prefix y E times by ONE step,
               c ~ pi(. | x ++ y) stopped at the delimiter, giving candidates y ++ c;
-    score:    v(y) = agg_j sigmoid(s_j(x, y)) over y's steps (`process_reward.prm_scores`;
+    score:    v(y) = agg_j sigmoid(s_j(x, y)) over y's steps (`prm_lib.prm_scores`;
               agg "last": the value of the whole prefix, "min" or "product");
     keep:     the W candidates of highest v, finished ones carried over competing too,
 
@@ -35,7 +35,7 @@ A token that holds the delimiter followed by more text (the quickstart tokenizer
 not stop a step: such a step holds two of the PRM's steps, and the PRM scores both.
 
 Every round is one `scoring.sample_and_score` call over all problems' unfinished entries (as
-`process_reward.mc_step_labels` samples prefixes: the prompt is the problem's followed by the
+`step_labels.mc_step_labels` samples prefixes: the prompt is the problem's followed by the
 prefix's text), padded with repeats of the first entry to a multiple of min(`chunk`, B W)
 prompts (B problems, W entries each), so every round runs the sampler on the same shapes
 within a prompt bucket; the padding rows are dropped and not counted.
@@ -58,8 +58,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale import process_reward
 from rlscale import tokenizer as tokenizer_lib
+from rlscale.reward_models import prm as prm_lib
+from rlscale.reward_models import step_labels
 from rlscale.sampling import scoring
 from rlscale.sampling.sampler import SamplingConfig
 
@@ -142,7 +143,7 @@ def step_stop_tokens(tokenizer: tokenizer_lib.Tokenizer, delimiter: str) -> tupl
             f"step delimiter {delimiter!r} is not one token of the tokenizer (it encodes to "
             f"{len(ids)} tokens {ids[:8]}): step search stops sampling a step at a token, so "
             f"the PRM's steps must end with one (the arithmetic task's "
-            f"{process_reward.ARITHMETIC_DELIMITER!r}, or a newline)"
+            f"{step_labels.ARITHMETIC_DELIMITER!r}, or a newline)"
         )
     return tuple(i for i, t in texts.items() if t.endswith(delimiter))
 
@@ -183,7 +184,7 @@ def beam_search(
     tokenizer: tokenizer_lib.Tokenizer,
     problems: Sequence,
     verifier: Callable,
-    prm: process_reward.ProcessRewardModel,
+    prm: prm_lib.ProcessRewardModel,
     *,
     beam: int,
     expand: int,
@@ -212,7 +213,7 @@ def beam_search(
         replaced by E.
       rng: the sampling key; round r samples with fold_in(rng, r).
       aggregation: how a prefix's step probabilities make its score: "last", "min" or
-        "product" (`process_reward.AGGREGATIONS`).
+        "product" (`prm_lib.AGGREGATIONS`).
       max_steps: rounds at most; default `cfg.max_new_tokens`, after which every entry is
         finished (each round adds at least one token to each unfinished one).
       pool, timeout: the verifier pool and its per-sample deadline (`scoring.Scorer`).
@@ -235,10 +236,8 @@ def beam_search(
         raise ValueError(f"max_steps={max_steps} must be >= 1")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
-    if aggregation not in process_reward.AGGREGATIONS:
-        raise ValueError(
-            f"aggregation={aggregation!r} is not one of {tuple(process_reward.AGGREGATIONS)}"
-        )
+    if aggregation not in prm_lib.AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {tuple(prm_lib.AGGREGATIONS)}")
     step_cfg = step_config(cfg, step_stop_tokens(tokenizer, prm.config.delimiter), expand)
     ends, budget, eos = set(cfg.stop_tokens), cfg.max_new_tokens, tokenizer.eos_id
     rounds_max = budget if max_steps is None else max_steps
@@ -252,7 +251,7 @@ def beam_search(
         if not live:
             break
         items = [
-            process_reward.StepPrefix(problems[b].prompt + e.text, problems[b], e.text)
+            step_labels.StepPrefix(problems[b].prompt + e.text, problems[b], e.text)
             for b, e in live
         ]
         items += [items[0]] * (-len(items) % min(chunk or B * beam, B * beam))  # Static shapes.
@@ -279,7 +278,7 @@ def beam_search(
                 new.append((b, ids, text, finished))
         rows = [list(ids) for _, ids, _, _ in new]
         longest = max(len(prompt_ids[b]) + len(ids) for b, ids, _, _ in new)
-        scores = process_reward.prm_scores(
+        scores = prm_lib.prm_scores(
             prm.with_bucket(longest), [prompt_ids[b] for b, *_ in new], rows, aggregation
         )
         candidates = [[e for e in entries if e.finished] for entries in beams]

@@ -10,7 +10,7 @@ of a list, the benchmark value (the mean over problems) of:
 
 each an unbiased estimate from the G samples, averaged over the C(G, N) choices of N of them
 (`rlscale.eval_metrics`: closed forms for pass@N and best-of-N; for voting, every subset
-while there are at most `eval_metrics.MAX_SUBSETS`, else that many random ones with their
+while there are at most `estimators.MAX_SUBSETS`, else that many random ones with their
 Monte-Carlo standard error). For 0/1 rewards every curve is an accuracy.
 
 Scorers (`--scorer`) are `Ranker`s: a name, a function giving each sample a score (higher is
@@ -29,12 +29,16 @@ A process reward model is one more `Ranker` per aggregation, `prm_min`, `prm_las
 Dimension letters: B problems, G samples per problem, N = B * G rows.
 """
 
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from rlscale import eval_metrics, process_reward
+from rlscale.eval import estimators
+from rlscale.eval import step_search as step_search_lib
+from rlscale.reward_models import prm as prm_lib
+from rlscale.reward_models import scalar_head
 from rlscale.sampling import scoring
 
 
@@ -69,8 +73,8 @@ def logprob_ranker() -> Ranker:
 
 
 def _sigmoid(x):
-    """`process_reward.sigmoid`, with NaN -> 0 (no vote)."""
-    return np.nan_to_num(process_reward.sigmoid(x), nan=0.0)
+    """`prm_lib.sigmoid`, with NaN -> 0 (no vote)."""
+    return np.nan_to_num(prm_lib.sigmoid(x), nan=0.0)
 
 
 def sample_ids(samples: scoring.Samples) -> tuple[list[list[int]], list[list[int]]]:
@@ -100,15 +104,15 @@ def reward_model_ranker(rm) -> Ranker:
 
 
 def prm_ranker(prm, aggregation: str) -> Ranker:
-    """A loaded `process_reward.ProcessRewardModel`: the `aggregation` ("min", "last",
-    "product") of its step probabilities (`process_reward.prm_scores`); votes weighted by that
+    """A loaded `prm.ProcessRewardModel`: the `aggregation` ("min", "last",
+    "product") of its step probabilities (`prm_lib.prm_scores`); votes weighted by that
     probability."""
 
     def score(samples, problems):
         prompt_ids, completion_ids = sample_ids(samples)
         longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
         model = prm.with_bucket(longest)
-        return process_reward.prm_scores(model, prompt_ids, completion_ids, aggregation)
+        return prm_lib.prm_scores(model, prompt_ids, completion_ids, aggregation)
 
     return Ranker(f"prm_{aggregation}", score, lambda p: np.nan_to_num(p, nan=0.0))
 
@@ -126,7 +130,7 @@ def curves(
     weights: dict | None = None,
     *,
     seed: int = 0,
-    max_subsets: int = eval_metrics.MAX_SUBSETS,
+    max_subsets: int = estimators.MAX_SUBSETS,
 ) -> dict:
     """The test-time scaling curves (module docstring), each a list over `ns`.
 
@@ -140,7 +144,7 @@ def curves(
       answers_BG: [B][G] extracted answers: the `maj@N` curve (none without answers).
       weights: {scorer: [B, G] vote weights}: a `wmaj@N/<scorer>` curve each (with answers).
       seed: the random subsets' seed where voting cannot count them all.
-      max_subsets: `eval_metrics.maj_at_n`'s.
+      max_subsets: `estimators.maj_at_n`'s.
 
     Returns:
       {"N": ns, "pass@N": [...], "best_of/<scorer>": [...], "maj@N": [...],
@@ -152,10 +156,10 @@ def curves(
     B, G = rewards_BG.shape
     correct_B = (rewards_BG > 0).sum(1)
     out = {"N": [int(n) for n in ns]}
-    out["pass@N"] = [float(eval_metrics.pass_at_k(G, correct_B, n).mean()) for n in ns]
+    out["pass@N"] = [float(estimators.pass_at_k(G, correct_B, n).mean()) for n in ns]
     for name, s_BG in (scores or {}).items():
         out[f"best_of/{name}"] = [
-            float(eval_metrics.best_of_n(s_BG, rewards_BG, n).mean()) for n in ns
+            float(estimators.best_of_n(s_BG, rewards_BG, n).mean()) for n in ns
         ]
     if answers_BG is None:
         return out
@@ -165,9 +169,7 @@ def curves(
     voters = {"maj@N": None} | {f"wmaj@N/{k}": w for k, w in (weights or {}).items()}
     for key, w_BG in voters.items():
         votes = [
-            eval_metrics.maj_at_n(
-                answers_BG, rewards_BG, n, w_BG, max_subsets=max_subsets, seed=seed
-            )
+            estimators.maj_at_n(answers_BG, rewards_BG, n, w_BG, max_subsets=max_subsets, seed=seed)
             for n in ns
         ]
         out[key] = [float(v.value_B.mean()) for v in votes]
@@ -234,3 +236,146 @@ def plot(c: dict, path: str, *, title: str | None = None) -> str:
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+# ==========================================================================================
+# The flags: the N values, the scorers.
+# ==========================================================================================
+
+# `--scorer`'s choices (`Ranker`s); `prm` is one ranker per `--prm_aggregation`.
+SCORERS = ("logprob", "reward_model", "prm")
+
+
+def _best_of_problems(values: Sequence, k: int) -> tuple[list[int], list[str]]:
+    """The N values of `--best_of` (ints, or strings as the flag gives them), increasing, and
+    what is wrong with them: no value, a non-integer, N < 1, N > k, a duplicate."""
+    problems, ns = [], []
+    for v in values:
+        try:
+            n = int(str(v).strip())
+        except ValueError:
+            problems.append(f"{str(v)!r} is not an integer")
+            continue
+        if not 1 <= n <= k:
+            problems.append(f"N={n} is outside [1, --k={k}]")
+        ns.append(n)
+    twice = sorted({n for n in ns if ns.count(n) > 1})
+    if twice:
+        problems.append(f"N={', '.join(map(str, twice))} given more than once")
+    if not values:
+        problems.append("no N given")
+    return sorted(ns), problems
+
+
+def check_test_time_flags(
+    best_of: Sequence | None,
+    k: int,
+    scorers: Sequence[str],
+    reward_model_dir: str | None,
+    plot: str | None,
+    prm_dir: str | None = None,
+    prm_aggregation: Sequence[str] = ("min",),
+    step_search=None,
+    step_search_aggregation: str = step_search_lib.DEFAULT_AGGREGATION,
+) -> list[int] | None:
+    """The N values of `--best_of` (None without it), increasing.
+
+    Raises:
+      ValueError: Naming the flags, every problem at once: a bad `--best_of` (no value, a
+        non-integer, N < 1, N > k, a duplicate), an unknown or repeated `--scorer`, a
+        `reward_model` scorer without `--reward_model` or the reverse (`prm` and `--prm`
+        alike), an unknown `--prm_aggregation`, or `--scorer`, `--reward_model`, `--prm` or
+        `--plot` without `--best_of`; a malformed `--step_search` (`step_search.parse_beam`),
+        one without `--prm`, or an unknown `--step_search_aggregation`. `--prm` with
+        `--step_search` needs neither `--scorer=prm` nor `--best_of`.
+    """
+    problems, ns = [], None
+    if best_of is not None:
+        ns, wrong = _best_of_problems(best_of, k)
+        if wrong:
+            problems.append(f"--best_of={','.join(map(str, best_of))}: " + "; ".join(wrong))
+    names = list(scorers)
+    for name in dict.fromkeys(names):
+        if name not in SCORERS:
+            problems.append(f"--scorer: {name!r} is not one of {', '.join(SCORERS)}")
+        if names.count(name) > 1:
+            problems.append(f"--scorer: {name!r} given more than once")
+    if "reward_model" in names and not reward_model_dir:
+        problems.append("--scorer=reward_model needs --reward_model DIR")
+    if reward_model_dir and "reward_model" not in names:
+        problems.append(
+            f"--reward_model={reward_model_dir} is unused: --scorer does not name reward_model"
+        )
+    if "prm" in names and not prm_dir:
+        problems.append("--scorer=prm needs --prm DIR")
+    if prm_dir and "prm" not in names and step_search is None:
+        problems.append(f"--prm={prm_dir} is unused: --scorer does not name prm")
+    if step_search is not None:
+        try:
+            step_search_lib.parse_beam(step_search)
+        except ValueError as e:
+            problems.append(str(e))
+        if not prm_dir:
+            raw = step_search if isinstance(step_search, str) else ",".join(map(str, step_search))
+            problems.append(
+                f"--step_search={raw} needs --prm DIR: the process reward model that scores "
+                "each step"
+            )
+        if step_search_aggregation not in prm_lib.AGGREGATIONS:
+            problems.append(
+                f"--step_search_aggregation={step_search_aggregation!r} is not one of "
+                f"{', '.join(prm_lib.AGGREGATIONS)}"
+            )
+    bad = [a for a in prm_aggregation if a not in prm_lib.AGGREGATIONS]
+    if bad:
+        problems.append(
+            f"--prm_aggregation: {', '.join(map(repr, bad))} not one of "
+            f"{', '.join(prm_lib.AGGREGATIONS)}"
+        )
+    if best_of is None and (
+        names != ["logprob"] or reward_model_dir or (prm_dir and step_search is None)
+    ):
+        problems.append(
+            "--scorer, --reward_model and --prm score the --best_of curves: pass --best_of"
+        )
+    if best_of is None and plot:
+        problems.append(f"--plot={plot}: plots the --best_of curves: pass --best_of")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return ns
+
+
+def load_scoring_model(flag: str, path: str, load, tokenizer, longest: int):
+    """`load(path)` (`reward_model.load` or `prm_lib.load`), checked against the
+    policy's tokenizer and the longest row it will score (`longest` tokens: the longest
+    prompt, max_new_tokens and the EOS); errors name `--{flag}`."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--{flag}={path}: no such directory")
+    try:
+        model = load(path)
+        scalar_head.check_tokenizer(path, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--{flag}={path}: {e}") from e
+    if longest > model.model_cfg.max_seq_len:
+        raise ValueError(
+            f"--{flag}={path}: its decoder reads at most max_seq_len="
+            f"{model.model_cfg.max_seq_len} tokens, but the longest prompt with "
+            f"--config.sampling.max_new_tokens and the EOS makes {longest}"
+        )
+    return model
+
+
+def rankers(
+    names: Sequence[str], reward_model=None, prm=None, prm_aggregation: Sequence[str] = ("min",)
+) -> list[Ranker]:
+    """The `--scorer`s as `Ranker`s, in order (`reward_model`, `prm`: loaded ones;
+    `prm` gives one ranker per aggregation)."""
+    out = []
+    for name in names:
+        if name == "logprob":
+            out.append(logprob_ranker())
+        elif name == "reward_model":
+            out.append(reward_model_ranker(reward_model))
+        else:
+            out += [prm_ranker(prm, how) for how in prm_aggregation]
+    return out

@@ -1,7 +1,7 @@
 """Plans a run before launching it: per-device memory and FLOPs per step of a config on a
 target mesh, from its programs compiled ahead of time on this machine.
 
-    python tools/plan.py --config configs/math.py --model llama3_8b --mesh 1,8,1 \\
+    python -m rlscale.main.plan --config configs/math.py --model llama3_8b --mesh 1,8,1 \\
         [--devices 8] [--platform cpu|gpu|tpu] [--accelerator h100] [--hbm_gib 80] \\
         [--prompt_len 512] [--out plan.json] [--config.learner.micro_batches=4 ...]
 
@@ -20,7 +20,7 @@ compiles on fake CPU devices and says so. XLA:CPU partitions the programs as XLA
 (the per-device parameter, optimizer and cache bytes are exact); its temporaries and FLOP
 counts come from another compiler's fusion choices, so they are estimates for an accelerator.
 
-`rlscale.plan` defines the terms. It prints them per device against `--hbm_gib` (default:
+`rlscale.planner` defines the terms. It prints them per device against `--hbm_gib` (default:
 the accelerator's HBM), the FLOPs per RL step and a roofline bound on the step time from
 `--accelerator`'s published peaks, then whether the config fits. If it does not, one
 `error: DOES NOT FIT: ...` line on stderr names the largest term and the knobs that shrink
@@ -83,8 +83,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from rlscale import plan as plan_lib  # noqa: E402
-from rlscale import sharding  # noqa: E402
+from rlscale import planner, sharding  # noqa: E402
 from rlscale.model.config import NAMES  # noqa: E402
 
 # JAX logs each backend it cannot start (INFO); `devices_used` says what is missing instead.
@@ -100,7 +99,7 @@ _PLATFORM = flags.DEFINE_enum("platform", "cpu", PLATFORMS, "Where to compile (s
 _ACCELERATOR = flags.DEFINE_string(
     "accelerator",
     None,
-    f"Peaks for the step-time bound: one of {', '.join(plan_lib.ACCELERATORS)} "
+    f"Peaks for the step-time bound: one of {', '.join(planner.ACCELERATORS)} "
     "(default: h100, or tpu_v5p with --platform tpu).",
 )
 _HBM = flags.DEFINE_float("hbm_gib", None, "Memory per device, GiB (default: the accelerator's).")
@@ -139,13 +138,13 @@ def check_flags(config) -> tuple[list[str], dict]:
         problems.append(f"--model={_MODEL.value}: no such model; {hint}known: {', '.join(NAMES)}")
     default_acc = "tpu_v5p" if _PLATFORM.value == "tpu" else "h100"
     out["accelerator"] = _ACCELERATOR.value or default_acc
-    if out["accelerator"] not in plan_lib.ACCELERATORS:
+    if out["accelerator"] not in planner.ACCELERATORS:
         problems.append(
-            f"--accelerator={out['accelerator']}: not one of {', '.join(plan_lib.ACCELERATORS)}"
+            f"--accelerator={out['accelerator']}: not one of {', '.join(planner.ACCELERATORS)}"
         )
     else:
-        acc = plan_lib.ACCELERATORS[out["accelerator"]]
-        out["hbm"] = (_HBM.value * plan_lib.GIB) if _HBM.value is not None else acc.hbm_bytes
+        acc = planner.ACCELERATORS[out["accelerator"]]
+        out["hbm"] = (_HBM.value * planner.GIB) if _HBM.value is not None else acc.hbm_bytes
         if _HBM.value is not None and _HBM.value <= 0:
             problems.append(f"--hbm_gib={_HBM.value}: must be > 0")
     buckets = tuple(config.sampling.buckets)
@@ -199,7 +198,7 @@ def devices_used(platform: str, n: int) -> str:
         except Exception as e:  # noqa: BLE001  (the TPU runtime is absent: say why)
             why += f"; jax.experimental.topologies is unavailable ({str(e).split('. ')[0]})"
     env = {**os.environ, "RLSCALE_PLAN_FALLBACK": why}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
 
 
 def _count(n: int) -> str:
@@ -208,7 +207,7 @@ def _count(n: int) -> str:
 
 def report(p, acc, hbm: float, where: str, model_name: str, config) -> str:
     """The plan as a table: bytes per device (a column per device group), then the work."""
-    size, info = plan_lib.size, p.info
+    size, info = planner.size, p.info
     lines = [
         f"plan: {model_name} ({_count(info['num_params'])} params, {info['param_dtype']} "
         f"params, {info['dtype']} compute), config {config.recipe}",
@@ -221,7 +220,7 @@ def report(p, acc, hbm: float, where: str, model_name: str, config) -> str:
         "",
         "per device" + "".join(f"{role:>18}" for role in p.roles),
     ]
-    for k in (*plan_lib.TERMS, "total"):
+    for k in (*planner.TERMS, "total"):
         lines.append(f"  {k:<18}" + "".join(f"{size(r[k]):>18}" for r in p.roles.values()))
     lines.append(f"  {'memory':<18}{size(hbm):>18}")
     if p.host_bytes:
@@ -253,26 +252,26 @@ def main(argv):
         config.mesh.shape = v["mesh"] if not problems else (1, 1, 1)
     problems += config_problems(config)
     if _MODEL.value in NAMES and not any(x.startswith("--prompt_len") for x in problems):
-        model_cfg = plan_lib.model_config(config, _MODEL.value)
+        model_cfg = planner.model_config(config, _MODEL.value)
         problems += [
             f"--model={_MODEL.value}: {e}"
-            for e in plan_lib.shape_problems(config, model_cfg, v["prompt_len"])
+            for e in planner.shape_problems(config, model_cfg, v["prompt_len"])
         ]
     if problems:
         print("error: " + "\n  ".join(problems), file=sys.stderr)
         sys.exit(2)
     where = devices_used(_PLATFORM.value, v["devices"])
-    acc = plan_lib.ACCELERATORS[v["accelerator"]]
+    acc = planner.ACCELERATORS[v["accelerator"]]
     train_mesh, gen_mesh = sharding.role_meshes(v["mesh"], config.pipeline.generator_devices)
-    p = plan_lib.plan_run(config, model_cfg, train_mesh, gen_mesh, v["prompt_len"], acc)
-    fits, line = plan_lib.verdict(p, v["hbm"])
+    p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, v["prompt_len"], acc)
+    fits, line = planner.verdict(p, v["hbm"])
     print(report(p, acc, v["hbm"], where, _MODEL.value, config), flush=True)
     if fits:
         print("\n" + line)
     else:  # One line on stderr, as for bad input, after the table that explains it.
         print(f"error: {line}", file=sys.stderr)
     if _OUT.value:
-        plan_lib.write(
+        planner.write(
             _OUT.value,
             p,
             model=_MODEL.value,

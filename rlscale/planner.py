@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlscale import model, programs, sharding
+from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder
 from rlscale.rl import checks
@@ -270,7 +270,7 @@ def sampling_config(config) -> SamplingConfig:
     them."""
     think = config.sampling.think_budget
     return SamplingConfig(
-        **rl_setup.sampling_settings(config),
+        **saved_policy.sampling_settings(config, checks.samples_per_prompt(config)),
         interrupt_ids=(1,) if think else (),
         think_end_tokens=(2,) if think else (),
         stop_tokens=(0,),

@@ -1,0 +1,140 @@
+"""A saved policy and its task, as the commands that sample one load them (evaluation, step
+labels, best-of-N): the run's sampling settings for a tokenizer, a params checkpoint loaded on
+the config's mesh in the sampling layout with its tokenizer, the task's problems of a split and
+its verifier pool. The RL run builds its sampling settings here too (`rl.setup`).
+"""
+
+import contextlib
+import os
+from typing import NamedTuple
+
+from rlscale import chat, checkpoint, sharding
+from rlscale import tokenizer as tokenizer_lib
+from rlscale.data import load as data_load
+from rlscale.model.config import ModelConfig
+from rlscale.rewards import isolation
+from rlscale.sampling import Sampler, SamplingConfig
+
+
+def sampling_settings(config, num_samples: int) -> dict:
+    """The `SamplingConfig` fields `config.sampling` gives as they are, with `num_samples`
+    completions per prompt: all but the token ids, which come from a tokenizer."""
+    s = config.sampling
+    return dict(
+        think_budget=s.think_budget,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        num_samples=num_samples,
+        buckets=tuple(s.buckets),
+    )
+
+
+def sampling_config(config, tokenizer, num_samples: int) -> SamplingConfig:
+    """The run's `SamplingConfig` with `num_samples` completions per prompt: `config.sampling`
+    with its texts (the forced-interruption
+    phrase and end-of-thinking marker) encoded by the run's tokenizer.
+
+    Completions stop at the EOS and, for a chat-formatted task, at the template's end-of-turn
+    token. Tokenizers without a pad token (Llama 3) left-pad with the EOS (padding is masked).
+    """
+    s = config.sampling
+    stop = (tokenizer.eos_id,)
+    template = data_load.chat_template(config.task)
+    if template is not None:
+        try:
+            stop = chat.stop_token_ids(tokenizer, template)
+        except ValueError:  # The end-of-turn marker is not one token: not this model's format.
+            raise ValueError(
+                f"task.chat_template={config.task.chat_template!r}: the tokenizer has no "
+                f"{template.end_of_turn!r} token to end the assistant's turn, so the model does "
+                "not use this chat template; set the model's family, or "
+                "task.chat_template='' for text prompts"
+            ) from None
+    interrupt_ids, think_end = (), ()
+    if s.think_budget:
+        interrupt_ids = tuple(tokenizer.encode(s.interrupt_phrase))
+        think_end = tuple(tokenizer.encode(s.think_end))
+        if len(think_end) != 1:
+            raise ValueError(
+                f"sampling.think_end={s.think_end!r} is {len(think_end)} tokens "
+                f"({list(think_end)}); it must be exactly one token of the tokenizer"
+            )
+    try:
+        return SamplingConfig(
+            **sampling_settings(config, num_samples),
+            interrupt_ids=interrupt_ids,
+            think_end_tokens=think_end,
+            stop_tokens=stop,
+            pad_id=tokenizer.padding_id,
+        )
+    except ValueError as e:  # The one set of sampling rules, reported under the config key.
+        raise ValueError(f"Invalid config: sampling: {e}") from None
+
+
+def default_tokenizer_path(checkpoint_dir: str, workdir: str) -> str:
+    """The checkpoint's own tokenizer files, else the run's `WORKDIR/tokenizer.model`."""
+    for name in (tokenizer_lib.HF_TOKENIZER_FILE, tokenizer_lib.SENTENCEPIECE_FILE):
+        if os.path.isfile(os.path.join(checkpoint_dir, name)):
+            return checkpoint_dir
+    path = os.path.join(workdir, tokenizer_lib.SENTENCEPIECE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no tokenizer in {checkpoint_dir!r} nor {path!r}; pass --tokenizer PATH"
+        )
+    return path
+
+
+class Policy(NamedTuple):
+    """A params checkpoint loaded to sample from (`load_policy`)."""
+
+    model_cfg: ModelConfig
+    graphdef: object
+    params: dict
+    tokenizer: tokenizer_lib.Tokenizer
+    tokenizer_path: str
+    sampler: Sampler
+
+
+def load_policy(
+    config, checkpoint_dir: str, workdir: str, tokenizer_path: str | None = None
+) -> Policy:
+    """The checkpoint's params on the config's mesh in the sampling layout, its tokenizer
+    (`tokenizer_path`, else `default_tokenizer_path`) and a `Sampler` for them.
+
+    Raises:
+      ValueError: Naming `--checkpoint` when it is no directory, or the tokenizer when it has
+        more ids than the model.
+    """
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
+    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    rules = sharding.SAMPLE_RULES
+    model_cfg, graphdef, params = checkpoint.load_params(checkpoint_dir, mesh, rules)
+    tokenizer_path = tokenizer_path or default_tokenizer_path(checkpoint_dir, workdir)
+    tokenizer = tokenizer_lib.load(tokenizer_path)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer at {tokenizer_path!r} has {tokenizer.vocab_size} ids but the model "
+            f"only {model_cfg.vocab_size}: not the tokenizer this checkpoint was trained with"
+        )
+    sampler = Sampler(graphdef, model_cfg, mesh, rules)
+    return Policy(model_cfg, graphdef, params, tokenizer, tokenizer_path, sampler)
+
+
+def load_problems(config, workdir: str, split: str, n: int):
+    """(task, problems): the config's task (`data.load.load_task`, materialized in `workdir`)
+    and the
+    first `n` problems of its `split`; ValueError naming `--split` when it has none."""
+    task, splits = data_load.load_task(config, workdir)
+    if split not in splits:
+        raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
+    return task, splits[split][:n]
+
+
+def verifier_pool(config):
+    """The config's verifier pool (`reward.workers` worker processes) as a context manager,
+    or None in-process when `reward.workers` is 0."""
+    workers = config.reward.workers
+    return isolation.verifier_pool(workers) if workers else contextlib.nullcontext()
