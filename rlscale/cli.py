@@ -213,6 +213,17 @@ def call(define_flags, main, argv):
     return main(fv)
 
 
+def load_config(spec: str, overrides=()):
+    """The config `--config SPEC` names (a file, optionally with a `:variant` suffix) with its
+    `--config.a.b=value` overrides, loaded as a command loads its `--config` (locked: a
+    mistyped key is an error), on flags of its own.
+
+    Raises:
+      ValueError: Naming the file, variant, key or value that does not load.
+    """
+    return call(define_config, lambda fv: fv.config, [f"--config={spec}", *overrides])
+
+
 def run_command(define_flags, main, status: int = 1):
     """A command's `if __name__ == "__main__":` body: `define_flags` on absl's flags, then
     `run`; `main`'s return value is discarded."""
@@ -249,3 +260,12 @@ def parse_flags(argv, status: int = 1):
 def run(main, status: int = 1):
     """`app.run(main)` with `parse_flags` and `guard`: the entry point of an absl command."""
     app.run(guard(main, status), flags_parser=functools.partial(parse_flags, status=status))
+
+
+def print_summary(title: str, summary: dict, width: int = 20, quoted: tuple = ()) -> None:
+    """A command's closing summary on stdout: the title, then one `key value` line each
+    (floats to 4 significant digits; the keys in `quoted` as Python literals)."""
+    print(f"\n{title}")
+    for key, v in summary.items():
+        text = f"{v:.4g}" if isinstance(v, float) else repr(v) if key in quoted else v
+        print(f"  {key:<{width}} {text}")

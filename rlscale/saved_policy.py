@@ -125,8 +125,7 @@ def load_policy(
 
 def load_problems(config, workdir: str, split: str, n: int):
     """(task, problems): the config's task (`data.load.load_task`, materialized in `workdir`)
-    and the
-    first `n` problems of its `split`; ValueError naming `--split` when it has none."""
+    and the first `n` problems of its `split`; ValueError naming `--split` when it has none."""
     task, splits = data_load.load_task(config, workdir)
     if split not in splits:
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")

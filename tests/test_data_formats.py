@@ -315,6 +315,7 @@ def _files_config(train, test, **task):
 def test_chat_prompts_from_scratch_tokenizer_and_stop_tokens(tmp_path):
     """From scratch on chat prompts: the tokenizer trained on the rendered prompts keeps the
     template's end-of-turn marker as one token, and sampling stops at it."""
+    from rlscale import saved_policy
     from rlscale.rl import setup
 
     path = write_verl_parquet(tmp_path / "v.parquet", verl_gsm8k(gsm8k_rows(40), "train"))
@@ -324,13 +325,13 @@ def test_chat_prompts_from_scratch_tokenizer_and_stop_tokens(tmp_path):
     end = tok.encode("<|im_end|>")
     assert len(end) == 1 and tok.decode(end) == "<|im_end|>"
     assert problems["train"][0].prompt.count("<|im_end|>") == 2  # System and user turns.
-    assert setup.sampling_config(config, tok).stop_tokens == (end[0], tok.eos_id)
+    assert saved_policy.sampling_config(config, tok, 1).stop_tokens == (end[0], tok.eos_id)
     (tmp_path / "plain").mkdir()
     plain = setup._tokenizer(_files_config(path, path), str(tmp_path / "plain"), problems["train"])
     assert len(plain.encode("<|im_end|>")) > 1  # Without a template it is ordinary text.
     # A model whose tokenizer lacks the template's end-of-turn token does not use that template.
     with pytest.raises(ValueError, match=re.escape("task.chat_template='qwen2.5': the tokenizer")):
-        setup.sampling_config(config, plain)
+        saved_policy.sampling_config(config, plain, 1)
 
 
 def test_bad_files_task_config_lists_every_problem(tmp_path):

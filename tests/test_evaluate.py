@@ -15,18 +15,12 @@ import numpy as np
 import pytest
 from test_main import one_error_line
 
-from rlscale import (
-    chat,
-    checkpoint,
-    config_lib,
-    eval_metrics,
-    evaluate,
-    model,
-    process_reward,
-    reward_model,
-    sharding,
-)
+from rlscale import chat, checkpoint, config_lib, model, saved_policy, sharding
+from rlscale.data import load as data_load
 from rlscale.data import math_data, tasks
+from rlscale.eval import estimators, harness
+from rlscale.reward_models import bradley_terry, scalar_head
+from rlscale.reward_models import prm as prm_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.tokenizer import train_sentencepiece
 
@@ -40,10 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_pass_at_k_hand_computed():
     # n=5 samples, c=2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10;
     # pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10; pass@4: any 4 of 5 hold a correct one.
-    got = [eval_metrics.pass_at_k(5, 2, k)[()] for k in (1, 2, 3, 4, 5)]
+    got = [estimators.pass_at_k(5, 2, k)[()] for k in (1, 2, 3, 4, 5)]
     np.testing.assert_allclose(got, [0.4, 0.7, 0.9, 1.0, 1.0], rtol=1e-15)
     np.testing.assert_allclose(
-        eval_metrics.pass_at_k([4, 4, 4, 10], [0, 4, 1, 3], 2), [0.0, 1.0, 0.5, 1 - 21 / 45]
+        estimators.pass_at_k([4, 4, 4, 10], [0, 4, 1, 3], 2), [0.0, 1.0, 0.5, 1 - 21 / 45]
     )
 
 
@@ -51,7 +45,7 @@ def test_pass_at_k_is_stable_for_large_n():
     # C(2000, 500) overflows a float; the product form does not.
     n, c, k = 2000, 7, 500
     exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
-    assert eval_metrics.pass_at_k(n, c, k)[()] == pytest.approx(float(exact), rel=1e-12)
+    assert estimators.pass_at_k(n, c, k)[()] == pytest.approx(float(exact), rel=1e-12)
     with pytest.raises(OverflowError):
         float(math.comb(n, k))
 
@@ -62,15 +56,15 @@ def test_pass_at_k_is_stable_for_large_n():
 )
 def test_pass_at_k_bad_arguments(n, c, k, message):
     with pytest.raises(ValueError, match=message):
-        eval_metrics.pass_at_k(n, c, k)
+        estimators.pass_at_k(n, c, k)
 
 
 def test_avg_at_k():
     np.testing.assert_array_equal(
-        eval_metrics.avg_at_k([[1, 0, 0, 1], [0.5, 0.5, 0, 0]]), [0.5, 0.25]
+        estimators.avg_at_k([[1, 0, 0, 1], [0.5, 0.5, 0, 0]]), [0.5, 0.25]
     )
     with pytest.raises(ValueError, match=r"\[B, G\]"):
-        eval_metrics.avg_at_k([1, 0])
+        estimators.avg_at_k([1, 0])
 
 
 def test_maj_at_n_hand_computed():
@@ -82,23 +76,23 @@ def test_maj_at_n_hand_computed():
         ["1", "2", "3", "4"],  # All tied: the mean of the four.
     ]
     rewards = [[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]]
-    vote = eval_metrics.maj_at_n(answers, rewards)
+    vote = estimators.maj_at_n(answers, rewards)
     np.testing.assert_array_equal(vote.value_B, [1, 0.5, 0, 0, 0.75])
     assert (vote.subsets, vote.exact) == (1, True) and not vote.stderr_B.any()
     # Subsets of N of G = 6. N = 1: each sample alone, so the mean reward of answered samples;
     # N = 2 over the 15 pairs: a+a, a+None (twice), 1; a+b, a+c (6 pairs), 1/2; the rest 0:
     # (3 + 6 / 2) / 15 = 0.4.
     answers, rewards = [["a", "b", "a", None, "c", "b"]], [[1, 0, 1, 0, 0, 0]]
-    got = [eval_metrics.maj_at_n(answers, rewards, n).value_B[0] for n in (1, 2, 6)]
+    got = [estimators.maj_at_n(answers, rewards, n).value_B[0] for n in (1, 2, 6)]
     np.testing.assert_allclose(got, [2 / 6, 0.4, 0.5], rtol=1e-15)
     # Weighted: "a" (weight 3) outvotes two "b"s (weight 1 each); unweighted, "b" wins.
     answers, rewards, weights = [["a", "b", "b"]], [[1, 0, 0]], [[3, 1, 1]]
-    assert eval_metrics.maj_at_n(answers, rewards).value_B[0] == 0
-    assert eval_metrics.maj_at_n(answers, rewards, 3, weights).value_B[0] == 1
+    assert estimators.maj_at_n(answers, rewards).value_B[0] == 0
+    assert estimators.maj_at_n(answers, rewards, 3, weights).value_B[0] == 1
     # N = 2: {a, b} twice (a wins 3-1), {b, b} once.
-    assert eval_metrics.maj_at_n(answers, rewards, 2, weights).value_B[0] == pytest.approx(2 / 3)
+    assert estimators.maj_at_n(answers, rewards, 2, weights).value_B[0] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="row 0 has 3 answers, expected 4"):
-        eval_metrics.maj_at_n([["1", "2", "3"]], [[0, 0, 0, 0]])
+        estimators.maj_at_n([["1", "2", "3"]], [[0, 0, 0, 0]])
 
 
 def _brute_force_vote(answers, rewards, n, weights):
@@ -126,17 +120,17 @@ def test_maj_at_n_is_the_mean_over_all_subsets_and_estimates_it_when_there_are_t
     weights = rng.integers(0, 3, (B, G)).astype(float)  # Small integers: tied votes happen.
     for n in range(1, G + 1):
         for w in (None, weights):
-            got = eval_metrics.maj_at_n(answers, rewards, n, w).value_B
+            got = estimators.maj_at_n(answers, rewards, n, w).value_B
             ref = np.ones((B, G)) if w is None else w
             want = [_brute_force_vote(answers[b], rewards[b], n, ref[b]) for b in range(B)]
             np.testing.assert_allclose(got, want, rtol=1e-12)
     # C(7, 3) = 35 subsets; with at most 30, a seeded Monte-Carlo estimate within its error.
-    exact = eval_metrics.maj_at_n(answers, rewards, 3, weights).value_B
-    mc = eval_metrics.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
+    exact = estimators.maj_at_n(answers, rewards, 3, weights).value_B
+    mc = estimators.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
     assert (mc.subsets, mc.exact) == (30, False) and (mc.stderr_B > 0).all()
     assert (np.abs(mc.value_B - exact) < 4 * mc.stderr_B).all()
     assert not np.array_equal(mc.value_B, exact)  # It is an estimate,
-    again = eval_metrics.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
+    again = estimators.maj_at_n(answers, rewards, 3, weights, max_subsets=30, seed=1)
     np.testing.assert_array_equal(again.value_B, mc.value_B)  # and a reproducible one.
 
 
@@ -153,28 +147,28 @@ def test_maj_at_n_is_the_mean_over_all_subsets_and_estimates_it_when_there_are_t
 )
 def test_maj_at_n_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        eval_metrics.maj_at_n([["a", "b", "a"]], [[1, 0, 1]], **kwargs)
+        estimators.maj_at_n([["a", "b", "a"]], [[1, 0, 1]], **kwargs)
 
 
 def test_best_of_n_hand_computed_and_equals_pass_at_n_with_the_verifier_as_scorer():
     # N = G: the top-scored sample; tied tops share (row 2: mean of 0 and 1); NaN ranks last.
     scores = [[0.1, 0.9, 0.5], [np.nan, 0.2, 0.2], [-1.0, -3.0, -2.0]]
     rewards = [[0, 1, 0], [1, 0, 1], [0.5, 1, 1]]
-    np.testing.assert_array_equal(eval_metrics.best_of_n(scores, rewards), [1, 0.5, 0.5])
+    np.testing.assert_array_equal(estimators.best_of_n(scores, rewards), [1, 0.5, 0.5])
     # N = 2 of 3: the pairs {0.1, 0.9} -> 1, {0.1, 0.5} -> 0, {0.9, 0.5} -> 1.
-    assert eval_metrics.best_of_n(scores[:1], rewards[:1], 2)[0] == pytest.approx(2 / 3)
+    assert estimators.best_of_n(scores[:1], rewards[:1], 2)[0] == pytest.approx(2 / 3)
     rng = np.random.default_rng(0)
     r = (rng.random((50, 6)) < 0.2).astype(float)
     for n in range(1, 7):
         np.testing.assert_allclose(
-            eval_metrics.best_of_n(r, r, n),
-            eval_metrics.pass_at_k(6, r.sum(1).astype(int), n),
+            estimators.best_of_n(r, r, n),
+            estimators.pass_at_k(6, r.sum(1).astype(int), n),
             rtol=1e-14,
         )
     with pytest.raises(ValueError, match="must be"):
-        eval_metrics.best_of_n([[1, 2]], [[1, 2, 3]])
+        estimators.best_of_n([[1, 2]], [[1, 2, 3]])
     with pytest.raises(ValueError, match=r"best_of_n: n=3 must be an integer in \[1, G=2\]"):
-        eval_metrics.best_of_n([[1, 2]], [[1, 2]], 3)
+        estimators.best_of_n([[1, 2]], [[1, 2]], 3)
 
 
 def _brute_force_best_of(scores, rewards, n):
@@ -200,7 +194,7 @@ def test_best_of_n_closed_form_equals_enumerating_the_subsets():
         for n in range(1, G + 1):
             want = [_brute_force_best_of(scores[b], rewards[b], n) for b in range(B)]
             np.testing.assert_allclose(
-                eval_metrics.best_of_n(scores, rewards, n), want, rtol=1e-12, atol=1e-15
+                estimators.best_of_n(scores, rewards, n), want, rtol=1e-12, atol=1e-15
             )
 
 
@@ -258,11 +252,11 @@ def test_sample_and_score_keeps_prompts_rewards_and_texts_together(run_dir, tok)
     np.testing.assert_array_equal(reversed_run.reward_N.reshape(5, 3), rewards[::-1])
     assert all(len(set(row)) == 1 for row in texts)  # Greedy: k identical samples,
     assert len({row[0] for row in texts}) > 1  # and the prompts' differ.
-    m = evaluate.metrics(s, 3, answer_fn=lambda t: t)
+    m = harness.metrics(s, 3, answer_fn=lambda t: t)
     assert m["pass@1"] == pytest.approx(rewards.mean())
     assert m["maj@3"] == pytest.approx(rewards[:, 0].mean())
     assert m["answered"] == 1.0 and m["accuracy_answered"] == pytest.approx(rewards.mean())
-    odd = evaluate.metrics(s, 3, answer_fn=lambda t: t if len(t) % 2 else None)
+    odd = harness.metrics(s, 3, answer_fn=lambda t: t if len(t) % 2 else None)
     stated = np.array([len(t) % 2 == 1 for t in s.texts])
     assert 0 < stated.sum() < stated.size  # Some samples state an answer, some do not.
     assert odd["answered"] == pytest.approx(stated.mean())
@@ -298,8 +292,8 @@ def rm_dir(run_dir, tok, tmp_path_factory):
     """An untrained reward model on the policy's decoder and tokenizer. Its bucket, 16 tokens,
     is shorter than the rows it will score: the scorer widens it."""
     path = tmp_path_factory.mktemp("rm")
-    model_cfg, _, params = reward_model.init(str(run_dir / "final"), jax.random.key(2))
-    reward_model.save(str(path), model_cfg, params, tok, reward_model.RMConfig(seq_len=16))
+    model_cfg, _, params = scalar_head.init(str(run_dir / "final"), jax.random.key(2))
+    bradley_terry.save(str(path), model_cfg, params, tok, bradley_terry.RMConfig(seq_len=16))
     return path
 
 
@@ -308,9 +302,9 @@ def prm_dir(run_dir, tok, tmp_path_factory):
     """An untrained process reward model on the policy's decoder and tokenizer (the same
     narrow bucket as `rm_dir`)."""
     path = tmp_path_factory.mktemp("prm")
-    model_cfg, _, params = reward_model.init(str(run_dir / "final"), jax.random.key(3))
-    cfg = process_reward.PRMConfig(delimiter="=", seq_len=16)
-    process_reward.save(str(path), model_cfg, params, tok, cfg)
+    model_cfg, _, params = scalar_head.init(str(run_dir / "final"), jax.random.key(3))
+    cfg = prm_lib.PRMConfig(delimiter="=", seq_len=16)
+    prm_lib.save(str(path), model_cfg, params, tok, cfg)
     return path
 
 
@@ -324,7 +318,7 @@ def prm_dir(run_dir, tok, tmp_path_factory):
 def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
     (tmp_path / "empty").mkdir()
     r = subprocess.run(
-        [sys.executable, "-m", "rlscale.evaluate", "--config", "configs/quickstart.py:smoke"]
+        [sys.executable, "-m", "rlscale.main.evaluate", "--config", "configs/quickstart.py:smoke"]
         + ["--checkpoint", str(tmp_path / checkpoint)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""),
@@ -342,7 +336,7 @@ def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir, rm_dir, prm_dir):
         [
             sys.executable,
             "-m",
-            "rlscale.evaluate",
+            "rlscale.main.evaluate",
             "--config",
             "configs/quickstart.py:smoke",
             "--checkpoint",
@@ -420,7 +414,7 @@ def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
 ):
     problems = [tasks.Problem(prompt=f"Q: {i}+{2 * i}=", answer="", demo="") for i in range(6)]
     monkeypatch.setattr(
-        evaluate, "load_task", lambda config, workdir: (AnswerTask(), {"t": problems})
+        data_load, "load_task", lambda config, workdir: (AnswerTask(), {"t": problems})
     )
     seen = []  # The scored samples, as the evaluation holds them.
     sample_and_score = scoring.sample_and_score
@@ -434,7 +428,7 @@ def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
     config.mesh.shape = (1, 1, 1)  # One device: a quicker compile than the 8 of the tests.
     config.reward.workers = 0  # The verifier in-process: no worker processes to start.
     k = 4
-    report = evaluate.run(
+    report = harness.run(
         config,
         str(run_dir / "final"),
         split="t",
@@ -453,13 +447,13 @@ def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
     # The scores: the mean token logprob, and the reward model on the prompt's ids (with its
     # BOS) then the completion's, ended by the EOS, scored here in a bucket of 64.
     logprob = (samples.logprobs_NM * samples.mask_NM).sum(1) / samples.mask_NM.sum(1)
-    rm = reward_model.load(str(rm_dir))
+    rm = bradley_terry.load(str(rm_dir))
     rows = []
     for i in range(24):
         completion = samples.tokens_NM[i, : samples.lengths_N[i]].tolist()
         eos = [] if completion[-1:] == [tok.eos_id] else [tok.eos_id]
         rows.append(chat.encode_prompt(tok, problems[i // k].prompt) + completion + eos)
-    by_rm = reward_model.score_rows(rm.graphdef, rm.params, *reward_model.pad_rows(rows, 64, 0))
+    by_rm = bradley_terry.score_rows(rm.graphdef, rm.params, *bradley_terry.pad_rows(rows, 64, 0))
     scores = report["per_prompt"]["scores"]
     np.testing.assert_allclose(scores["logprob"], logprob.reshape(-1, k), rtol=1e-6)
     np.testing.assert_allclose(scores["reward_model"], by_rm.reshape(-1, k), rtol=1e-4, atol=1e-5)
@@ -496,7 +490,7 @@ def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
     path = tmp_path / "bigger.model"
     path.write_bytes(bigger.serialized)
     with pytest.raises(ValueError, match="not the tokenizer this checkpoint was trained with"):
-        evaluate.run(_quickstart_smoke(), str(run_dir / "final"), k=2, n=2, tokenizer_path=path)
+        harness.run(_quickstart_smoke(), str(run_dir / "final"), k=2, n=2, tokenizer_path=path)
 
 
 @pytest.mark.parametrize(
@@ -546,13 +540,13 @@ def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
 def test_bad_test_time_flags_fail_before_anything_loads(tmp_path, flags, message):
     # The checkpoint does not exist: the flags are checked first.
     with pytest.raises(ValueError) as e:
-        evaluate.run(_quickstart_smoke(), str(tmp_path / "nosuch"), k=4, n=2, **flags)
+        harness.run(_quickstart_smoke(), str(tmp_path / "nosuch"), k=4, n=2, **flags)
     assert str(e.value) == message
 
 
 def test_a_bad_reward_model_fails_before_sampling(run_dir, rm_dir, tmp_path):
     def run(rm, config=None):
-        evaluate.run(
+        harness.run(
             config or _quickstart_smoke(),
             str(run_dir / "final"),
             k=2,
@@ -569,9 +563,9 @@ def test_a_bad_reward_model_fails_before_sampling(run_dir, rm_dir, tmp_path):
         run(run_dir / "final")
     # A reward model saved with another tokenizer.
     other_tok = train_sentencepiece(CORPUS[::3], 290, hard_vocab_limit=False)
-    rm = reward_model.load(str(rm_dir))
+    rm = bradley_terry.load(str(rm_dir))
     other = tmp_path / "other"
-    reward_model.save(str(other), rm.model_cfg, rm.params, other_tok, rm.config)
+    bradley_terry.save(str(other), rm.model_cfg, rm.params, other_tok, rm.config)
     with pytest.raises(ValueError, match=f"--reward_model={other}: tokenizer mismatch"):
         run(other)
     # Rows the reward model's decoder cannot read (max_seq_len 128).
@@ -597,14 +591,14 @@ def test_load_task_reads_a_math_dataset_with_its_chat_template(tmp_path):
         chat_template="qwen2.5",
         instruction="Box it.",
     )
-    task, splits = evaluate.load_task(config, str(tmp_path))
+    task, splits = data_load.load_task(config, str(tmp_path))
     assert isinstance(task, math_data.MathTask) and sorted(splits) == ["test", "train"]
     assert splits["test"][3].prompt == chat.qwen2_5([{"role": "user", "content": "3+3?\nBox it."}])
     assert splits["test"][3].answer == "6"
     tok = train_sentencepiece(
         CORPUS, 300, user_defined_symbols=["<|im_end|>"], hard_vocab_limit=False
     )
-    scfg = evaluate.sampling_config(config, tok, k=5)
+    scfg = saved_policy.sampling_config(config, tok, 5)
     assert scfg.num_samples == 5
     assert scfg.stop_tokens == (tok.token_id("<|im_end|>"), tok.eos_id)
     assert scfg.max_new_tokens == config.sampling.max_new_tokens

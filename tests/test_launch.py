@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlscale import main
+from rlscale import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(ROOT, "tools", "launch_tpu.sh")
@@ -147,7 +147,7 @@ def test_slurm_script_builds_the_launch_that_rlscale_accepts(tmp_path):
         }
         for i in range(2)
     ]
-    settings = [main.distributed_settings(e) for e in envs]
+    settings = [distributed.distributed_settings(e) for e in envs]
     assert [(s["num_processes"], s["process_id"]) for s in settings] == [(2, 0), (2, 1)]
 
     bad = subprocess.run(

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from conftest import load_config, metric_lines, untrained_prm
 
-from rlscale import process_reward, rl, sharding
+from rlscale import rl, sharding
 from rlscale import tokenizer as tokenizer_lib
+from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import checks, learned_rewards
 from rlscale.rl.rollouts import Rollouts
 from rlscale.tokenizer import train_sentencepiece
@@ -79,14 +80,14 @@ def _rows(prompts, completions, pad, M):
 def test_step_rewards_read_the_unpadded_rows(prm_dir):
     """On the loop's padded rows, with the PRM on an 8-device mesh as the trainer's: what
     `step_rewards` gives on the unpadded rows with the PRM on one device."""
-    prm = process_reward.load(prm_dir)
+    prm = prm_lib.load(prm_dir)
     tok = prm.tokenizer
     texts = [("1+1", "1+1=2 Answer: 2"), ("Hi", "a=b=c"), ("x", "no step")]
     prompts = [[tok.bos_id, *tok.encode(p)] if tok.bos_id >= 0 else tok.encode(p) for p, _ in texts]
     completions = [tok.encode(c) + [tok.eos_id] for _, c in texts]
     M = 24
     roll = _rows(prompts, completions, tok.padding_id, M)
-    sharded = process_reward.load(prm_dir, sharding.make_mesh((8, 1, 1)))
+    sharded = prm_lib.load(prm_dir, sharding.make_mesh((8, 1, 1)))
     reward_NM, mask_NM, flops = learned_rewards.StepRewards(sharded)(roll)
     want_reward, want_mask = prm.step_rewards(prompts, completions, M)
     np.testing.assert_array_equal(mask_NM, want_mask)

@@ -262,12 +262,12 @@ def test_step_lines_eta_from_the_smoothed_step_rate(monkeypatch, capsys):
 
 
 def test_compilation_cache_persists_programs_unless_turned_off(tmp_path):
-    """`--compilation_cache` (main.use_compilation_cache): a compiled program lands in the
+    """`--compilation_cache` (distributed.use_compilation_cache): a compiled program lands in the
     directory; '' leaves the cache off; JAX_COMPILATION_CACHE_DIR takes precedence."""
     code = (
         "import os, sys, jax, jax.numpy as jnp\n"
-        "from rlscale import main\n"
-        "main.use_compilation_cache(sys.argv[1])\n"
+        "from rlscale import distributed\n"
+        "distributed.use_compilation_cache(sys.argv[1])\n"
         "jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}

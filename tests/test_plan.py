@@ -1,4 +1,5 @@
-"""The AOT planner (`rlscale.plan`, `tools/plan.py`): per-device bytes against the model's own
+"""The AOT planner (`rlscale.planner`, `python -m rlscale.main.plan`): per-device bytes against
+the model's own
 parameter count and against the arrays a run really allocates, FLOPs per step independent of
 how the batch is split, the verdict, the JSON, and the CLI's bad input."""
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import ROOT, load_config
 
-from rlscale import model, plan, sharding
+from rlscale import model, planner, sharding
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import engine
@@ -34,19 +35,19 @@ def test_param_bytes_are_the_model_split_over_fsdp_and_tensor(shape):
     the matrices split fsdp x tensor ways (data replicates) and the norm scales whole."""
     cfg = model.get("tiny", param_dtype="bfloat16")
     mesh = sharding.make_mesh(shape)
-    _, params = plan.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
+    _, params = planner.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
     shards = shape[1] * shape[2]
     norms = _norm_params(cfg)
-    assert plan.device_bytes(params) == ((cfg.num_params() - norms) // shards + norms) * 2
+    assert planner.device_bytes(params) == ((cfg.num_params() - norms) // shards + norms) * 2
 
 
 @pytest.mark.parametrize("name,shape", [("llama3_8b", (1, 8, 1)), ("qwen2.5_7b", (1, 4, 2))])
 def test_real_size_param_bytes_within_5_percent_of_an_eighth(name, shape):
     """The issue's check at the real sizes, without compiling (the CLI does the same)."""
     cfg = model.get(name)
-    _, params = plan.abstract_params(cfg, sharding.make_mesh(shape), sharding.TRAIN_RULES)
+    _, params = planner.abstract_params(cfg, sharding.make_mesh(shape), sharding.TRAIN_RULES)
     eighth = cfg.num_params() * 2 / 8  # bfloat16 params.
-    assert abs(plan.device_bytes(params) / eighth - 1) < 0.05
+    assert abs(planner.device_bytes(params) / eighth - 1) < 0.05
 
 
 def _learner_config(**learner):
@@ -67,11 +68,11 @@ def test_abstract_train_state_is_learner_init():
     value = sharding.replicate({"w": jnp.zeros((cfg.d_model,)), "b": jnp.zeros(())}, mesh)
     real = learn.init(params, value)
 
-    _, abstract_params = plan.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
+    _, abstract_params = planner.abstract_params(cfg, mesh, sharding.TRAIN_RULES)
     abstract_value = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), value
     )
-    abstract = plan.abstract_train_state(learn, abstract_params, abstract_value)
+    abstract = planner.abstract_train_state(learn, abstract_params, abstract_value)
     assert jax.tree.structure(abstract) == jax.tree.structure(real)
     for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
         assert (a.shape, a.dtype) == (r.shape, r.dtype)
@@ -83,7 +84,7 @@ def test_abstract_train_state_is_learner_init():
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
     for field in ("params", "opt_state"):
-        got = plan.device_bytes(getattr(abstract, field))
+        got = planner.device_bytes(getattr(abstract, field))
         assert got == shard_bytes(getattr(real, field)), field
 
 
@@ -93,14 +94,14 @@ def test_kv_cache_bytes_are_the_engines():
     config = load_config("quickstart")
     cfg = model.get("tiny")
     mesh = sharding.make_mesh((2, 2, 2))
-    scfg = plan.sampling_config(config)
+    scfg = planner.sampling_config(config)
     slots, P = config.batch.prompts * config.batch.group_size, scfg.buckets[-1]
     graphdef, _ = model.abstract_model(cfg)
     real = engine.Generator(graphdef, cfg, scfg, slots, P, mesh)
     layout = _Layout(mesh, sharding.SAMPLE_RULES)
-    abstract = plan.abstract_engine_state(cfg, scfg, slots, P, layout)
+    abstract = planner.abstract_engine_state(cfg, scfg, slots, P, layout)
     expected = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(real.state))
-    assert plan.device_bytes(abstract) == expected
+    assert planner.device_bytes(abstract) == expected
 
 
 # A model whose matmuls dominate its FLOPs (the norms, softmax and optimizer are ~1%).
@@ -112,14 +113,14 @@ def tiny_plan():
     config = load_config("quickstart")
     config.mesh.shape = (1, 2, 1)
     train, gen = sharding.role_meshes((1, 2, 1), 0)
-    cfg = dataclasses.replace(plan.model_config(config, "tiny"), **WIDE)
-    p = plan.plan_run(config, cfg, train, gen, 64, plan.ACCELERATORS["h100"])
+    cfg = dataclasses.replace(planner.model_config(config, "tiny"), **WIDE)
+    p = planner.plan_run(config, cfg, train, gen, 64, planner.ACCELERATORS["h100"])
     return config, cfg, p
 
 
 def test_plan_json_and_terms(tiny_plan):
     config, cfg, p = tiny_plan
-    out = json.loads(json.dumps(plan.to_json(p, model="tiny")))
+    out = json.loads(json.dumps(planner.to_json(p, model="tiny")))
     b = out["per_device_bytes"]
     assert {"params", "opt_state", "grads", "temp", "kv_cache", "total"} <= set(b)
     norms = _norm_params(cfg)
@@ -160,15 +161,15 @@ def test_generator_flops_match_the_analytic_count(tiny_plan):
 def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
     _, _, p = tiny_plan
     total = p.per_device_bytes["total"]
-    assert plan.verdict(p, total) == (
+    assert planner.verdict(p, total) == (
         True,
-        f"FITS: {plan.size(total)} of {plan.size(total)} per device",
+        f"FITS: {planner.size(total)} of {planner.size(total)} per device",
     )
-    fits, message = plan.verdict(p, total - 1)
-    big = max(plan.TERMS, key=lambda k: p.per_device_bytes[k])
+    fits, message = planner.verdict(p, total - 1)
+    big = max(planner.TERMS, key=lambda k: p.per_device_bytes[k])
     assert not fits
     assert f"the largest term is {big}" in message
-    assert plan.advice(big, p.info["settings"]) in message
+    assert planner.advice(big, p.info["settings"]) in message
 
 
 def _accepted(config) -> bool:
@@ -188,20 +189,20 @@ def test_next_micro_batches_is_the_next_the_checks_accept():
     config = load_config("quickstart")
     config.mesh.shape = (2, 4, 1)
     mesh = sharding.make_mesh((2, 4, 1))
-    assert plan.next_pack_rows(config, mesh, 16) == 0  # Unpacked.
+    assert planner.next_pack_rows(config, mesh, 16) == 0  # Unpacked.
     packed = config.copy_and_resolve_references()
     packed.learner.pack_length = 96
-    assert plan.next_micro_batches(packed, mesh) == 0
-    assert plan.next_pack_rows(packed, mesh, 16) == 2  # From group_size (4) rows.
+    assert planner.next_micro_batches(packed, mesh) == 0
+    assert planner.next_pack_rows(packed, mesh, 16) == 2  # From group_size (4) rows.
     packed.learner.pack_rows = 2
-    assert plan.next_pack_rows(packed, mesh, 16) == 0
+    assert planner.next_pack_rows(packed, mesh, 16) == 0
     mesh = sharding.make_mesh((2, 4, 1))
     counts = range(1, config.batch.prompts + 1)
     accepted = [k for k in counts if _accepted(_with_micro_batches(config, k))]
     assert accepted == [1, 2, 4]
     for k in accepted:  # Unpacked.
         later = [a for a in accepted if a > k]
-        assert plan.next_micro_batches(_with_micro_batches(config, k), mesh) == (
+        assert planner.next_micro_batches(_with_micro_batches(config, k), mesh) == (
             later[0] if later else 0
         )
 
@@ -223,15 +224,15 @@ def test_temp_advice_names_each_knob_with_its_value():
         "slots": 32,
         "max_new_tokens": 32,
     }
-    assert plan.advice("temp", settings) == (
+    assert planner.advice("temp", settings) == (
         "learner.micro_batches=2 (now 1), learner.remat=dots (now none), "
         "learner.logprob_chunk=256 (now 1024), more data x fsdp devices (--mesh=2,4,1)"
     )
     # Every knob at its limit: only more devices are left.
     spent = {**settings, "next_micro_batches": 0, "remat": "full", "logprob_chunk": 1}
-    assert plan.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
+    assert planner.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
     packed = {**spent, "pack_rows": 8, "next_pack_rows": 4}
-    assert plan.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
+    assert planner.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
 
 
 @pytest.mark.parametrize(
@@ -255,7 +256,7 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     cfg = model.get("tiny", **WIDE)
     mesh = sharding.make_mesh(shape)
     P = 64
-    entry = plan.compile_update(config, cfg, mesh, P)[-1]
+    entry = planner.compile_update(config, cfg, mesh, P)[-1]
     rows, T = config.batch.prompts * config.batch.group_size, P + config.sampling.max_new_tokens
     forward = compute.forward_flops(cfg, rows * T, T)
     expected = 3 * forward
@@ -271,7 +272,7 @@ def test_update_flops_match_the_analytic_count(shape, learner):
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
-        [sys.executable, "tools/plan.py", *args],
+        [sys.executable, "-m", "rlscale.main.plan", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -310,10 +311,10 @@ def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     saved = json.loads(out.read_text())
     b = saved["per_device_bytes"]
-    big = max(plan.TERMS, key=lambda k: b[k])
+    big = max(planner.TERMS, key=lambda k: b[k])
     assert "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"error: DOES NOT FIT: {plan.size(b['total'])} per device > 1.0 MiB")
+    assert line.startswith(f"error: DOES NOT FIT: {planner.size(b['total'])} per device > 1.0 MiB")
     assert f"the largest term is {big}" in line
     assert "params" in r.stdout and "kv_cache" in r.stdout  # The table comes first.
     assert saved["fits"] is False and saved["flops_per_device"] > 0

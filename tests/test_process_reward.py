@@ -1,4 +1,5 @@
-"""Process rewards (`rlscale.process_reward`, `objectives.process_advantages`).
+"""Process rewards (`rlscale.reward_models.prm`, `.step_labels`,
+`objectives.process_advantages`).
 
 A scripted environment with known values: the prompt `bad D, S steps:` asks for S steps
 `d=d=...=d` (one digit each), and a completion is correct when it has S steps and none is the
@@ -9,7 +10,7 @@ outcomes evenly, within binomial bounds when it samples them). A 2-layer PRM tra
 scratch on noisy soft labels of such completions (prompt `bad D:`, the label of step j: no D
 so far) must label held-out steps right (> 0.9), also where only the prompt's digit decides.
 Then split_steps, the loss, the aggregations and DeepSeekMath's process advantages by hand.
-Last, the command line on the suite's warm start: `label`, `train`, then `rlscale.evaluate
+Last, the command line on the suite's warm start: `label`, `train`, then `rlscale.main.evaluate
 --scorer prm` on the PRM it wrote, and a user's mistakes as one `error:` line.
 """
 
@@ -23,7 +24,7 @@ import os
 import pickle
 import random
 import re
-import runpy
+import subprocess
 import sys
 from typing import NamedTuple
 
@@ -33,21 +34,26 @@ import numpy as np
 import pytest
 from conftest import ROOT, random_decoder_params, random_policy
 
-from rlscale import chat, cli, evaluate
+from rlscale import chat, cli
 from rlscale import objectives as obj
-from rlscale import process_reward as pr
-from rlscale import reward_model as rm
 from rlscale import tokenizer as tokenizer_lib
+from rlscale.data import load as data_load
+from rlscale.eval import harness
+from rlscale.main import label_steps, train_prm
 from rlscale.model import config as model_config
 from rlscale.model import decoder
 from rlscale.objectives import registry
+from rlscale.reward_models import bradley_terry, scalar_head, step_labels
+from rlscale.reward_models import prm as prm_lib
 from rlscale.sampling import Sampler, SamplingConfig
 from rlscale.sampling.sampler import SampleOutput
 from rlscale.sampling.scoring import completions_text
 from rlscale.tokenizer import train_sentencepiece
 
 SHAPE = dict(d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=48)
-CFG = pr.PRMConfig(delimiter="=", seq_len=20, batch_rows=32, max_steps=6, eval_every=60, lr=3e-3)
+CFG = prm_lib.PRMConfig(
+    delimiter="=", seq_len=20, batch_rows=32, max_steps=6, eval_every=60, lr=3e-3
+)
 STEPS = 120
 MARKERS = "37"
 PROMPT_RE = re.compile(r"bad (\d), (\d) steps:(.*)$", re.S)
@@ -155,7 +161,7 @@ def _examples(seed: int, n: int, exclude=frozenset()):
         seen.add((bad, completion))
         clean = [bad not in digits[: j + 1] for j in range(len(digits))]
         soft = [sum(rng.random() < (0.9 if c else 0.05) for _ in range(8)) / 8 for c in clean]
-        out.append(pr.StepExample(f"bad {bad}:", completion, soft))
+        out.append(step_labels.StepExample(f"bad {bad}:", completion, soft))
         truth.append(clean)
     return out, truth
 
@@ -188,37 +194,41 @@ def policy(tok, model_cfg, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(tok, policy):
-    return pr.train(TRAIN, tok, CFG, STEPS, model=str(policy), heldout=HELDOUT)
+    return prm_lib.train(TRAIN, tok, CFG, STEPS, model=str(policy), heldout=HELDOUT)
 
 
 @pytest.fixture(scope="module")
 def prm(tok, trained):
-    return pr.ProcessRewardModel(trained.model_cfg, trained.graphdef, trained.params, tok, CFG)
+    return prm_lib.ProcessRewardModel(trained.model_cfg, trained.graphdef, trained.params, tok, CFG)
 
 
 # ---- steps ----------------------------------------------------------------------------------
 
 
 def test_split_steps_by_hand():
-    s = pr.split_steps("7+15-2=22-2=20 Answer: 20", pr.ARITHMETIC_DELIMITER)
+    s = step_labels.split_steps("7+15-2=22-2=20 Answer: 20", step_labels.ARITHMETIC_DELIMITER)
     assert (s.starts, s.ends, s.last_tokens) == ((0, 7, 12), (7, 12, 25), None)
     # Blank lines and a trailing delimiter join the step before; a leading one the next.
-    assert pr.split_steps("a\n\nb\n", "\n")[:2] == ((0, 3), (3, 5))
-    assert pr.split_steps("\n first\nsecond", "\n")[:2] == ((0, 8), (8, 14))
-    assert pr.split_steps("one step", "\n")[:2] == ((0,), (8,))
-    assert pr.split_steps("", "\n").num_steps == pr.split_steps(" \n \n", "\n").num_steps == 0
+    assert step_labels.split_steps("a\n\nb\n", "\n")[:2] == ((0, 3), (3, 5))
+    assert step_labels.split_steps("\n first\nsecond", "\n")[:2] == ((0, 8), (8, 14))
+    assert step_labels.split_steps("one step", "\n")[:2] == ((0,), (8,))
+    assert (
+        step_labels.split_steps("", "\n").num_steps
+        == step_labels.split_steps(" \n \n", "\n").num_steps
+        == 0
+    )
     # A delimiter of several characters, occurrences not overlapping.
-    assert pr.split_steps("a\n\n\nb", "\n\n")[:2] == ((0, 3), (3, 5))
+    assert step_labels.split_steps("a\n\n\nb", "\n\n")[:2] == ((0, 3), (3, 5))
     # Tokens "1", "2", "=", "3", "=", "4", "5": each step's last token is its "=" (or last).
     ends = [1, 2, 3, 4, 5, 6, 7]
-    assert pr.split_steps("12=3=45", "=", ends).last_tokens == (2, 4, 6)
+    assert step_labels.split_steps("12=3=45", "=", ends).last_tokens == (2, 4, 6)
     # Tokens "12", "=3", "=45": a token holding a step's last character and the next step's
     # first is that step's last token; two steps may end in one token.
-    assert pr.split_steps("12=3=45", "=", [2, 4, 7]).last_tokens == (1, 2, 2)
+    assert step_labels.split_steps("12=3=45", "=", [2, 4, 7]).last_tokens == (1, 2, 2)
     with pytest.raises(ValueError, match="the 2 tokens cover 4 characters but the text has 7"):
-        pr.split_steps("12=3=45", "=", [2, 4])
+        step_labels.split_steps("12=3=45", "=", [2, 4])
     with pytest.raises(ValueError, match="step delimiter '' must be a non-empty string"):
-        pr.split_steps("12=3", "")
+        step_labels.split_steps("12=3", "")
 
 
 def test_token_char_ends_are_the_decoded_prefixes(tok):
@@ -226,7 +236,7 @@ def test_token_char_ends_are_the_decoded_prefixes(tok):
     characters split over byte tokens, the EOS, and more tokens than the window."""
     for text in ["Café naïve ü\n1=2", "bad 3:1=7=3", "x" * 3 + "é" * 12 + "=\n=y"]:
         ids = tok.encode(text) + [tok.eos_id]
-        got = pr.token_char_ends(tok, ids)
+        got = step_labels.token_char_ends(tok, ids)
         want = [
             len(os.path.commonprefix([tok.decode(ids[: t + 1]), text])) for t in range(len(ids))
         ]
@@ -234,28 +244,28 @@ def test_token_char_ends_are_the_decoded_prefixes(tok):
     # A byte no later token completes stays in the text as U+FFFD: the exact prefixes.
     ids = tok.encode("ab") + tok.encode("é")[:1]
     assert tok.decode(ids) == "ab\ufffd"
-    np.testing.assert_array_equal(pr.token_char_ends(tok, ids), [1, 2, 3])
+    np.testing.assert_array_equal(step_labels.token_char_ends(tok, ids), [1, 2, 3])
     ids = tok.encode("Café=1")
     pieces = [tok.decode([i]) for i in ids]
     assert pieces[3:5] == ["\ufffd", "\ufffd"]  # "é" is two byte tokens: the second ends it.
-    steps = pr.completion_steps(tok, ids + [tok.eos_id], "=")
+    steps = step_labels.completion_steps(tok, ids + [tok.eos_id], "=")
     assert steps.ends == (5, 6) and steps.last_tokens == (5, 6)
 
 
 def test_a_delimiter_no_completion_has_is_an_error(caplog):
     with pytest.raises(ValueError) as e:
-        pr.check_delimiter(["7+15-2=22-2=20 Answer: 20", "3*5+7 Answer: 22"], "\n")
+        step_labels.check_delimiter(["7+15-2=22-2=20 Answer: 20", "3*5+7 Answer: 22"], "\n")
     assert str(e.value).startswith(
         "step delimiter '\\n' occurs in none of the 2 completions, e.g. '7+15-2=22-2=20 "
         "Answer: 20'; every completion would be one step"
     )
     with caplog.at_level(logging.WARNING, logger="absl"):
-        assert pr.check_delimiter(["1=2", "3", "4=5", "6"], "=") == 2
+        assert step_labels.check_delimiter(["1=2", "3", "4=5", "6"], "=") == 2
     assert [r.getMessage() for r in caplog.records] == [
         "2 of 4 completions have no step delimiter '=' (each is one step), e.g. 1, 3"
     ]
     with pytest.raises(ValueError, match="step delimiter '' must be a non-empty string"):
-        pr.check_delimiter(["1=2"], "")
+        step_labels.check_delimiter(["1=2"], "")
 
 
 # ---- Monte-Carlo labels -------------------------------------------------------------------
@@ -273,7 +283,7 @@ def _mc(tok, policy, K, seed=0):
     problems = [env_problem(b, s) for b, s, _ in COMPLETIONS]
     completions = [c for *_, c in COMPLETIONS]
     cfg = SamplingConfig(max_new_tokens=16, stop_tokens=(tok.eos_id,))
-    return problems, pr.mc_step_labels(
+    return problems, step_labels.mc_step_labels(
         policy,
         None,
         tok,
@@ -297,7 +307,7 @@ def test_mc_labels_equal_the_enumerated_values(tok):
         want = env_value(completion, problem, 0.5)
         np.testing.assert_array_equal(lab.soft, want)
         np.testing.assert_array_equal(lab.hard, np.asarray(want) > 0)
-        assert lab.steps == pr.split_steps(completion, "=")
+        assert lab.steps == step_labels.split_steps(completion, "=")
     assert labels[0].soft.tolist() == [1 / 8, 1 / 4, 1 / 2, 1.0]
     assert policy.prompts == [
         "bad 3, 4 steps:5=",
@@ -311,8 +321,8 @@ def test_mc_labels_equal_the_enumerated_values(tok):
         "bad 7, 2 steps:5=",
     ]
     # The prefix verifier goes to a verifier pool as it is.
-    verify = pickle.loads(pickle.dumps(pr.PrefixVerifier(env_verify)))
-    assert verify("5=5", pr.StepPrefix("", problems[0], "5=5=")) == 1.0
+    verify = pickle.loads(pickle.dumps(step_labels.PrefixVerifier(env_verify)))
+    assert verify("5=5", step_labels.StepPrefix("", problems[0], "5=5=")) == 1.0
 
 
 def test_mc_labels_sampled_are_within_binomial_bounds(tok):
@@ -347,7 +357,7 @@ def test_mc_labels_with_the_sampler_match_sampling_directly(tok, model_cfg):
     problems = [env_problem("3", 3), env_problem("7", 2)]
     completions = ["5=5=5", "1=7"]
     rng, K = jax.random.key(3), 4
-    labels = pr.mc_step_labels(
+    labels = step_labels.mc_step_labels(
         sampler, params, tok, problems, completions, _even_length,
         num_rollouts=K, cfg=cfg, rng=rng, delimiter="=",
     )  # fmt: skip
@@ -400,8 +410,8 @@ def test_prm_learns_known_step_labels(prm, trained, tok):
     # (the area under the ROC curve, ties counting half).
     clean = np.array([all(t) for t in HELDOUT_TRUTH])
     assert 30 < clean.sum() < len(clean) - 30
-    for aggregation in pr.AGGREGATIONS:
-        score = pr.prm_scores(prm, prompt_ids, completion_ids, aggregation)
+    for aggregation in prm_lib.AGGREGATIONS:
+        score = prm_lib.prm_scores(prm, prompt_ids, completion_ids, aggregation)
         above = score[clean][:, None] - score[~clean][None, :]
         assert np.mean((above > 0) + 0.5 * (above == 0)) > 0.95
 
@@ -410,13 +420,13 @@ def test_step_loss_and_gradient_by_hand():
     s = jnp.array([[2.0, -1.0, 0.0], [0.5, 3.0, 9.0]])
     y = jnp.array([[1.0, 0.25, 0.5], [0.0, 1.0, 0.7]])
     m = jnp.array([[True, True, True], [True, False, False]])
-    total, n = pr.step_loss(s, y, m)
+    total, n = prm_lib.step_loss(s, y, m)
     # -[y log sig(s) + (1 - y) log sig(-s)] = log(1 + e^-s) + (1 - y) s.
     want = [np.log1p(np.exp(-2.0)), np.log1p(np.exp(1.0)) - 0.75, np.log(2.0)]
     want += [np.log1p(np.exp(-0.5)) + 0.5]
     assert float(n) == 4
     np.testing.assert_allclose(total, sum(want), rtol=1e-6)
-    g = jax.grad(lambda x: pr.step_loss(x, y, m)[0])(s)
+    g = jax.grad(lambda x: prm_lib.step_loss(x, y, m)[0])(s)
     sig = 1 / (1 + np.exp(-np.asarray(s)))
     np.testing.assert_allclose(g, (sig - np.asarray(y)) * np.asarray(m), rtol=1e-6, atol=1e-7)
 
@@ -449,7 +459,7 @@ def test_scores_are_the_head_at_each_steps_last_token(prm, tok):
     np.testing.assert_allclose(no_eos, s_NS, rtol=1e-6, atol=1e-6)
     reward, mask = prm.step_rewards(prompt_ids, completion_ids, max_len=6)
     assert mask.astype(int).tolist() == [[0, 1, 0, 1, 1, 0], [0, 0, 1, 0, 1, 0]]
-    np.testing.assert_allclose(reward[mask], pr.sigmoid(s_NS[mask_NS]), rtol=1e-6)
+    np.testing.assert_allclose(reward[mask], prm_lib.sigmoid(s_NS[mask_NS]), rtol=1e-6)
     assert not reward[~mask].any()
     with pytest.raises(ValueError, match="completion 0 has 5 tokens, more than max_len=4"):
         prm.step_rewards(prompt_ids, completion_ids, max_len=4)
@@ -457,20 +467,22 @@ def test_scores_are_the_head_at_each_steps_last_token(prm, tok):
 
 def test_save_load_round_trip(prm, trained, tok, tmp_path):
     path = str(tmp_path / "prm")
-    pr.save(path, trained.model_cfg, trained.params, tok, CFG, trained.history)
-    loaded = pr.load(path)
+    prm_lib.save(path, trained.model_cfg, trained.params, tok, CFG, trained.history)
+    loaded = prm_lib.load(path)
     assert loaded.config == CFG and loaded.model_cfg == trained.model_cfg
-    rm.check_tokenizer(path, tok)
+    scalar_head.check_tokenizer(path, tok)
     prompt_ids = [chat.encode_prompt(tok, e.prompt) for e in HELDOUT[:8]]
     completion_ids = tok.encode_batch([e.completion for e in HELDOUT[:8]])
-    for aggregation in pr.AGGREGATIONS:
+    for aggregation in prm_lib.AGGREGATIONS:
         np.testing.assert_array_equal(
-            pr.prm_scores(loaded, prompt_ids, completion_ids, aggregation),
-            pr.prm_scores(prm, prompt_ids, completion_ids, aggregation),
+            prm_lib.prm_scores(loaded, prompt_ids, completion_ids, aggregation),
+            prm_lib.prm_scores(prm, prompt_ids, completion_ids, aggregation),
         )
-    rm.save(str(tmp_path / "rm"), trained.model_cfg, trained.params, tok, CFG.rm_config())
+    bradley_terry.save(
+        str(tmp_path / "rm"), trained.model_cfg, trained.params, tok, CFG.rm_config()
+    )
     with pytest.raises(FileNotFoundError, match="not a process reward model directory"):
-        pr.load(str(tmp_path / "rm"))
+        prm_lib.load(str(tmp_path / "rm"))
 
 
 # ---- best-of-N ----------------------------------------------------------------------------
@@ -479,32 +491,33 @@ def test_save_load_round_trip(prm, trained, tok, tmp_path):
 def test_aggregations_by_hand(prm, tok):
     p = np.array([[0.9, 0.5, 0.8], [0.2, 0.9, 0.4], [0.6, 0.6, 0.6]])
     m = np.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]], bool)
-    np.testing.assert_allclose(pr.prm_min(p, m), [0.5, 0.2, 0.0])
-    np.testing.assert_allclose(pr.prm_last(p, m), [0.8, 0.9, 0.0])
-    np.testing.assert_allclose(pr.prm_product(p, m), [0.36, 0.18, 0.0])
+    np.testing.assert_allclose(prm_lib.prm_min(p, m), [0.5, 0.2, 0.0])
+    np.testing.assert_allclose(prm_lib.prm_last(p, m), [0.8, 0.9, 0.0])
+    np.testing.assert_allclose(prm_lib.prm_product(p, m), [0.36, 0.18, 0.0])
     with pytest.raises(ValueError, match=r"step probabilities \(3, 3\) and mask \(3, 2\)"):
-        pr.prm_min(p, m[:, :2])
+        prm_lib.prm_min(p, m[:, :2])
     # prm_scores: the aggregation of the model's step probabilities.
     prompt_ids = [chat.encode_prompt(tok, "bad 3:")] * 2
     completion_ids = [tok.encode("1=3=5"), tok.encode("8=2")]
     s_NS, mask_NS, _ = prm.score_steps(prompt_ids, completion_ids)
-    for name, fn in pr.AGGREGATIONS.items():
+    for name, fn in prm_lib.AGGREGATIONS.items():
         np.testing.assert_allclose(
-            pr.prm_scores(prm, prompt_ids, completion_ids, name), fn(pr.sigmoid(s_NS), mask_NS)
+            prm_lib.prm_scores(prm, prompt_ids, completion_ids, name),
+            fn(prm_lib.sigmoid(s_NS), mask_NS),
         )
     with pytest.raises(ValueError, match=r"aggregation='mean' is not one of \('min'"):
-        pr.prm_scores(prm, prompt_ids, completion_ids, "mean")
+        prm_lib.prm_scores(prm, prompt_ids, completion_ids, "mean")
 
 
 def test_config_lists_every_problem():
     with pytest.raises(ValueError) as e:
-        pr.PRMConfig(delimiter="", max_steps=0)
+        prm_lib.PRMConfig(delimiter="", max_steps=0)
     assert str(e.value) == (
         "Invalid process reward model config: delimiter='' must be a non-empty string; "
         "max_steps=0 must be >= 1"
     )
     with pytest.raises(ValueError) as e:
-        pr.PRMConfig(seq_len=0, lr=-1.0)
+        prm_lib.PRMConfig(seq_len=0, lr=-1.0)
     assert str(e.value) == (
         "Invalid process reward model config: seq_len=0 must be >= 1; lr=-1.0 must be > 0"
     )
@@ -512,13 +525,13 @@ def test_config_lists_every_problem():
 
 def test_encoding_drops_what_does_not_fit_and_refuses_mismatched_labels(tok, caplog):
     examples = [
-        pr.StepExample("bad 3:", "1=2=4", [1.0, 1.0, 0.5]),
-        pr.StepExample("bad 3:", "=".join("1" * 7), [1.0] * 7),  # 7 steps > max_steps = 6.
-        pr.StepExample("bad 3:", "12345=" * 3, [1.0] * 3),  # 5 + 18 tokens > seq_len = 20.
-        pr.StepExample("bad 3:", " ", []),  # No steps.
+        step_labels.StepExample("bad 3:", "1=2=4", [1.0, 1.0, 0.5]),
+        step_labels.StepExample("bad 3:", "=".join("1" * 7), [1.0] * 7),  # 7 steps > max_steps = 6.
+        step_labels.StepExample("bad 3:", "12345=" * 3, [1.0] * 3),  # 5 + 18 tokens > seq_len = 20.
+        step_labels.StepExample("bad 3:", " ", []),  # No steps.
     ]
     with caplog.at_level(logging.WARNING, logger="absl"):
-        enc = pr.encode_examples(examples, tok, CFG)
+        enc = prm_lib.encode_examples(examples, tok, CFG)
     assert enc.sources == [0] and enc.batch.tokens_NT.shape == (1, CFG.seq_len)
     np.testing.assert_array_equal(enc.batch.labels_NS[0], [1.0, 1.0, 0.5, 0, 0, 0])
     np.testing.assert_array_equal(enc.batch.positions_NS[0, :3], np.array([1, 3, 4]) + 5)
@@ -529,9 +542,12 @@ def test_encoding_drops_what_does_not_fit_and_refuses_mismatched_labels(tok, cap
         "dropped 1 of 4 labelled completions with more than max_steps steps (seq_len=20, "
         "max_steps=6): rows 1",
     ]
-    bad = [pr.StepExample("bad 3:", "1=2=4", [1.0, 1.0]), pr.StepExample("bad 3:", "1", [1.0])]
+    bad = [
+        step_labels.StepExample("bad 3:", "1=2=4", [1.0, 1.0]),
+        step_labels.StepExample("bad 3:", "1", [1.0]),
+    ]
     with pytest.raises(ValueError, match=r"1 rows' labels do not match the steps .* row 0 \(2 "):
-        pr.encode_examples(bad, tok, CFG)
+        prm_lib.encode_examples(bad, tok, CFG)
 
 
 # ---- process advantages -------------------------------------------------------------------
@@ -665,6 +681,13 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 N, K, ROLLOUTS = 3, 2, 4
 
 
+def _command(args):
+    """`python -m rlscale.main.label_steps` (args "label", ...) or `train_prm` ("train", ...),
+    in-process."""
+    command = {"label": label_steps, "train": train_prm}[args[0]]
+    return cli.call(command.define_flags, command.main, args[1:])
+
+
 def _label_args(warm, *more):
     """`label` on the warm start (the quickstart smoke run's final params), one device and the
     verifier in-process, as the warm run itself."""
@@ -692,7 +715,7 @@ class EvenLengthTask:
 
 def _problems(warm):
     """The first N problems of the train split, as `label` reads them."""
-    _, splits = evaluate.load_task(pr.load_config(f"{QUICKSTART}:smoke"), str(warm))
+    _, splits = data_load.load_task(cli.load_config(f"{QUICKSTART}:smoke"), str(warm))
     return splits["train"][:N]
 
 
@@ -700,11 +723,11 @@ def _problems(warm):
 def labelled(warm, tmp_path_factory):
     """(summary, rows, the labels file, what `label` printed)."""
     out = tmp_path_factory.mktemp("labels") / "labels.jsonl"
-    load_task = evaluate.load_task
+    load_task = data_load.load_task
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
-        mp.setattr(evaluate, "load_task", lambda c, w: (EvenLengthTask(), load_task(c, w)[1]))
-        summary = pr.main(_label_args(warm, "--out", str(out)))
+        mp.setattr(data_load, "load_task", lambda c, w: (EvenLengthTask(), load_task(c, w)[1]))
+        summary = _command(_label_args(warm, "--out", str(out)))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return summary, rows, out, printed.getvalue()
 
@@ -721,9 +744,9 @@ def test_cli_label_writes_each_completions_step_labels(labelled, warm):
     ]
     for r in rows:
         problem = problems[r["problem"]]
-        assert r["prompt"] == problem.prompt and r["delimiter"] == pr.ARITHMETIC_DELIMITER
+        assert r["prompt"] == problem.prompt and r["delimiter"] == step_labels.ARITHMETIC_DELIMITER
         assert r["outcome"] == _even_length(r["completion"], problem)
-        assert r["step_ends"] == list(pr.split_steps(r["completion"], "=").ends)
+        assert r["step_ends"] == list(step_labels.split_steps(r["completion"], "=").ends)
         assert len(r["soft"]) == len(r["hard"]) == len(r["step_ends"]) > 0
         soft = np.array(r["soft"])
         assert np.all((soft >= 0) & (soft <= 1))
@@ -755,14 +778,16 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_pa
     """`train` from the warm start's params, its tokenizer found next to them (the run's
     WORKDIR/tokenizer.model): the PRM it writes loads, holds out one prompt's completions
     (--heldout_frac 0.1 of 3 prompts), prints the held-out step accuracy of the params it
-    saved, scores completions, and ranks samples in `rlscale.evaluate --scorer prm`."""
+    saved, scores completions, and ranks samples in `rlscale.main.evaluate --scorer prm`."""
     _, rows, labels, _ = labelled
     out = tmp_path / "prm"
     args = ["train", "--labels", str(labels), "--init", str(warm / "final"), "--steps", "2"]
-    summary = pr.main([*args, "--batch_rows", "4", "--lr", "1e-3", "--out", str(out)])
+    summary = _command([*args, "--batch_rows", "4", "--lr", "1e-3", "--out", str(out)])
     printed = capsys.readouterr().out
-    prm = pr.load(str(out))
-    assert rm.same_tokenizer(prm.tokenizer, tokenizer_lib.load(str(warm / "tokenizer.model")))
+    prm = prm_lib.load(str(out))
+    assert scalar_head.same_tokenizer(
+        prm.tokenizer, tokenizer_lib.load(str(warm / "tokenizer.model"))
+    )
     assert (prm.config.delimiter, prm.config.batch_rows, prm.config.lr) == ("=", 4, 1e-3)
     # The default bucket: the longest row, rounded up to a multiple of 16.
     tok = prm.tokenizer
@@ -771,24 +796,24 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_pa
     longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
     assert prm.config.seq_len % 16 == 0 and longest <= prm.config.seq_len < longest + 16
     # The held-out rows: every completion of one of the three prompts.
-    examples, _ = pr.read_labels(str(labels))
-    train_rows, heldout = pr.split_heldout(examples, 0.1, seed=0)
+    examples, _ = step_labels.read_labels(str(labels))
+    train_rows, heldout = step_labels.split_heldout(examples, 0.1, seed=0)
     assert len({e.prompt for e in heldout}) == 1 and len(heldout) == K
     assert not {e.prompt for e in heldout} & {e.prompt for e in train_rows}
-    encoded = pr.encode_examples(heldout, tok, prm.config)
-    _, accuracy = pr.heldout_metrics(prm.graphdef, prm.params, encoded)
+    encoded = prm_lib.encode_examples(heldout, tok, prm.config)
+    _, accuracy = prm_lib.heldout_metrics(prm.graphdef, prm.params, encoded)
     assert summary["heldout_step_accuracy"] == pytest.approx(accuracy)
     assert (summary["train_completions"], summary["heldout_completions"]) == (N * K - K, K)
     assert printed.splitlines() == [
         f"held-out step accuracy {accuracy:.4f} ({K} completions)",
         f"process reward model written to {out}",
     ]
-    scores = pr.prm_scores(prm, prompt_ids, completion_ids, "min")
+    scores = prm_lib.prm_scores(prm, prompt_ids, completion_ids, "min")
     assert scores.shape == (N * K,) and np.all((scores > 0) & (scores < 1))
     # The third command: evaluate ranks its samples with the PRM.
-    config = pr.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
+    config = cli.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
     config.reward.workers = 0
-    report = evaluate.run(
+    report = harness.run(
         config,
         str(warm / "final"),
         k=2,
@@ -810,7 +835,7 @@ def test_cli_a_users_mistake_is_one_error_line(labelled, warm, tmp_path, capsys)
 
     def error(args):
         with pytest.raises(SystemExit) as e:
-            cli.guard(pr.main)(args)
+            cli.guard(_command)(args)
         assert e.value.code == 1
         return capsys.readouterr().err
 
@@ -861,18 +886,20 @@ def test_cli_a_users_mistake_is_one_error_line(labelled, warm, tmp_path, capsys)
     assert err == "error: --tokenizer: required unless --init names a policy checkpoint\n"
 
 
-def test_cli_label_scores_in_the_verifier_pool(warm, tmp_path, monkeypatch, capfd, caplog):
-    """`python -m rlscale.process_reward label` (the module run as `__main__`, as runpy runs
-    it) with the verifier in a worker process: the worker unpickles each continuation's
-    `PrefixVerifier` by the package's module path (defined in `__main__`, the class could not
-    be found there: every continuation crashed and counted as wrong)."""
+def test_cli_label_scores_in_the_verifier_pool(warm, tmp_path):
+    """`python -m rlscale.main.label_steps` with the verifier in a worker process: the worker
+    unpickles each continuation's `PrefixVerifier` by its module path (a class defined in
+    `__main__` could not be found there: every continuation would crash and count as
+    wrong)."""
     out = tmp_path / "labels.jsonl"
     args = _label_args(warm, "--out", str(out), "--n", "2", "--k", "2", "--rollouts", "2")
     args[args.index("--config.reward.workers=0")] = "--config.reward.workers=1"
-    monkeypatch.setattr(sys, "argv", ["process_reward", *args])
-    runpy.run_module("rlscale.process_reward", run_name="__main__")
-    failures = [
-        r.getMessage() for r in caplog.records if "reward function failed" in r.getMessage()
-    ]
-    assert not failures and "Traceback" not in capfd.readouterr().err, failures[:2]
+    done = subprocess.run(
+        [sys.executable, "-m", "rlscale.main.label_steps", *args[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "reward function failed" not in done.stderr and "Traceback" not in done.stderr
     assert len(out.read_text().splitlines()) == 4

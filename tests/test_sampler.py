@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlscale import demo, model, sharding
-from rlscale.sampling import Sampler, SamplingConfig, sampler, transform_logits
+from rlscale import model, sharding
+from rlscale.sampling import Sampler, SamplingConfig, demo, sampler, transform_logits
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 

@@ -254,11 +254,11 @@ def test_samples_axis_counts_every_prompt_drawn_times_the_group(tmp_path):
 
 
 def test_main_prints_the_fit_after_an_rl_run(tmp_path):
-    """rlscale.main with rl.run replaced by a fake that writes a metrics file."""
+    """`python -m rlscale.main` with rl.run replaced by a fake that writes a metrics file."""
     code = f"""
 import sys
-from absl import app
-from rlscale import main, rl
+from rlscale import cli, rl
+from rlscale.main import train
 
 def fake_run(config, workdir, **kwargs):
     with open(workdir + "/metrics.jsonl", "w") as f:
@@ -268,7 +268,7 @@ def fake_run(config, workdir, **kwargs):
 
 rl.run = fake_run
 sys.argv = ["main", "--config", "configs/quickstart.py:smoke", "--workdir", {str(tmp_path)!r}]
-app.run(main.main, flags_parser=main.parse_flags)
+cli.run_command(train.define_flags, train.main)
 """
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     out = subprocess.run(

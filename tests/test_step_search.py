@@ -10,7 +10,7 @@ digits so far. Against it: the search finds what one sample misses; W = E = 1 is
 solution sampled step by step (and cut at the budget as one sample is); a plain-Python beam
 search over the strings (an independent re-derivation) gives the same answers, scores and
 token counts for several widths and aggregations; two small searches by hand. Then the
-delimiter's stop tokens, the `--step_search` flag's errors, and `rlscale.evaluate
+delimiter's stop tokens, the `--step_search` flag's errors, and `rlscale.main.evaluate
 --step_search` end to end on the suite's warm start with a PRM trained for 2 steps.
 """
 
@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, untrained_prm
 
-from rlscale import chat, cli, evaluate
-from rlscale import process_reward as pr
-from rlscale import step_search as ss
+from rlscale import chat, cli, saved_policy
+from rlscale.eval import best_of_n, harness, step_search
+from rlscale.reward_models import prm as prm_lib
+from rlscale.reward_models import step_labels
 from rlscale.sampling import SamplingConfig
 from rlscale.sampling.sampler import SampleOutput
 from rlscale.sampling.scoring import completions_text
@@ -121,13 +122,13 @@ class ScriptedPRM:
 
     def __init__(self, tok, logit, delimiter="="):
         self.tokenizer, self.logit = tok, logit
-        self.config = pr.PRMConfig(delimiter=delimiter)
+        self.config = prm_lib.PRMConfig(delimiter=delimiter)
 
     def with_bucket(self, tokens):
         return self
 
     def score_steps(self, prompt_ids, completion_ids):
-        steps = [pr.completion_steps(self.tokenizer, c, "=") for c in completion_ids]
+        steps = [step_labels.completion_steps(self.tokenizer, c, "=") for c in completion_ids]
         S = max(s.num_steps for s in steps)
         scores, mask = np.zeros((len(steps), S), np.float32), np.zeros((len(steps), S), bool)
         for i, (p, c, s) in enumerate(zip(prompt_ids, completion_ids, steps)):
@@ -147,7 +148,7 @@ def clean_logit(bad, digits):
 def search(tok, rule, logit, problems, *, budget=32, **kw):
     policy = ScriptedPolicy(tok, rule)
     cfg = SamplingConfig(max_new_tokens=budget, stop_tokens=(tok.eos_id,))
-    result = ss.beam_search(
+    result = step_search.beam_search(
         policy, None, tok, problems, verify, ScriptedPRM(tok, logit), cfg=cfg,
         rng=jax.random.key(0), **kw,
     )  # fmt: skip
@@ -170,7 +171,7 @@ def test_the_search_finds_what_one_sample_misses(tok):
     found, policy = search(tok, rule, clean_logit, PROBLEMS, beam=1, expand=4)
     assert found.accuracy == 1.0 and found.texts == ["5=5=5", "5=5=5=5", "5=5"]
     np.testing.assert_array_equal(found.rewards_B, [1.0, 1.0, 1.0])
-    np.testing.assert_allclose(found.scores_B, pr.sigmoid(3.0))
+    np.testing.assert_allclose(found.scores_B, prm_lib.sigmoid(3.0))
     assert found.finished_B.all() and found.rounds == 4
     # Each row samples "d=" (2 tokens) or the last "d" and the EOS (2): 4 rows x 2 per step.
     np.testing.assert_array_equal(found.generated_tokens_B, [3 * 8, 4 * 8, 2 * 8])
@@ -178,7 +179,10 @@ def test_the_search_finds_what_one_sample_misses(tok):
     # while fewer are unfinished), E = 4 samples each, stopping also at "=".
     assert len(policy.calls) == 4
     assert {(len(texts), cfg.num_samples) for texts, cfg in policy.calls} == {(3, 4)}
-    assert set(policy.calls[0][1].stop_tokens) == {tok.eos_id, *ss.step_stop_tokens(tok, "=")}
+    assert set(policy.calls[0][1].stop_tokens) == {
+        tok.eos_id,
+        *step_search.step_stop_tokens(tok, "="),
+    }
     assert policy.calls[1][0] == [p.prompt + "5=" for p in PROBLEMS]
     assert policy.calls[3][0] == [PROBLEMS[1].prompt + "5=5=5="] * 3  # Two padding rows.
 
@@ -301,7 +305,7 @@ def test_two_searches_by_hand(tok, zero, answer, tokens):
         tok, _hand_rule, lambda bad, d: logits["=".join(d)], [problem("3", 2)], beam=2, expand=2
     )
     assert result.texts == [answer] and result.rounds == 2
-    assert result.scores_B[0] == pytest.approx(pr.sigmoid(logits[answer]))
+    assert result.scores_B[0] == pytest.approx(prm_lib.sigmoid(logits[answer]))
     assert result.generated_tokens_B.tolist() == [tokens]
     assert result.rewards_B.tolist() == [verify(answer, problem("3", 2))]
 
@@ -319,7 +323,7 @@ def test_after_max_steps_the_answer_is_the_best_finished_entry(tok, zero, answer
         expand=2, max_steps=1,
     )  # fmt: skip
     assert (result.texts, result.finished_B.tolist(), result.rounds) == ([answer], [finished], 1)
-    assert result.scores_B[0] == pytest.approx(pr.sigmoid(logits[answer.rstrip("=")]))
+    assert result.scores_B[0] == pytest.approx(prm_lib.sigmoid(logits[answer.rstrip("=")]))
 
 
 # ---- the delimiter, the flag --------------------------------------------------------------------
@@ -328,11 +332,11 @@ def test_after_max_steps_the_answer_is_the_best_finished_entry(tok, zero, answer
 def test_the_delimiter_stops_at_each_token_ending_with_it(tok):
     """ "=" is the learned piece and the byte piece <0x3D>: both end a step, nothing else does;
     a delimiter of two tokens is an error naming it, before anything is sampled."""
-    stops = ss.step_stop_tokens(tok, "=")
+    stops = step_search.step_stop_tokens(tok, "=")
     assert stops == (tok.token_id("<0x3D>"), tok.token_id("="))
     policy = ScriptedPolicy(tok, _digits)
     with pytest.raises(ValueError) as e:
-        ss.beam_search(
+        step_search.beam_search(
             policy, None, tok, PROBLEMS, verify, ScriptedPRM(tok, clean_logit, "=>"),
             beam=2, expand=2, cfg=SamplingConfig(stop_tokens=(tok.eos_id,)),
             rng=jax.random.key(0),
@@ -367,23 +371,23 @@ QUICKSTART = f"{ROOT}/configs/quickstart.py"
 )  # fmt: skip
 def test_bad_step_search_flags_fail_before_anything_loads(tmp_path, flags, message):
     """Checked with the other test-time flags, before the (missing) checkpoint is read."""
-    config = pr.load_config(f"{QUICKSTART}:smoke")
+    config = cli.load_config(f"{QUICKSTART}:smoke")
     with pytest.raises(ValueError) as e:
-        evaluate.run(config, str(tmp_path / "nosuch"), k=4, n=2, **flags)
+        harness.run(config, str(tmp_path / "nosuch"), k=4, n=2, **flags)
     assert str(e.value).startswith(message)
 
 
 def test_step_search_flag_errors_are_one_line(tmp_path, capsys):
     """Through the command's guard, a mistake is one `error:` line; --prm with --step_search
     alone (no --best_of, no --scorer=prm) is no mistake."""
-    config = pr.load_config(f"{QUICKSTART}:smoke")
+    config = cli.load_config(f"{QUICKSTART}:smoke")
     with pytest.raises(SystemExit):
-        cli.guard(evaluate.run)(config, str(tmp_path), k=2, n=2, step_search="2,2")
+        cli.guard(harness.run)(config, str(tmp_path), k=2, n=2, step_search="2,2")
     assert capsys.readouterr().err == (
         "error: --step_search=2,2 needs --prm DIR: the process reward model that scores each step\n"
     )
     assert (
-        evaluate.check_test_time_flags(None, 2, ["logprob"], None, None, "/p", ["min"], "2,2")
+        best_of_n.check_test_time_flags(None, 2, ["logprob"], None, None, "/p", ["min"], "2,2")
         is None
     )
 
@@ -397,20 +401,20 @@ def prm_dir(warm, tmp_path_factory):
 
 
 def test_evaluate_step_search_on_the_warm_start(warm, prm_dir, tmp_path):
-    """`evaluate.run(..., step_search="1,1")` next to best-of-N: the report's answers are the
+    """`harness.run(..., step_search="1,1")` next to best-of-N: the report's answers are the
     task's verdicts on its texts, and the search is the sampler run a step at a time by hand:
     prompt + prefix, stopping at "=" or the EOS, all problems per call, round r with
     fold_in(key, r), cut at max_new_tokens; the same texts and sampled tokens."""
-    config = pr.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
+    config = cli.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
     config.reward.workers = 0
     n, seed = 3, 0
-    report = evaluate.run(
+    report = harness.run(
         config, str(warm / "final"), k=2, n=n, best_of=[1, 2], scorers=["logprob"],
         prm_dir=prm_dir, step_search="1,1", output=str(tmp_path / "eval.json"),
         plot=str(tmp_path / "curves.png"), seed=seed,
     )  # fmt: skip
     s = report["step_search"]
-    task, problems = evaluate.load_problems(config, str(warm), "test", n)
+    task, problems = saved_policy.load_problems(config, str(warm), "test", n)
     texts, rewards = s["per_problem"]["texts"], s["per_problem"]["rewards"]
     assert rewards == [task.verify(t, p) for t, p in zip(texts, problems)]
     assert s["accuracy"] == np.mean(np.array(rewards) > 0)
@@ -418,16 +422,16 @@ def test_evaluate_step_search_on_the_warm_start(warm, prm_dir, tmp_path):
     assert s["best_of"]["N"] == [1, 2] and "best_of/logprob" in s["best_of"]
     length = report["metrics"]["response_length"]
     assert s["best_of"]["generated_tokens_per_problem"] == pytest.approx([length, 2 * length])
-    table = evaluate.step_search_table(s).splitlines()
+    table = step_search.table(s).splitlines()
     assert table[0].startswith("  step_search(beam=1, expand=1, prm_last): accuracy ")
     assert table[2].split() == ["N", "tokens", "best_of/logprob"] and len(table) == 5
 
-    policy = evaluate.load_policy(config, str(warm / "final"), str(warm))
+    policy = saved_policy.load_policy(config, str(warm / "final"), str(warm))
     tok = policy.tokenizer
-    cfg = evaluate.sampling_config(config, tok, 1)
+    cfg = saved_policy.sampling_config(config, tok, 1)
     # "=" ends a step as the learned piece or as the byte piece <0x3D>.
     delimiter_ids = (tok.token_id("<0x3D>"), tok.token_id("="))
-    assert ss.step_stop_tokens(tok, "=") == delimiter_ids
+    assert step_search.step_stop_tokens(tok, "=") == delimiter_ids
     step_cfg = dataclasses.replace(cfg, stop_tokens=(*cfg.stop_tokens, *delimiter_ids))
     rng = jax.random.fold_in(jax.random.key(seed), 1)  # What evaluate gives the search.
     ids, done, sampled, r = [[] for _ in problems], [False] * n, [0] * n, 0

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlscale import eval_metrics, test_time
+from rlscale.eval import best_of_n, estimators
 from rlscale.sampling import scoring
 
 
@@ -36,7 +36,7 @@ def test_curves_against_their_definitions():
     scores = {"a": np.array([[0.1, 0.9, 0.3, 0.2], [1, 2, 3, 4], [4, 3, 2, 1]], float)}
     answers = [["7", "8", "8", "7"], [None, "1", None, "2"], ["5", "5", "5", "6"]]
     weights = {"a": np.array([[3, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 9]], float)}
-    c = test_time.curves(rewards, [1, 2, 4], scores, answers, weights)
+    c = best_of_n.curves(rewards, [1, 2, 4], scores, answers, weights)
     assert c["N"] == [1, 2, 4]
     # pass@N = mean of 1 - C(k - c, N) / C(k, N), c = 2, 0, 3.
     for j, n in enumerate((1, 2, 4)):
@@ -50,24 +50,24 @@ def test_curves_against_their_definitions():
     assert c["best_of/a"][2] == pytest.approx(1 / 3)
     assert c["maj@N"][2] == pytest.approx(1.5 / 3)
     assert c["wmaj@N/a"][2] == pytest.approx(1 / 3)
-    assert c["maj@N"][1] == pytest.approx(eval_metrics.maj_at_n(answers, rewards, 2).value_B.mean())
+    assert c["maj@N"][1] == pytest.approx(estimators.maj_at_n(answers, rewards, 2).value_B.mean())
     assert c["stderr"] == {"maj@N": [0.0] * 3, "wmaj@N/a": [0.0] * 3}
     assert c["vote_subsets"] == [4, 6, 1]
     # Without answers: no voting curves.
-    assert set(test_time.curves(rewards, [2], scores)) == {"N", "pass@N", "best_of/a"}
+    assert set(best_of_n.curves(rewards, [2], scores)) == {"N", "pass@N", "best_of/a"}
 
 
 def test_curves_report_the_monte_carlo_error_where_they_sample_subsets():
     rng = np.random.default_rng(0)
     rewards = (rng.random((8, 10)) < 0.5).astype(float)
     answers = [[str(a) for a in row] for row in rng.integers(0, 3, (8, 10))]
-    c = test_time.curves(rewards, [1, 5], None, answers, seed=3, max_subsets=100)
+    c = best_of_n.curves(rewards, [1, 5], None, answers, seed=3, max_subsets=100)
     assert c["vote_subsets"] == [10, 100]  # C(10, 1) = 10 counted; C(10, 5) = 252 sampled.
-    exact = eval_metrics.maj_at_n(answers, rewards, 5).value_B.mean()
+    exact = estimators.maj_at_n(answers, rewards, 5).value_B.mean()
     err = c["stderr"]["maj@N"]
     assert err[0] == 0 and 0 < err[1] < 0.05
     assert abs(c["maj@N"][1] - exact) < 4 * err[1]
-    text = test_time.table(c)
+    text = best_of_n.table(c)
     assert text.splitlines()[2].endswith("~") and "100 random subsets" in text
 
 
@@ -80,11 +80,11 @@ def test_logprob_and_reward_model_scorers_read_the_samples():
         tokens_NM=[[11, 12, 0], [13, 0, 0], [0, 0, 0], [14, 15, 2]],
         lengths_N=[2, 1, 0, 3],
     )
-    r = test_time.logprob_ranker()
+    r = best_of_n.logprob_ranker()
     scores = r.score(s, None)
     np.testing.assert_allclose(scores, [-2, -2, 0, -1])
     np.testing.assert_allclose(r.vote_weight(scores), np.exp([-2, -2, 0, -1]))
-    prompts, completions = test_time.sample_ids(s)
+    prompts, completions = best_of_n.sample_ids(s)
     assert prompts == [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]
     assert completions == [[11, 12], [13], [], [14, 15, 2]]
 
@@ -96,7 +96,7 @@ def test_logprob_and_reward_model_scorers_read_the_samples():
         def score_completions(self, prompt_ids, completion_ids):
             return np.array([sum(p) - len(c) for p, c in zip(prompt_ids, completion_ids)])
 
-    rm = test_time.reward_model_ranker(FakeRM())
+    rm = best_of_n.reward_model_ranker(FakeRM())
     np.testing.assert_array_equal(rm.score(s, None), [9, 10, 24, 21])
     np.testing.assert_allclose(
         rm.vote_weight(np.array([0.0, 2.0, -30.0, np.nan])),
@@ -106,16 +106,16 @@ def test_logprob_and_reward_model_scorers_read_the_samples():
 
 
 def test_plot_writes_a_png(tmp_path):
-    c = test_time.curves(
+    c = best_of_n.curves(
         [[1, 0, 0, 1], [0, 1, 1, 1]],
         [1, 2, 4],
         {"logprob": [[1, 2, 3, 4], [4, 3, 2, 1]]},
         [["1", "2", "1", None], ["3", "3", "4", "4"]],
         {"logprob": [[1, 1, 1, 1], [1, 2, 1, 2]]},
     )
-    path = test_time.plot(c, str(tmp_path / "t.png"), title="t")
+    path = best_of_n.plot(c, str(tmp_path / "t.png"), title="t")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    lines = test_time.table(c).splitlines()
-    assert [line.split()[0] for line in lines] == ["N"] + test_time.curve_keys(c)
-    assert "~" not in test_time.table(c)  # Every subset counted.
+    lines = best_of_n.table(c).splitlines()
+    assert [line.split()[0] for line in lines] == ["N"] + best_of_n.curve_keys(c)
+    assert "~" not in best_of_n.table(c)  # Every subset counted.

@@ -14,7 +14,7 @@ copies the directory's tokenizer into the rlscale checkpoint, where `rlscale.eva
 
 import os
 
-from rlscale import checkpoint, cli, evaluate
+from rlscale import checkpoint, cli, saved_policy
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.model import hf
 
@@ -30,7 +30,7 @@ def _source_tokenizer(args):
             return None
     workdir = os.path.dirname(os.path.abspath(args.src))  # A run's WORKDIR/final or /sft.
     try:
-        return tokenizer_lib.load(evaluate.default_tokenizer_path(args.src, workdir))
+        return tokenizer_lib.load(saved_policy.default_tokenizer_path(args.src, workdir))
     except FileNotFoundError:
         return None
 

@@ -5,7 +5,7 @@ reward over-optimization, test-time scaling.
 
 Reads every run ROOT/ROW_sSEED (`metrics.jsonl`: held-out pass@1 and the training reward
 against `compute/flops`) and, where run.sh made them, ROOT/test_time_{sft,final}.json
-(`rlscale.evaluate --best_of`) and ROOT/step_search_{sft,final}.json (`--step_search`).
+(`rlscale.main.evaluate --best_of`) and ROOT/step_search_{sft,final}.json (`--step_search`).
 Prints Markdown:
 
 1. one row per paradigm: seeds, final pass@1 (mean [min, max]), its peak, the FLOPs at
@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 
-from rlscale import evaluate, test_time
+from rlscale.eval import best_of_n, step_search
 from rlscale.scaling import fit, runs
 
 ROWS = ("online", "offline_dpo", "iterative_dpo", "distill", "rm_rl", "prm_rl")
@@ -191,14 +191,14 @@ def main():
             auc = {k: within_prompt_auc(per["rewards"], v) for k, v in per["scores"].items()}
             report["test_time"][ckpt] = {**c, "within_prompt_auc": auc}
             aucs = ", ".join(f"{k} {v:.3f}" for k, v in auc.items())
-            print(f"\nTest-time scaling, {label}:\n```\n{test_time.table(c)}\n```")
+            print(f"\nTest-time scaling, {label}:\n```\n{best_of_n.table(c)}\n```")
             print(f"Within-prompt ranking AUC of each scorer: {aucs}")
         path = os.path.join(a.root, f"step_search_{ckpt}.json")
         if os.path.exists(path):
             with open(path) as f:
                 s = json.load(f)["step_search"]
             report["step_search"][ckpt] = {k: v for k, v in s.items() if k != "per_problem"}
-            print(f"\nStep search, {label}:\n```\n{evaluate.step_search_table(s)}\n```")
+            print(f"\nStep search, {label}:\n```\n{step_search.table(s)}\n```")
     if groups:
         fits = {k: r["fit"] for k, r in report["rows"].items()}
         print("\nplot:", plot(groups, fits, os.path.join(a.root, "paradigms.png")))

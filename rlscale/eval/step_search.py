@@ -336,3 +336,24 @@ def best_of_tokens(lengths_N, k: int, ns: Sequence[int]) -> list[float]:
     per problem (`lengths_N`, the EOS included, as `generated_tokens_B` counts it)."""
     mean = float(np.asarray(lengths_N).reshape(-1, k).sum(1).mean()) / k
     return [n * mean for n in ns]
+
+
+def table(s: dict) -> str:
+    """The report's `step_search` entry as text: the search's accuracy and tokens sampled per
+    problem, then, with `--best_of`, the same run's best-of-N curves with the tokens each N
+    samples per problem."""
+    lines = [
+        f"  {s['name']}: accuracy {s['accuracy']:.4f}, "
+        f"{s['generated_tokens_per_problem']:.1f} tokens per problem ({s['rounds']} rounds)"
+    ]
+    b = s.get("best_of")
+    if b:
+        curves = [key for key in b if key.startswith("best_of/")]
+        widths = [max(len(key), 9) + 2 for key in curves]
+        lines.append("  best-of-N, the same run:")
+        head = "".join(f"{key:>{w}}" for key, w in zip(curves, widths))
+        lines.append(f"  {'N':>6}{'tokens':>10}{head}")
+        for i, n in enumerate(b["N"]):
+            cells = "".join(f"{b[key][i]:>{w}.4f}" for key, w in zip(curves, widths))
+            lines.append(f"  {n:>6}{b['generated_tokens_per_problem'][i]:>10.1f}{cells}")
+    return "\n".join(lines)

@@ -1,187 +1,67 @@
-"""Entry point: `python -m rlscale.main --config configs/X.py[:variant] --workdir DIR`.
+"""Trains: `python -m rlscale.main --config configs/X.py[:variant] --workdir DIR` (also
+`python -m rlscale.main.train`).
 
-The config is an ml_collections file, locked so a mistyped key is an error naming it; override
-any field with `--config.a.b=value`. Runs the RL loop (`rlscale.rl.run`) or the sampling demo.
-Under several processes (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) it
-joins the job first. After an RL run it fits the run's scaling curve (`scaling.fit_run`:
-`WORKDIR/scaling/`).
-
-The console shows one line per step, rlscale's status lines, warnings and the summary;
-`--verbosity=1` adds the libraries' INFO logs and the config (`rlscale.console`). A user's
-mistake (a bad flag, key, file or value) ends the command with one `error: ...` line
-(`rlscale.cli`). Compiled programs persist across runs in `--compilation_cache`
-(default ~/.cache/rlscale/jax).
+Runs the RL loop (`rlscale.rl.run`) or the sampling demo (`recipe="demo"`), after joining a
+multi-process job when the environment describes one (`rlscale.distributed`); after an RL run
+it fits the run's scaling curve (`scaling.fit_run`: WORKDIR/scaling/). `--config.a.b=value`
+overrides a field; `--verbosity=1` adds the libraries' INFO logs and the config.
 """
 
 import os
-import socket
 import sys
-import threading
-import time
 
 import jax
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
-from rlscale import cli, console
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file, optionally with a :variant suffix.", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (metrics, checkpoints).")
-_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
-    "allow_config_change",
-    False,
-    "Resume a workdir's checkpoint even though the config differs from the saved one.",
-)
-_COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    os.path.join(os.path.expanduser("~"), ".cache", "rlscale", "jax"),
-    "JAX's persistent compilation cache: a run loads the programs an earlier run on this "
-    "machine compiled instead of compiling them again ('' turns it off; "
-    "JAX_COMPILATION_CACHE_DIR, when set, takes precedence).",
-)
-flags.mark_flags_as_required(["config", "workdir"])
+from rlscale import cli, console, distributed, rl, scaling
+from rlscale.sampling import demo
 
 
-parse_flags = cli.parse_flags  # Bad flags, config keys and files as one `error:` line.
-
-
-# Environment variables of a multi-process launch (one process per host or per GPU).
-DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def distributed_settings(env=os.environ) -> dict | None:
-    """`jax.distributed.initialize` arguments from the launch environment, or None for a
-    single process. On a TPU pod (TPU_WORKER_HOSTNAMES set, no coordinator given) JAX finds
-    the coordinator itself. Raises ValueError naming the bad variable."""
-    address = env.get("JAX_COORDINATOR_ADDRESS", "")
-    if not address:
-        return {} if env.get("TPU_WORKER_HOSTNAMES") else None
-    problems, values = [], {}
-    for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        text = env.get(name, "")
-        if not text.strip().isdigit():
-            problems.append(f"{name}={text!r} must be a non-negative integer")
-        else:
-            values[name] = int(text)
-    n, pid = values.get("JAX_NUM_PROCESSES"), values.get("JAX_PROCESS_ID")
-    if n is not None and n < 1:
-        problems.append(f"JAX_NUM_PROCESSES={n} must be >= 1")
-    if n is not None and pid is not None and pid >= n:
-        problems.append(f"JAX_PROCESS_ID={pid} is not below JAX_NUM_PROCESSES={n}")
-    if ":" not in address:
-        problems.append(f"JAX_COORDINATOR_ADDRESS={address!r} must be host:port")
-    if problems:
-        raise ValueError("bad multi-process launch:\n  " + "\n  ".join(problems))
-    timeout = int(env.get("JAX_INITIALIZATION_TIMEOUT", "300"))
-    return dict(
-        coordinator_address=address,
-        num_processes=n,
-        process_id=pid,
-        initialization_timeout=timeout,
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    cli.define_config(fv, argv)
+    flags.DEFINE_string(
+        "workdir", None, "Directory for outputs (metrics, checkpoints).", flag_values=fv
     )
-
-
-def _wait_for_coordinator(address: str, timeout: float, why: str) -> None:
-    """Returns once the coordinator accepts connections; ValueError after `timeout` s."""
-    host, _, port = address.rpartition(":")
-    deadline = time.time() + timeout
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            if time.time() > deadline:
-                raise ValueError(
-                    f"no coordinator at {address} within {timeout:g} s: {why}"
-                ) from None
-            time.sleep(0.2)
-
-
-def maybe_initialize_distributed(env=os.environ):
-    """Joins the multi-process job described by the environment (`distributed_settings`).
-
-    CPU processes exchange collectives over gloo. A process that finds no coordinator fails
-    naming the variables; when the job does not assemble in time (JAX_NUM_PROCESSES larger
-    than the processes launched), JAX aborts the process, so the reason is printed first.
-    """
-    settings = distributed_settings(env)
-    if settings is None:
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backend only.
-    if not settings:  # A TPU pod: JAX finds the coordinator.
-        jax.distributed.initialize()
-        return
-    n, address = settings["num_processes"], settings["coordinator_address"]
-    timeout = settings["initialization_timeout"]
-    why = (
-        f"the {n}-process job (JAX_NUM_PROCESSES={n}) needs process 0 running at "
-        "JAX_COORDINATOR_ADDRESS, and JAX_NUM_PROCESSES must match the number of processes "
-        "launched, each with a distinct JAX_PROCESS_ID"
+    flags.DEFINE_bool(
+        "allow_config_change",
+        False,
+        "Resume a workdir's checkpoint even though the config differs from the saved one.",
+        flag_values=fv,
     )
-    if settings["process_id"] != 0:
-        _wait_for_coordinator(address, timeout, why)
-    warning = threading.Timer(
-        max(timeout - 1.0, 0.5),
-        lambda: print(
-            f"error: the job did not assemble within {timeout} s: {why}",
-            file=sys.stderr,
-            flush=True,
-        ),
+    flags.DEFINE_string(
+        "compilation_cache",
+        os.path.join(os.path.expanduser("~"), ".cache", "rlscale", "jax"),
+        "JAX's persistent compilation cache: a run loads the programs an earlier run on this "
+        "machine compiled instead of compiling them again ('' turns it off; "
+        "JAX_COMPILATION_CACHE_DIR, when set, takes precedence).",
+        flag_values=fv,
     )
-    warning.daemon = True
-    warning.start()
-    try:
-        jax.distributed.initialize(**settings)
-    finally:
-        warning.cancel()
-    if jax.process_count() != n:
-        raise ValueError(
-            f"JAX_NUM_PROCESSES={n}, but the coordinator counts {jax.process_count()} processes"
-        )
+    flags.mark_flag_as_required("workdir", flag_values=fv)
 
 
-def use_compilation_cache(directory: str, env=os.environ) -> None:
-    """Points JAX's persistent compilation cache at `directory` (every program, however
-    quick to compile), unless it is '' or JAX_COMPILATION_CACHE_DIR already chose one."""
-    if directory and not env.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    use_compilation_cache(_COMPILATION_CACHE.value)
-    maybe_initialize_distributed()
-    config, workdir = _CONFIG.value, _WORKDIR.value
+def main(fv: flags.FlagValues) -> dict | None:
+    distributed.use_compilation_cache(fv.compilation_cache)
+    distributed.maybe_initialize_distributed()
+    config, workdir = fv.config, fv.workdir
     cli.make_dir(workdir, "--workdir")
     if console.verbosity() > 0:
         logging.info("config:\n%s", config)
     if config.recipe == "demo":
-        from rlscale import demo
-
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         demo.run(config, workdir)
-        return
-    from rlscale import rl
-
+        return None
     try:
-        summary = rl.run(config, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+        summary = rl.run(config, workdir, allow_config_change=fv.allow_config_change)
     except rl.PreemptedError as e:
         print(f"\n{e}", file=sys.stderr)
         sys.exit(143)
-    print("\nrlscale run finished")
-    for k, v in summary.items():
-        print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
+    cli.print_summary("rlscale run finished", summary, width=28)
     if jax.process_index() == 0:
-        from rlscale import scaling
-
         print("  " + scaling.describe(scaling.fit_run(workdir)))
+    return summary
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run_command(define_flags, main)
