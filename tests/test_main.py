@@ -81,10 +81,20 @@ def test_mistyped_key_fails_naming_it(tmp_path):
             ("{d}/nosuch/metrics.jsonl", "No such file or directory"),
             id="tool_missing_run",
         ),
-        pytest.param(  # argparse's own error, as one line.
+        pytest.param(  # absl's own error, as one line.
             ("tools/pipeline_sim.py", "--devices", "x"),
-            ("argument --devices: invalid int value: 'x'",),
+            ("flag --devices=x: invalid literal for int()",),
             id="tool_bad_argument",
+        ),
+        pytest.param(  # The tool's own check, raised from its main.
+            ("tools/pipeline_sim.py", "--gen_s", "1"),
+            ("give --gen_s and --train_s, or --from_run",),
+            id="tool_bad_arguments",
+        ),
+        pytest.param(  # A tool's failure after its report: still one line, exit status 1.
+            ("tools/fit_scaling.py", "{f}", "--out", "{d}/fits"),
+            ("no input could be fitted",),
+            id="tool_nothing_fitted",
         ),
         pytest.param(  # An absl tool whose config flag has a default.
             ("tools/rl_sanity.py", "--workdir", "{d}/w", "--config.nokey=1"),

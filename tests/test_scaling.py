@@ -1,6 +1,7 @@
 """Scaling fits: the sigmoid and power law against known curves, record points, the
 extrapolation check, degenerate inputs, `fit_run`, the main.py hook and the fit/sweep tools."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -11,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlscale import scaling
+from rlscale import cli, scaling
 from rlscale.scaling import fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -297,8 +298,7 @@ def test_fit_tool_end_to_end(tmp_path, capsys):
     tool = _tool("fit_scaling")
     out = tmp_path / "out"
     args = [str(csv_path), str(run_b), str(short), "--out", str(out), "--n-boot", "50"]
-    rc = tool.main(args + ["--fit-until-frac", "0.5", "--method", "lsq"])
-    assert rc == 0
+    cli.call(tool.define_flags, tool.main, args + ["--fit-until-frac", "0.5", "--method", "lsq"])
     printed = capsys.readouterr()
     assert "skipped short: fitting compute <= fit_until=1e+12: too few points: 1;" in printed.err
     table = printed.out.splitlines()
@@ -323,12 +323,18 @@ def test_fit_tool_end_to_end(tmp_path, capsys):
     for png in ("curves.png", "curve_recipe_a.png", "curve_recipe_b.png"):
         assert (out / png).stat().st_size > 0
 
-    # No cut: no extrapolation; nothing fits: exit status 1.
-    assert tool.main([str(csv_path), "--out", str(tmp_path / "o2"), "--n-boot", "0"]) == 0
+    # No cut: no extrapolation; nothing fits: an error (exit status 1 from the command line).
+    fit_tool = functools.partial(cli.call, tool.define_flags, tool.main)
+    fit_tool([str(csv_path), "--out", str(tmp_path / "o2"), "--n-boot", "0"])
     assert json.loads((tmp_path / "o2" / "fits.json").read_text())[0]["extrapolation"] is None
-    assert tool.main([str(short), "--out", str(tmp_path / "o3")]) == 1
-    with pytest.raises(SystemExit):
-        tool.main([str(csv_path), "--out", "x", "--fit-until", "1", "--fit-until-frac", "0.5"])
+    with pytest.raises(ValueError, match="^no input could be fitted$"):
+        fit_tool([str(short), "--out", str(tmp_path / "o3")])
+    with pytest.raises(ValueError, match="--fit-until and --fit-until-frac"):
+        fit_tool([str(csv_path), "--out", "x", "--fit-until", "1", "--fit-until-frac", "0.5"])
+    with pytest.raises(ValueError, match="flag --n-boot=x: invalid literal"):
+        fit_tool([str(csv_path), "--out", "x", "--n-boot", "x"])
+    with pytest.raises(ValueError, match="give at least one INPUT"):
+        fit_tool(["--out", "x"])
 
 
 def test_sweep_dry_run_commands_and_shards(tmp_path, capsys):
@@ -339,7 +345,7 @@ def test_sweep_dry_run_commands_and_shards(tmp_path, capsys):
     os.makedirs(f"{root}/optim.lr_3e-4__seed_2")
     open(f"{root}/optim.lr_3e-4__seed_2/summary.json", "w").close()
 
-    assert sweep.main(base + ["--dry_run"]) == 0
+    cli.call(sweep.define_flags, sweep.main, base + ["--dry_run"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "# shard 0/1: 6 of 6 runs"
     commands = [x for x in lines[1:] if not x.startswith("#")]
@@ -351,15 +357,18 @@ def test_sweep_dry_run_commands_and_shards(tmp_path, capsys):
     assert lines[-1].startswith("# finished, skipped: ") and "seed_2 --config" in lines[-1]
     assert not os.path.exists(f"{root}/fits.json")  # A dry run fits nothing.
     # --set: the same override for every run, outside the names.
-    assert sweep.main(base + ["--dry_run", "--set", "sft.reuse_from=/w", "--set", "steps=9"]) == 0
+    cli.call(
+        sweep.define_flags,
+        sweep.main,
+        base + ["--dry-run", "--set", "sft.reuse_from=/w", "--set", "steps=9"],
+    )
     commands = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
     assert commands[0].endswith(
         "__seed_0 --config.optim.lr=1e-4 --config.seed=0 "
         "--config.sft.reuse_from=/w --config.steps=9"
     )
-    with pytest.raises(SystemExit):
-        sweep.main(base + ["--dry_run", "--set", "steps=9,10"])
-    assert "--set steps=9,10: one value per key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--set steps=9,10: one value per key"):
+        cli.call(sweep.define_flags, sweep.main, base + ["--dry_run", "--set", "steps=9,10"])
 
     shards = [sweep.plan("c.py", grid, root, f"{i}/4")[0] for i in range(4)]
     names = [name for shard in shards for name, _, _ in shard]
@@ -378,13 +387,13 @@ def test_sweep_dry_run_commands_and_shards(tmp_path, capsys):
         (";", "empty --grid ';'"),
     ],
 )
-def test_sweep_bad_grid_fails_clearly(grid, message, capsys):
+def test_sweep_bad_grid_fails_clearly(grid, message):
     sweep = _tool("sweep")
     with pytest.raises(ValueError, match=re.escape(message)):
         sweep.parse_grid(grid)
-    with pytest.raises(SystemExit) as e:
-        sweep.main(["--config", "c.py", "--grid", grid, "--workdir", "/tmp/x", "--dry_run"])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    args = ["--config", "c.py", "--grid", grid, "--workdir", "/tmp/x", "--dry_run"]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.call(sweep.define_flags, sweep.main, args)
     with pytest.raises(ValueError, match="bad --shard '2/2'"):
         sweep.parse_shard("2/2")
 
@@ -397,7 +406,7 @@ def test_sweep_fits_finished_runs(tmp_path, capsys):
         _write_metrics(run, C, fit.sigmoid(C, A=A, B=1.2, C_mid=2e14, R0=0.2))
         (run / "summary.json").write_text("{}")
     args = ["--config", "c.py", "--grid", "seed=0,1", "--workdir", str(root), "--method", "lsq"]
-    assert sweep.main(args) == 0  # Both finished: nothing runs, both are fitted.
+    cli.call(sweep.define_flags, sweep.main, args)  # Both finished: nothing runs, both fitted.
     fits = json.loads((root / "fits.json").read_text())
     assert [f["name"] for f in fits] == ["seed_0", "seed_1"]
     assert [round(f["A"], 3) for f in fits] == [0.7, 0.5]

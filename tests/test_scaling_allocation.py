@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from rlscale import cli
 from rlscale.scaling import allocation
 from rlscale.scaling.allocation import Cell
 
@@ -236,7 +237,7 @@ def test_sweep_iso_dry_run_prints_every_cell(tmp_path, capsys):
     (root / "C64__n4__B4__M4").mkdir(parents=True)
     (root / "C64__n4__B4__M4" / "summary.json").write_text("{}")
     flags = ["--budgets", "64,96", "--rollouts", "2,4,8", "--prompts", "4", "--reuse", "1,4"]
-    assert sweep.main(_iso_args(root, *flags, "--evals", "3", "--dry_run")) == 0
+    cli.call(sweep.define_flags, sweep.main, _iso_args(root, *flags, "--evals", "3", "--dry_run"))
     lines = capsys.readouterr().out.splitlines()
     # (name, n, M, eval.every = max(1, M // 3), prompt_pool or None).
     expected = [
@@ -265,7 +266,7 @@ def test_sweep_iso_dry_run_prints_every_cell(tmp_path, capsys):
 
     # Crossed with a grid, sharded: shard 1/3 holds runs 1 and 4 of six.
     flags = ["--budgets", "64", "--rollouts", "2,4,8", "--prompts", "4", "--grid", "seed=0,1"]
-    assert sweep.main(_iso_args(root, *flags, "--shard", "1/3", "--dry_run")) == 0
+    cli.call(sweep.define_flags, sweep.main, _iso_args(root, *flags, "--shard", "1/3", "--dry_run"))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "# shard 1/3: 2 of 6 runs"
     assert lines[1].endswith(
@@ -297,11 +298,10 @@ def test_sweep_iso_dry_run_prints_every_cell(tmp_path, capsys):
         ),
     ],
 )
-def test_sweep_iso_bad_flags_fail_through_the_parser(flags, message, capsys):
+def test_sweep_iso_bad_flags_fail_naming_them(flags, message):
     sweep = _sweep()
-    with pytest.raises(SystemExit) as e:
-        sweep.main(_iso_args("/tmp/never", *flags, "--dry_run"))
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.call(sweep.define_flags, sweep.main, _iso_args("/tmp/never", *flags, "--dry_run"))
 
 
 def _finish(run, M, n, B_p, final, mid=None):
@@ -335,7 +335,7 @@ def test_sweep_iso_analyses_finished_cells(tmp_path, capsys, monkeypatch):
             final = _parabola(n, peak, v, 0.032)
             _finish(root / f"C{C}__n{n}__B4__M{M}", M, n, 4, final)
     flags = ["--budgets", "256,512,1024", "--rollouts", "2,4,8,16", "--prompts", "4"]
-    assert sweep.main(_iso_args(root, *flags, "--evals", "2")) == 0
+    cli.call(sweep.define_flags, sweep.main, _iso_args(root, *flags, "--evals", "2"))
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "# shard 0/1: 12 of 12 runs"
     assert all(x.startswith("# finished, skipped: ") for x in out[1:13])
@@ -398,10 +398,12 @@ def test_sweep_iso_reuse_table_failures_and_fallback(tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(sweep.subprocess, "run", fake_run)
     flags = ["--budgets", "64", "--rollouts", "2,4,8", "--prompts", "4", "--reuse", "1,4"]
-    assert sweep.main(_iso_args(root, *flags)) == 1
+    # After the report, the failure: from the command line, `error: ...` and exit status 1.
+    with pytest.raises(ValueError, match=r"^1 run\(s\) failed: C64__n8__B4__M2$"):
+        cli.call(sweep.define_flags, sweep.main, _iso_args(root, *flags))
     printed = capsys.readouterr()
     assert [cmd[cmd.index("--workdir") + 1] for cmd in ran] == [f"{root}/C64__n8__B4__M2"]
-    assert printed.err == "error: 1 run(s) failed: C64__n8__B4__M2\n"
+    assert printed.err == ""
     out = printed.out.splitlines()
     assert out[6:] == [
         "# run C64__n8__B4__M2 failed (exit status 1)",

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags
 
 from rlscale import cli, model, next_token
 from rlscale.sampling import engine
@@ -267,32 +268,35 @@ def bench_generator(
 PARTS = ("decode", "train", "generator")
 
 
-def main():
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", choices=model.config.NAMES)
-    p.add_argument("--batch", type=int, default=128, help="decode batch")
-    p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--new_tokens", type=int, default=192)
-    p.add_argument("--decode_phases", type=int, default=8, help="SamplingConfig.decode_phases")
-    p.add_argument("--train_batch", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=512)
-    p.add_argument("--dtype", default=None, help="override the model's compute/param dtype")
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv
+    flags.DEFINE_enum("model", "small", list(model.config.NAMES), "the model", flag_values=fv)
+    flags.DEFINE_integer("batch", 128, "decode batch", flag_values=fv)
+    flags.DEFINE_integer("prompt_len", 64, "decode: prompt tokens", flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 192, "decode: new tokens", flag_values=fv)
+    flags.DEFINE_integer("decode_phases", 8, "SamplingConfig.decode_phases", flag_values=fv)
+    flags.DEFINE_integer("train_batch", 8, "train: batch", flag_values=fv)
+    flags.DEFINE_integer("seq_len", 512, "train: sequence length", flag_values=fv)
+    flags.DEFINE_string("dtype", None, "override the model's compute/param dtype", flag_values=fv)
     # 16 requests per slot: with fewer, the drain at the end (slots idle while the longest
     # requests finish) caps any FIFO engine's utilization below 0.9 (`ideal_utilization`).
-    p.add_argument("--slots", type=int, default=4, help="generator: engine slots = static batch")
-    p.add_argument("--requests", type=int, default=64, help="generator: a multiple of --slots")
-    p.add_argument("--gen_tokens", type=int, default=192, help="generator: longest completion")
-    p.add_argument("--steps_per_call", type=int, default=4, help="generator: Generator.step(k)")
-    p.add_argument("--gen_prompt_len", type=int, default=16, help="generator: longest prompt")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default=",".join(PARTS), help="comma list of parts to run")
-    p.add_argument("--skip", default="", help="comma list of parts to skip")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    args = p.parse_args()
-    parts = set(filter(None, args.only.split(","))) - set(filter(None, args.skip.split(",")))
+    flags.DEFINE_integer("slots", 4, "generator: engine slots = static batch", flag_values=fv)
+    flags.DEFINE_integer("requests", 64, "generator: a multiple of --slots", flag_values=fv)
+    flags.DEFINE_integer("gen_tokens", 192, "generator: longest completion", flag_values=fv)
+    flags.DEFINE_integer("steps_per_call", 4, "generator: Generator.step(k)", flag_values=fv)
+    flags.DEFINE_integer("gen_prompt_len", 16, "generator: longest prompt", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed repeats (the best counts)", flag_values=fv)
+    flags.DEFINE_list("only", list(PARTS), "comma list of parts to run", flag_values=fv)
+    flags.DEFINE_list("skip", [], "comma list of parts to skip", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the results as JSON here", flag_values=fv)
+
+
+def main(fv: flags.FlagValues) -> None:
+    args = fv  # The flags, read below as `args`.
+    parts = set(filter(None, args.only)) - set(filter(None, args.skip))
     unknown = parts - set(PARTS)
     if unknown:
-        p.error(f"unknown part(s) {sorted(unknown)}; known: {', '.join(PARTS)}")
+        raise ValueError(f"unknown part(s) {sorted(unknown)}; known: {', '.join(PARTS)}")
 
     overrides = {}
     if args.dtype:
@@ -406,4 +410,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.guard(main)()
+    cli.run_command(define_flags, main)

@@ -14,75 +14,97 @@ copies the directory's tokenizer into the rlscale checkpoint, where `rlscale.eva
 
 import os
 
+from absl import flags
+
 from rlscale import checkpoint, cli, saved_policy
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.model import hf
 
+FORMATS = ["hf", "rlscale"]
 
-def _source_tokenizer(args):
+
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv
+    flags.DEFINE_enum("from", None, FORMATS, "the format of SRC", flag_values=fv)
+    flags.DEFINE_enum("to", None, FORMATS, "the format of DST", flag_values=fv)
+    for name in ("from", "to"):
+        flags.mark_flag_as_required(name, flag_values=fv)
+    flags.DEFINE_string("dtype", None, "hf -> rlscale: float32 or bfloat16", flag_values=fv)
+    flags.DEFINE_enum(
+        "family",
+        None,
+        list(hf.FAMILIES),
+        "rlscale -> hf: model family (default: inferred from the config)",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "tokenizer",
+        None,
+        "tokenizer to write with the checkpoint (default: the source's, if it has one)",
+        flag_values=fv,
+    )
+    flags.DEFINE_list(
+        "stop_tokens",
+        None,
+        "rlscale -> hf: comma-separated ids generation stops at (default: the EOS)",
+        flag_values=fv,
+    )
+
+
+def _source_tokenizer(src: str, src_format: str, tokenizer: str | None):
     """The tokenizer to carry over, or None when the source has none."""
-    if args.tokenizer:
-        return tokenizer_lib.load(args.tokenizer)
-    if args.src_format == "hf":
+    if tokenizer:
+        return tokenizer_lib.load(tokenizer)
+    if src_format == "hf":
         try:
-            return tokenizer_lib.load(args.src)
+            return tokenizer_lib.load(src)
         except FileNotFoundError:
             return None
-    workdir = os.path.dirname(os.path.abspath(args.src))  # A run's WORKDIR/final or /sft.
+    workdir = os.path.dirname(os.path.abspath(src))  # A run's WORKDIR/final or /sft.
     try:
+<<<<<<< HEAD
         return tokenizer_lib.load(saved_policy.default_tokenizer_path(args.src, workdir))
+=======
+        return tokenizer_lib.load(saved_policy.default_tokenizer_path(src, workdir))
+>>>>>>> tools
     except FileNotFoundError:
         return None
 
 
-def main():
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="src_format", choices=("hf", "rlscale"), required=True)
-    p.add_argument("--to", dest="dst_format", choices=("hf", "rlscale"), required=True)
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--dtype", default=None, help="hf -> rlscale: float32 or bfloat16")
-    p.add_argument(
-        "--family",
-        default=None,
-        choices=hf.FAMILIES,
-        help="rlscale -> hf: model family (default: inferred from the config)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer to write with the checkpoint (default: the source's, if it has one)",
-    )
-    p.add_argument(
-        "--stop_tokens",
-        default=None,
-        help="rlscale -> hf: comma-separated ids generation stops at (default: the EOS)",
-    )
-    args = p.parse_args()
-    if args.src_format == args.dst_format:
-        p.error("--from and --to must differ")
-    tok = _source_tokenizer(args)
+def main(fv: flags.FlagValues, args) -> None:
+    """Converts SRC to DST (the positional `args`).
+
+    Raises:
+      ValueError: bad arguments, or a model or tokenizer the conversion does not support.
+    """
+    if len(args) != 2:
+        raise ValueError(f"expected SRC and DST, got {len(args)} argument(s): {' '.join(args)}")
+    src, dst = args
+    src_format, dst_format = fv["from"].value, fv["to"].value
+    if src_format == dst_format:
+        raise ValueError("--from and --to must differ")
+    tok = _source_tokenizer(src, src_format, fv.tokenizer)
     stop = None
-    if args.stop_tokens:
-        stop = [int(t) for t in args.stop_tokens.split(",")]
+    if fv.stop_tokens:
+        stop = [int(t) for t in fv.stop_tokens]
     try:
-        if args.src_format == "hf":
-            cfg, _, params = hf.load_hf(args.src, dtype=args.dtype)
+        if src_format == "hf":
+            cfg, _, params = hf.load_hf(src, dtype=fv.dtype)
             hf_tok = tok.to_hf() if tok is not None else None  # Fails before anything is written.
-            checkpoint.save_params(args.dst, cfg, params)
+            checkpoint.save_params(dst, cfg, params)
             if hf_tok is not None:
-                hf_tok.save(args.dst)
+                hf_tok.save(dst)
         else:
-            cfg, _, params = checkpoint.load_params(args.src)
-            hf.save_hf(args.dst, cfg, params, family=args.family, tokenizer=tok, stop_tokens=stop)
+            cfg, _, params = checkpoint.load_params(src)
+            hf.save_hf(dst, cfg, params, family=fv.family, tokenizer=tok, stop_tokens=stop)
     except ValueError as e:  # An unsupported model or tokenizer: the message names it.
-        p.error(str(e))
+        raise ValueError(str(e)) from e  # Raised here: the command's own, one `error:` line.
     print(
-        f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format}): "
+        f"{src} ({src_format}) -> {dst} ({dst_format}): "
         f"{cfg.num_params() / 1e6:.2f}M params, {cfg.param_dtype}, "
         + (f"tokenizer {tok!r}" if tok is not None else "no tokenizer")
     )
 
 
 if __name__ == "__main__":
-    cli.guard(main)()
+    cli.run_command(define_flags, main)

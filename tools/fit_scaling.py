@@ -27,51 +27,60 @@ k_max, N0, E0_max, N1, r2, n_points, extrapolation`) and `DIR/tan.png` (1 - rewa
 X, log-log); the exit status is 1 when the points cannot be fitted (the reason is printed).
 """
 
-import argparse
 import sys
+
+from absl import flags
 
 from rlscale import cli
 from rlscale.scaling import runs, tan
 
 
-def parse_args(argv=None):
-    p = cli.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv
+    flags.DEFINE_string("out", None, "directory for fits.json and the plots", flag_values=fv)
+    flags.mark_flag_as_required("out", flag_values=fv)
+    flags.DEFINE_string(
+        "x", runs.DEFAULT_X, "compute key (e.g. compute/device_seconds)", flag_values=fv
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="run workdir, .jsonl or .csv")
-    p.add_argument("--out", required=True, help="directory for fits.json and the plots")
-    p.add_argument("--x", default=runs.DEFAULT_X, help="compute key (e.g. compute/device_seconds)")
-    p.add_argument("--y", default=runs.DEFAULT_Y, help="reward key (e.g. eval/pass@1)")
-    p.add_argument("--r0", type=float, default=None, help="fixed R0 (default: step-0 eval)")
-    p.add_argument("--min-compute", type=float, default=0.0, help="skip points below this")
-    cut = p.add_mutually_exclusive_group()
-    cut.add_argument("--fit-until", type=float, default=None, help="fit on compute <= this")
-    cut.add_argument(
-        "--fit-until-frac", type=float, default=None, help="fit on this fraction of max compute"
+    flags.DEFINE_string("y", runs.DEFAULT_Y, "reward key (e.g. eval/pass@1)", flag_values=fv)
+    flags.DEFINE_float("r0", None, "fixed R0 (default: step-0 eval)", flag_values=fv)
+    flags.DEFINE_float("min-compute", 0.0, "skip points below this", flag_values=fv)
+    flags.DEFINE_float(
+        "fit-until", None, "fit on compute <= this (not with --fit-until-frac)", flag_values=fv
     )
-    p.add_argument(
-        "--law", choices=("sigmoid", "tan"), default="sigmoid", help="the law to fit (see above)"
+    flags.DEFINE_float(
+        "fit-until-frac", None, "fit on this fraction of max compute", flag_values=fv
     )
-    p.add_argument(
-        "--holdout-size", type=float, default=None, help="tan: fit the other sizes, predict this"
+    flags.DEFINE_enum(
+        "law", "sigmoid", ["sigmoid", "tan"], "the law to fit (see above)", flag_values=fv
     )
-    p.add_argument("--method", choices=("grid", "lsq"), default="grid")
-    p.add_argument("--a-max", type=float, default=1.0, help="upper bound on A (1 for rates)")
-    p.add_argument("--n-boot", type=int, default=200, help="bootstrap resamples for A's interval")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    args = p.parse_args(argv)
-    if args.fit_until_frac is not None and not 0 < args.fit_until_frac < 1:
-        p.error(f"--fit-until-frac={args.fit_until_frac} must be in (0, 1)")
-    if args.law == "tan":
-        cut = {"--fit-until": args.fit_until, "--fit-until-frac": args.fit_until_frac}
-        given = [k for k, v in {**cut, "--r0": args.r0}.items() if v is not None]
+    flags.DEFINE_float(
+        "holdout-size", None, "tan: fit the other sizes, predict this", flag_values=fv
+    )
+    flags.DEFINE_enum("method", "grid", ["grid", "lsq"], "the sigmoid's fit", flag_values=fv)
+    flags.DEFINE_float("a-max", 1.0, "upper bound on A (1 for rates)", flag_values=fv)
+    flags.DEFINE_integer("n-boot", 200, "bootstrap resamples for A's interval", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "bootstrap seed", flag_values=fv)
+
+
+def check_flags(fv: flags.FlagValues, inputs) -> None:
+    """Raises ValueError naming the flags that do not go together."""
+    if not inputs:
+        raise ValueError("give at least one INPUT: a run workdir, .jsonl or .csv")
+    until, frac = fv["fit-until"].value, fv["fit-until-frac"].value
+    if until is not None and frac is not None:
+        raise ValueError("--fit-until and --fit-until-frac: give one cut, not both")
+    if frac is not None and not 0 < frac < 1:
+        raise ValueError(f"--fit-until-frac={frac} must be in (0, 1)")
+    if fv.law == "tan":
+        cut = {"--fit-until": until, "--fit-until-frac": frac}
+        given = [k for k, v in {**cut, "--r0": fv.r0}.items() if v is not None]
         if given:
-            p.error(f"{', '.join(given)}: sigmoid only; --law tan predicts with --holdout-size")
-    elif args.holdout_size is not None:
-        p.error("--holdout-size needs --law tan")
-    return args
+            raise ValueError(
+                f"{', '.join(given)}: sigmoid only; --law tan predicts with --holdout-size"
+            )
+    elif fv["holdout-size"].value is not None:
+        raise ValueError("--holdout-size needs --law tan")
 
 
 def fit_and_report(inputs, out, **kwargs) -> list:
@@ -110,37 +119,40 @@ def fit_tan_and_report(inputs, out, *, x_key, y_key, min_compute, holdout_size) 
     print(f"wrote {paths['fits']} and {paths['plot']}")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.law == "tan":
+def main(fv: flags.FlagValues, inputs) -> None:
+    """Fits `inputs` (positional: run workdirs, .jsonl or .csv files) by the flags' law.
+
+    Raises:
+      ValueError: flags that do not go together (named), or no input could be fitted.
+    """
+    check_flags(fv, inputs)
+    if fv.law == "tan":
         fit_tan_and_report(
-            args.inputs,
-            args.out,
-            x_key=args.x,
-            y_key=args.y,
-            min_compute=args.min_compute,
-            holdout_size=args.holdout_size,
+            inputs,
+            fv.out,
+            x_key=fv.x,
+            y_key=fv.y,
+            min_compute=fv["min-compute"].value,
+            holdout_size=fv["holdout-size"].value,
         )
-        return 0
+        return
     results = fit_and_report(
-        args.inputs,
-        args.out,
-        x_key=args.x,
-        y_key=args.y,
-        r0=args.r0,
-        min_compute=args.min_compute,
-        method=args.method,
-        fit_until=args.fit_until,
-        fit_until_frac=args.fit_until_frac,
-        a_max=args.a_max,
-        n_boot=args.n_boot,
-        seed=args.seed,
+        inputs,
+        fv.out,
+        x_key=fv.x,
+        y_key=fv.y,
+        r0=fv.r0,
+        min_compute=fv["min-compute"].value,
+        method=fv.method,
+        fit_until=fv["fit-until"].value,
+        fit_until_frac=fv["fit-until-frac"].value,
+        a_max=fv["a-max"].value,
+        n_boot=fv["n-boot"].value,
+        seed=fv.seed,
     )
     if not any(r.fit for r in results):
-        print("error: no input could be fitted", file=sys.stderr)
-        return 1
-    return 0
+        raise ValueError("no input could be fitted")
 
 
 if __name__ == "__main__":
-    sys.exit(cli.guard(main)())
+    cli.run_command(define_flags, main)

@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+
 from rlscale import cli, console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -488,21 +490,23 @@ def print_report(report: dict) -> None:
             )
 
 
-def main():
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", default="0,1", help="comma-separated RL seeds")
-    p.add_argument("--steps", type=int, default=80, help="RL steps per run")
-    p.add_argument("--workdir", default="/tmp/rlscale_peers")
-    p.add_argument("--out", default=None, help="write the numbers as JSON here")
-    p.add_argument("--skip_rlscale", action="store_true")
-    p.add_argument("--skip_warm", action="store_true", help="no second, warm-cache rlscale run")
-    p.add_argument("--skip_trl", action="store_true")
-    p.add_argument("--skip_generate", action="store_true")
-    args = p.parse_args()
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv
+    flags.DEFINE_list("seeds", ["0", "1"], "comma-separated RL seeds", flag_values=fv)
+    flags.DEFINE_integer("steps", 80, "RL steps per run", flag_values=fv)
+    flags.DEFINE_string("workdir", "/tmp/rlscale_peers", "runs and records", flag_values=fv)
+    flags.DEFINE_string("out", None, "write the numbers as JSON here", flag_values=fv)
+    flags.DEFINE_bool("skip_rlscale", False, "no rlscale runs", flag_values=fv)
+    flags.DEFINE_bool("skip_warm", False, "no second, warm-cache rlscale run", flag_values=fv)
+    flags.DEFINE_bool("skip_trl", False, "no TRL runs", flag_values=fv)
+    flags.DEFINE_bool("skip_generate", False, "no sampler vs `generate`", flag_values=fv)
+
+
+def main(fv: flags.FlagValues) -> None:
     console.configure(0)  # The in-process warm start without TFDS's progress bars.
-    seeds = [int(x) for x in args.seeds.split(",")]
-    cli.make_dir(args.workdir, "--workdir")
-    config = quickstart_config(args.steps)
+    seeds = [int(x) for x in fv.seeds]
+    cli.make_dir(fv.workdir, "--workdir")
+    config = quickstart_config(fv.steps)
     report = {
         "machine": machine(),
         "command": " ".join(["python", "tools/peers.py", *sys.argv[1:]]),
@@ -510,26 +514,26 @@ def main():
             "prompts": config.batch.prompts,
             "group_size": config.batch.group_size,
             "max_new_tokens": config.sampling.max_new_tokens,
-            "steps": args.steps,
+            "steps": fv.steps,
             "eval": {"every": config.eval.every, "prompts": config.eval.prompts},
             "trl_unmatched": list(UNMATCHED),
         },
     }
-    s, hf_dir = warm_start(config, args.workdir)
-    skip = {"rlscale": args.skip_rlscale, "rlscale_warm": args.skip_rlscale or args.skip_warm}
-    systems = [x for x in SYSTEMS if not skip.get(x, args.skip_trl)]
+    s, hf_dir = warm_start(config, fv.workdir)
+    skip = {"rlscale": fv.skip_rlscale, "rlscale_warm": fv.skip_rlscale or fv.skip_warm}
+    systems = [x for x in SYSTEMS if not skip.get(x, fv.skip_trl)]
     runs = {x: {} for x in systems}
     try:
-        if not args.skip_generate:
+        if not fv.skip_generate:
             report["sampler_vs_generate"] = sampler_vs_generate(s, hf_dir)
         # Seed by seed, the systems in turn: both meet the same background load on a shared
         # machine. The load averages (1, 5, 15 min) after each run say what that load was.
         for seed in seeds:
             for system in systems:
                 if system.startswith("rlscale"):
-                    records = run_rlscale(args.workdir, seed, args.steps, system == "rlscale_warm")
+                    records = run_rlscale(fv.workdir, seed, fv.steps, system == "rlscale_warm")
                 else:
-                    records = run_trl(s, hf_dir, args.workdir, seed)
+                    records = run_trl(s, hf_dir, fv.workdir, seed)
                 runs[system][seed] = records
                 report.setdefault("load_avg", {}).setdefault(system, {})[str(seed)] = [
                     round(x, 2) for x in os.getloadavg()
@@ -539,18 +543,18 @@ def main():
     for system, by_seed in runs.items():
         per_seed = {str(seed): summarize(records) for seed, records in by_seed.items()}
         report[system] = {**mean_over_seeds(per_seed), "seeds": per_seed}
-        with open(os.path.join(args.workdir, f"{system}_records.json"), "w") as f:
+        with open(os.path.join(fv.workdir, f"{system}_records.json"), "w") as f:
             json.dump({str(k): v for k, v in by_seed.items()}, f)
     if "trl" in report:
         for ours, key in (("rlscale", "ratios"), ("rlscale_warm", "ratios_warm")):
             if ours in report:
                 report[key] = ratios(report[ours], report["trl"])
     print_report(report)
-    if args.out:
-        with open(args.out, "w") as f:
+    if fv.out:
+        with open(fv.out, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"\nwrote {args.out}")
+        print(f"\nwrote {fv.out}")
 
 
 if __name__ == "__main__":
-    cli.guard(main)()
+    cli.run_command(define_flags, main)

@@ -2,7 +2,7 @@
 
     python tools/pipeline_sim.py --gen_s G --train_s T [--host_s H] [--transfer_s X] \\
         [--devices N] [--generator_devices g] [--max_staleness k] [--updates_per_batch U] \\
-        [--mode pipeline|async_ppo] [--steps S]
+        [--steps S]
     python tools/pipeline_sim.py --from_run SYNC_WORKDIR [...]   # G, T, H, X measured
 
 The work of one batch, measured on all N devices: G device-seconds of generation (decode and
@@ -29,6 +29,7 @@ import json
 import os
 
 import numpy as np
+from absl import flags
 
 from rlscale import cli
 
@@ -100,47 +101,47 @@ def simulate(
     return (done_at[-1] - done_at[half]) / (len(done_at) - 1 - half)
 
 
-def main(argv=None):
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--from_run", default="", help="a synchronous run's workdir")
-    p.add_argument("--gen_s", type=float, default=None)
-    p.add_argument("--train_s", type=float, default=None)
-    p.add_argument("--host_s", type=float, default=None)
-    p.add_argument("--transfer_s", type=float, default=None)
-    p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--generator_devices", type=int, default=0)
-    p.add_argument("--max_staleness", type=int, default=4)
-    p.add_argument("--updates_per_batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=40)
-    a = p.parse_args(argv)
-    measured = from_run(a.from_run) if a.from_run else {}
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv
+    flags.DEFINE_string("from_run", "", "a synchronous run's workdir", flag_values=fv)
+    for name in ("gen_s", "train_s", "host_s", "transfer_s"):
+        flags.DEFINE_float(name, None, "seconds per batch (see above)", flag_values=fv)
+    flags.DEFINE_integer("devices", 1, "N: devices in all", flag_values=fv)
+    flags.DEFINE_integer("generator_devices", 0, "g: generation's devices", flag_values=fv)
+    flags.DEFINE_integer("max_staleness", 4, "k", flag_values=fv)
+    flags.DEFINE_integer("updates_per_batch", 1, "U", flag_values=fv)
+    flags.DEFINE_integer("steps", 40, "batches simulated", flag_values=fv)
+
+
+def main(fv: flags.FlagValues) -> dict:
+    measured = from_run(fv.from_run) if fv.from_run else {}
     times = {}
     for key in ("gen_s", "train_s", "host_s", "transfer_s"):
-        value = getattr(a, key)
+        value = fv[key].value
         times[key] = value if value is not None else measured.get(key, 0.0)
     if not times["gen_s"] or not times["train_s"]:
-        p.error("give --gen_s and --train_s, or --from_run")
-    if not 0 <= a.generator_devices < a.devices and a.generator_devices:
-        p.error(f"--generator_devices={a.generator_devices} must leave trainer devices")
+        raise ValueError("give --gen_s and --train_s, or --from_run")
+    if not 0 <= fv.generator_devices < fv.devices and fv.generator_devices:
+        raise ValueError(f"--generator_devices={fv.generator_devices} must leave trainer devices")
     sync = sum(times.values())
     piped = simulate(
         **times,
-        devices=a.devices,
-        generator_devices=a.generator_devices,
-        max_staleness=a.max_staleness,
-        updates_per_batch=a.updates_per_batch,
-        steps=a.steps,
+        devices=fv.devices,
+        generator_devices=fv.generator_devices,
+        max_staleness=fv.max_staleness,
+        updates_per_batch=fv.updates_per_batch,
+        steps=fv.steps,
     )
-    split = f"{a.generator_devices} generator + {a.devices - a.generator_devices} trainer"
-    split = split if a.generator_devices else f"{a.devices} shared"
+    split = f"{fv.generator_devices} generator + {fv.devices - fv.generator_devices} trainer"
+    split = split if fv.generator_devices else f"{fv.devices} shared"
     g, h, t, x = (times[k] for k in ("gen_s", "host_s", "train_s", "transfer_s"))
     print(f"per batch: generate {g:.3f} s, host {h:.3f} s, train {t:.3f} s, transfer {x:.3f} s")
     if "step_s" in measured:
         print(f"measured sync step: {measured['step_s']:.3f} s (model: {sync:.3f} s)")
-    print(f"devices: {split}; k = {a.max_staleness}, {a.updates_per_batch} update(s) per batch")
+    print(f"devices: {split}; k = {fv.max_staleness}, {fv.updates_per_batch} update(s) per batch")
     print(f"predicted s/step: sync {sync:.3f}, pipelined {piped:.3f}, speedup {sync / piped:.2f}x")
     return {"sync_s": sync, "pipelined_s": piped, "speedup": sync / piped}
 
 
 if __name__ == "__main__":
-    cli.guard(main)()
+    cli.run_command(define_flags, main)

@@ -33,44 +33,48 @@ def starts_with_one(completion, problem) -> float:
     return float(completion.strip().startswith("1"))
 
 
-def main(argv):
+def define_flags(fv, argv) -> None:
     from absl import flags
-    from ml_collections import config_flags
 
+    from rlscale import cli
+
+    # The default config goes into the arguments (in place: they are what is parsed next), not
+    # into the flag: a flag default would have ml_collections apply the `--config.a.b=v`
+    # overrides while defining the flag, before a bad key can be reported as a flag error.
+    args = sys.argv if argv is None else argv
+    if not any(a == "--config" or a.startswith("--config=") for a in args[1:]):
+        args[1:1] = ["--config", os.path.join(ROOT, "configs", "quickstart.py")]
+    cli.define_config(fv, argv)
+    flags.DEFINE_string("workdir", None, "Directory for the run's outputs.", flag_values=fv)
+    flags.DEFINE_string(
+        "warm_from",
+        None,
+        "A quickstart workdir whose data, tokenizer and SFT warm start to reuse.",
+        flag_values=fv,
+    )
+    flags.mark_flag_as_required("workdir", flag_values=fv)
+
+
+def main(fv) -> None:
     from rlscale import cli, rl
-
-    # The default goes in as an argument: a flag default would have ml_collections apply the
-    # `--config.a.b=v` overrides while defining the flag, before `cli.parse_flags` can report a
-    # bad key.
-    if not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
-        argv = [argv[0], "--config", os.path.join(ROOT, "configs", "quickstart.py"), *argv[1:]]
-    config = config_flags.DEFINE_config_file(
-        "config", None, "RL config file, optionally with a :variant suffix.", lock_config=True
-    )
-    workdir = flags.DEFINE_string("workdir", None, "Directory for the run's outputs.")
-    warm_from = flags.DEFINE_string(
-        "warm_from", None, "A quickstart workdir whose data, tokenizer and SFT warm start to reuse."
-    )
-    flags.mark_flag_as_required("workdir")
-    cli.parse_flags(argv)
 
     # The reward workers fork from a server started with this process's sys.path; running as
     # `python tools/rl_sanity.py` puts this directory first, but say so rather than rely on it.
     if TOOLS_DIR not in sys.path:
         sys.path.insert(0, TOOLS_DIR)
-    cfg = config.value
+    cfg = fv.config
     cfg.reward.fn = REWARD_FN
-    cli.make_dir(workdir.value, "--workdir")
-    if warm_from.value:
+    cli.make_dir(fv.workdir, "--workdir")
+    if fv.warm_from:
         for name in ("sft", "data", "tokenizer.model"):
-            src, dst = os.path.join(warm_from.value, name), os.path.join(workdir.value, name)
+            src, dst = os.path.join(fv.warm_from, name), os.path.join(fv.workdir, name)
             if not os.path.exists(dst):
                 (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
-    summary = rl.run(cfg, workdir.value)
+    summary = rl.run(cfg, fv.workdir)
     print(json.dumps({"start": summary["start/eval_pass@1"], "end": summary["end/eval_pass@1"]}))
 
 
 if __name__ == "__main__":
     from rlscale import cli
 
-    cli.guard(main)(sys.argv)
+    cli.run_command(define_flags, main)

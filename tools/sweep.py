@@ -44,7 +44,6 @@ bins of --bin_width) and `ROOT/iso_compute.png`; printed: a Markdown table per b
 with several --reuse values, the final reward against tau).
 """
 
-import argparse
 import dataclasses
 import itertools
 import math
@@ -53,6 +52,8 @@ import re
 import shlex
 import subprocess
 import sys
+
+from absl import flags
 
 from rlscale import cli
 from rlscale.scaling import allocation, runs
@@ -357,81 +358,111 @@ def run_all(todo, dry_run: bool) -> list[str]:
 _ISO_FLAGS = ("rollouts", "prompts", "reuse", "evals", "min_steps", "bin_width")
 
 
-def main(argv=None) -> int:
-    p = cli.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
+def define_flags(fv: flags.FlagValues, argv) -> None:
+    del argv  # --config is a path handed to each run, not loaded here.
+    flags.DEFINE_string("config", None, "configs/X.py[:variant]", flag_values=fv)
+    flags.DEFINE_string(
+        "grid", None, "'key=v1,v2;other=a,b' (optional with --budgets: crossed)", flag_values=fv
     )
-    p.add_argument("--config", required=True, help="configs/X.py[:variant]")
-    p.add_argument("--grid", help="'key=v1,v2;other=a,b' (optional with --budgets: crossed)")
-    p.add_argument("--workdir", required=True, help="ROOT: one subdirectory per run")
-    p.add_argument("--shard", default="0/1", help="i/n: run combinations i, i+n, ...")
-    p.add_argument("--dry_run", "--dry-run", action="store_true", help="print, run nothing")
-    p.add_argument("--method", choices=("grid", "lsq"), default="grid", help="grid-mode fit")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an override for every run, not in the run names (repeatable)",
+    flags.DEFINE_string("workdir", None, "ROOT: one subdirectory per run", flag_values=fv)
+    flags.DEFINE_string("shard", "0/1", "i/n: run combinations i, i+n, ...", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "print, run nothing", flag_values=fv)
+    flags.DEFINE_alias("dry-run", "dry_run", flag_values=fv)
+    flags.DEFINE_enum("method", "grid", ["grid", "lsq"], "grid-mode fit", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "set",
+        [],
+        "KEY=VALUE: an override for every run, not in the run names",
+        flag_values=fv,
     )
-    iso = p.add_argument_group("iso-compute mode (--budgets)")
-    iso.add_argument("--budgets", help="C values in rollouts, e.g. 8192,32768")
-    iso.add_argument("--rollouts", help="n values (batch.group_size), e.g. 2,4,8,16,32")
-    iso.add_argument("--prompts", help="B_p values (batch.prompts), e.g. 16")
-    iso.add_argument("--reuse", help="tau values (default 1), e.g. 1,4,16")
-    iso.add_argument("--evals", type=int, help="evaluations per run after step 0 (default 4)")
-    iso.add_argument("--min_steps", type=int, help="fewest steps M of a cell (default 1)")
-    iso.add_argument("--bin_width", type=float, help="record points' reward bin (default 0.01)")
-    args = p.parse_args(argv)
-    if args.budgets is None:
-        given = [f"--{k}" for k in _ISO_FLAGS if getattr(args, k) is not None]
+    for name in ("config", "workdir"):
+        flags.mark_flag_as_required(name, flag_values=fv)
+    # Iso-compute mode (--budgets).
+    iso = "iso-compute mode: "
+    flags.DEFINE_string(
+        "budgets", None, iso + "C values in rollouts, e.g. 8192,32768", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "rollouts", None, iso + "n values (batch.group_size), e.g. 2,4,8,16,32", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "prompts", None, iso + "B_p values (batch.prompts), e.g. 16", flag_values=fv
+    )
+    flags.DEFINE_string("reuse", None, iso + "tau values (default 1), e.g. 1,4,16", flag_values=fv)
+    flags.DEFINE_integer(
+        "evals", None, iso + "evaluations per run after step 0 (default 4)", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "min_steps", None, iso + "fewest steps M of a cell (default 1)", flag_values=fv
+    )
+    flags.DEFINE_float(
+        "bin_width", None, iso + "record points' reward bin (default 0.01)", flag_values=fv
+    )
+
+
+def check_modes(fv: flags.FlagValues) -> None:
+    """The flags fit one mode: --grid alone, or --budgets with its own flags.
+
+    Raises:
+      ValueError: naming the flag that does not fit.
+    """
+    if fv.budgets is None:
+        given = [f"--{k}" for k in _ISO_FLAGS if fv[k].value is not None]
         if given:
-            p.error(f"{', '.join(given)}: only with --budgets (the iso-compute mode)")
-        if args.grid is None:
-            p.error("give --grid, or --budgets with --rollouts and --prompts (iso-compute)")
-    else:
-        for flag in ("rollouts", "prompts"):
-            if getattr(args, flag) is None:
-                p.error(f"--budgets needs --{flag}")
-        for flag in ("evals", "min_steps"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                p.error(f"bad --{flag} {getattr(args, flag)}: must be >= 1")
-        if args.bin_width is not None and not args.bin_width > 0:
-            p.error(f"bad --bin_width {args.bin_width}: must be > 0")
-    try:
-        if args.budgets is None:
-            todo, all_workdirs = plan(args.config, args.grid, args.workdir, args.shard)
-        else:
-            todo, entries = iso_plan(
-                args.config,
-                args.workdir,
-                budgets=args.budgets,
-                rollouts=args.rollouts,
-                prompts=args.prompts,
-                reuse=args.reuse or "1",
-                evals=args.evals or 4,
-                min_steps=args.min_steps or 1,
-                grid_text=args.grid,
-                shard=args.shard,
+            raise ValueError(f"{', '.join(given)}: only with --budgets (the iso-compute mode)")
+        if fv.grid is None:
+            raise ValueError(
+                "give --grid, or --budgets with --rollouts and --prompts (iso-compute)"
             )
-            all_workdirs = [w for _, _, w, _ in entries]
-        fixed = parse_grid(";".join(args.set)) if args.set else []
-    except ValueError as e:
-        p.error(str(e))
+        return
+    for flag in ("rollouts", "prompts"):
+        if fv[flag].value is None:
+            raise ValueError(f"--budgets needs --{flag}")
+    for flag in ("evals", "min_steps"):
+        if fv[flag].value is not None and fv[flag].value < 1:
+            raise ValueError(f"bad --{flag} {fv[flag].value}: must be >= 1")
+    if fv.bin_width is not None and not fv.bin_width > 0:
+        raise ValueError(f"bad --bin_width {fv.bin_width}: must be > 0")
+
+
+def main(fv: flags.FlagValues) -> None:
+    """Runs this shard's unfinished runs, then fits (or, with --budgets, analyses) them.
+
+    Raises:
+      ValueError: a bad flag (named), or a run that failed (after the report).
+    """
+    check_modes(fv)
+    if fv.budgets is None:
+        todo, all_workdirs = plan(fv.config, fv.grid, fv.workdir, fv.shard)
+    else:
+        todo, entries = iso_plan(
+            fv.config,
+            fv.workdir,
+            budgets=fv.budgets,
+            rollouts=fv.rollouts,
+            prompts=fv.prompts,
+            reuse=fv.reuse or "1",
+            evals=fv.evals or 4,
+            min_steps=fv.min_steps or 1,
+            grid_text=fv.grid,
+            shard=fv.shard,
+        )
+        all_workdirs = [w for _, _, w, _ in entries]
+    fixed = parse_grid(";".join(fv.set)) if fv.set else []
     for key, values in fixed:
         if len(values) != 1:
-            p.error(f"--set {key}={','.join(values)}: one value per key (a list is a --grid)")
+            raise ValueError(
+                f"--set {key}={','.join(values)}: one value per key (a list is a --grid)"
+            )
     todo = [(n, w, cmd + [f"--config.{k}={v[0]}" for k, v in fixed]) for n, w, cmd in todo]
 
-    print(f"# shard {args.shard}: {len(todo)} of {len(all_workdirs)} runs")
-    failed = run_all(todo, args.dry_run)
-    if args.dry_run:
-        return 0
+    print(f"# shard {fv.shard}: {len(todo)} of {len(all_workdirs)} runs")
+    failed = run_all(todo, fv.dry_run)
+    if fv.dry_run:
+        return
 
-    if args.budgets is not None:
-        paths = iso_report(entries, args.workdir, bin_width=args.bin_width or 0.01)
+    if fv.budgets is not None:
+        paths = iso_report(entries, fv.workdir, bin_width=fv.bin_width or 0.01)
         if paths["text"]:
             print(paths["text"])
         else:
@@ -440,15 +471,13 @@ def main(argv=None) -> int:
     else:
         have = [w for w in all_workdirs if os.path.exists(os.path.join(w, "metrics.jsonl"))]
         if have:
-            results = runs.fit_inputs(have, method=args.method)
+            results = runs.fit_inputs(have, method=fv.method)
             print(runs.format_table(results))
-            paths = runs.write_report(results, args.workdir, per_run_plots=False)
+            paths = runs.write_report(results, fv.workdir, per_run_plots=False)
             print(f"wrote {paths['fits']}" + (f" and {paths['curves']}" if paths["curves"] else ""))
     if failed:
-        print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+        raise ValueError(f"{len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
-    sys.exit(cli.guard(main)())
+    cli.run_command(define_flags, main)

@@ -125,7 +125,7 @@ def init(model: ModelConfig | str, rng: jax.Array, *, mesh=None):
         device, as `checkpoint.load_params` does.
     """
     if mesh is None:
-        mesh = sharding.makeparams_mesh((1, 1, 1), devices=jax.devices()[:1])
+        mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     decoder_rng, head_rng = jax.random.split(rng)
     if isinstance(model, ModelConfig):
         cfg = model
