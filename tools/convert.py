@@ -9,7 +9,8 @@ transformers and vLLM; the rlscale side is `rlscale.checkpoint.save_params`. The
 travels with the weights: rlscale -> hf writes the checkpoint's tokenizer (its own files, or
 its run's `WORKDIR/tokenizer.model`, or --tokenizer) with its bos/eos/pad ids, stopping at
 --stop_tokens (default: the EOS), so the export serves as rlscale samples; hf -> rlscale
-copies the directory's tokenizer into the rlscale checkpoint, where `rlscale.evaluate` finds it.
+copies the directory's tokenizer into the rlscale checkpoint, where `rlscale.main.evaluate` finds
+it.
 """
 
 import os
@@ -62,11 +63,7 @@ def _source_tokenizer(src: str, src_format: str, tokenizer: str | None):
             return None
     workdir = os.path.dirname(os.path.abspath(src))  # A run's WORKDIR/final or /sft.
     try:
-<<<<<<< HEAD
-        return tokenizer_lib.load(saved_policy.default_tokenizer_path(args.src, workdir))
-=======
         return tokenizer_lib.load(saved_policy.default_tokenizer_path(src, workdir))
->>>>>>> tools
     except FileNotFoundError:
         return None
 
