@@ -17,6 +17,7 @@ from absl import logging
 
 from rlscale import checkpoint, model, next_token
 from rlscale.data import tasks
+from rlscale.eval import heldout
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 
 
@@ -155,7 +156,7 @@ def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_probl
             )
             state, mets = step_fn(state, tokens, mask, target)
             if step % c.eval_every == 0 or step == c.max_steps:
-                ev = scoring.evaluate(
+                ev = heldout.pass_rates(
                     sampler,
                     state.params,
                     tokenizer,

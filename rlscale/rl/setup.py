@@ -33,7 +33,7 @@ from rlscale import (
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
-from rlscale.eval import estimators
+from rlscale.eval import heldout
 from rlscale.model import hf
 from rlscale.rewards import isolation
 from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
@@ -105,9 +105,7 @@ class Setup:
         )
 
     def evaluate(self, params, rng) -> dict:
-        """Held-out metrics: mean reward, pass@1 (the mean correctness) and, with n > 1
-        samples per prompt, the unbiased pass@n."""
-        r = scoring.sample_and_score(
+        return heldout.pass_rates(
             self.sampler,
             params,
             self.tokenizer,
@@ -115,14 +113,7 @@ class Setup:
             rng,
             self.eval_scfg,
             self.eval_scorer,
-            chunk=64,
-        ).reward_N
-        out = {"eval/reward_mean": float(r.mean()), "eval/pass@1": float((r > 0).mean())}
-        n = self.eval_scfg.num_samples
-        if n > 1:  # Rows are prompt-major: each prompt's n samples give an unbiased pass@n.
-            correct_B = (r > 0).reshape(-1, n).sum(axis=1)
-            out[f"eval/pass@{n}"] = float(estimators.pass_at_k(n, correct_B, n).mean())
-        return out
+        )
 
     def initial_state(self):
         """(TrainState, PromptStream, PassRateHistory) of a fresh run."""
