@@ -225,7 +225,7 @@ def _strings(node, env):
 
 
 def _definitions(tree):
-    """([(flag names, at module level)], unreadable definitions) of one module's source."""
+    """([(flag names, enclosing function or None)], unreadable definitions) of one module."""
     constants = {}
     for stmt in tree.body:
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
@@ -236,13 +236,13 @@ def _definitions(tree):
                     constants[target.id] = values
     found, unreadable = [], 0
 
-    def visit(node, env, top):
+    def visit(node, env, function):
         nonlocal unreadable
         if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
             values = _strings(node.iter, env)
             inner = {**env, node.target.id: values} if values is not None else env
             for child in node.body:
-                visit(child, inner, top)
+                visit(child, inner, function)
             return
         if isinstance(node, ast.Call):
             func = node.func
@@ -254,59 +254,97 @@ def _definitions(tree):
                 if values is None:
                     unreadable += 1
                 else:
-                    found.append((values, top))
+                    found.append((values, function))
             elif name == "add_argument":
                 for arg in node.args:
                     values = _strings(arg, env)
                     if values is None:
                         unreadable += 1
                     else:
-                        found.append(([v.lstrip("-") for v in values if v[:1] == "-"], top))
-        nested = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                        found.append(([v.lstrip("-") for v in values if v[:1] == "-"], function))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = function or node.name
         for child in ast.iter_child_nodes(node):
-            visit(child, env, top and not nested)
+            visit(child, env, function)
 
     for stmt in tree.body:
-        visit(stmt, constants, True)
+        visit(stmt, constants, None)
     return found, unreadable
 
 
 @functools.cache
 def _parsed(path):
+    """(definitions, calls into repository modules as (file, function), repository files it
+    imports) of one module."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    imports = []
+    imports, modules, functions = [], {}, {}  # Files; alias -> file; name -> (file, name).
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            imports += [_module_file(a.name, path, 0) for a in node.names]
+            for a in node.names:
+                target = _module_file(a.name, path, 0)
+                imports.append(target)
+                if a.asname:
+                    modules[a.asname] = target
         elif isinstance(node, ast.ImportFrom):
-            imports.append(_module_file(node.module or "", path, node.level))
-            for a in node.names:  # `from package import module`
+            parent = _module_file(node.module or "", path, node.level)
+            imports.append(parent)
+            for a in node.names:
                 prefix = f"{node.module}.{a.name}" if node.module else a.name
-                imports.append(_module_file(prefix, path, node.level))
-    return _definitions(tree), [p for p in imports if p and p.startswith(ROOT)]
+                target = _module_file(prefix, path, node.level)  # `from package import module`
+                imports.append(target)
+                if target:
+                    modules[a.asname or a.name] = target
+                elif parent:
+                    functions[a.asname or a.name] = (parent, a.name)
+    calls = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if func.value.id in modules:
+                calls.add((modules[func.value.id], func.attr))
+        elif isinstance(func, ast.Name) and func.id in functions:
+            calls.add(functions[func.id])
+    return _definitions(tree), calls, [p for p in imports if p and p.startswith(ROOT)]
 
 
 @functools.cache
 def _flags(path):
     """(flag names, unreadable definitions) of the command in `path`: its own definitions,
     those of the helpers it imports from its own directory (not another command's; a package's
-    `__main__` takes its command's), and those any repository module it imports (transitively)
-    makes at import time."""
+    `__main__` takes its command's), and, from any repository module these import
+    (transitively), those made at import time or in a function they call."""
     commands = {_program_file(tokens[0]) for _, _, tokens in COMMANDS}
-    names, unreadable, seen, todo = set(), 0, set(), [path]
-    while todo:
+    own, todo = [], [path]
+    while todo:  # The command and its helpers, imported directly from its own directory.
+        current = todo.pop()
+        if current in own:
+            continue
+        own.append(current)
+        todo += [
+            p
+            for p in _parsed(current)[2]
+            if os.path.dirname(p) == os.path.dirname(path)
+            and (p not in commands or os.path.basename(path) == "__main__.py")
+        ]
+    names, unreadable, called, seen, todo = set(), 0, set(), set(), list(own)
+    for current in own:
+        (found, bad), calls, _ = _parsed(current)
+        unreadable += bad
+        called |= calls
+        names.update(n for values, _ in found for n in values)
+    while todo:  # What they import, at import time or through a function they call.
         current = todo.pop()
         if current in seen:
             continue
         seen.add(current)
-        (found, bad), imports = _parsed(current)
-        own = current == path or (
-            os.path.dirname(current) == os.path.dirname(path)
-            and (current not in commands or os.path.basename(path) == "__main__.py")
-        )
-        unreadable += bad if own else 0
-        names.update(n for values, top in found if own or top for n in values)
+        (found, _), _, imports = _parsed(current)
+        if current not in own:
+            for values, function in found:
+                if function is None or (current, function) in called:
+                    names.update(values)
         todo += imports
     return names, unreadable
 
