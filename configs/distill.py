@@ -1,6 +1,6 @@
 """On-policy distillation on the quickstart's task: the quickstart's warm start (the student)
 samples, a stronger policy (the teacher) scores every sampled token, and the per-token reverse
-KL is the advantage (`distill_advantage`; README, "On-policy distillation").
+KL is the advantage (`distill_advantage`; docs/objectives.md, "On-policy distillation").
 
     # The teacher: a quickstart run's final policy.
     python -m rlscale.main --config configs/quickstart.py --workdir /tmp/rlscale_quickstart

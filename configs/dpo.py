@@ -1,7 +1,7 @@
 """Offline DPO on the quickstart's task: a fixed set of preference pairs made from the warm
 start's own samples (`preference.file="warm_start"`: 8 samples of each training prompt,
 scored by the verifier, best against worst), trained with `dpo(beta=0.1)` against the warm
-start (README, "Preference optimization: offline and iterative DPO").
+start (docs/preference_and_reward_models.md).
 
     python -m rlscale.main --config configs/dpo.py --workdir /tmp/rlscale_dpo \\
         [--config.sft.reuse_from=/tmp/rlscale_quickstart]
@@ -13,7 +13,7 @@ start passes 19.7% of its samples), a median 0.11 s per step. Held-out pass@1 0.
 the fixed warm-start reference, DPO over-optimizes (pair accuracy 1.0 from step 5, the margin
 still growing). `dpo(beta=0.5)`: 0.695 at step 40, 0.54 at 80; lr 5e-5: 0.58 at step 80,
 still rising. The quickstart reaches 0.6 / 0.7 at 1.07e12 / 1.24e12 FLOPs, this run 0.6 at
-8.22e11 and never 0.7 (README, "Preference optimization").
+8.22e11 and never 0.7 (docs/preference_and_reward_models.md).
 Variants: `:smoke` (3 steps of everything, used by the tests), `:loss=ipo|simpo|kto` (the
 same pairs under another preference loss), `:file=PATH` (pairs from a prompt/chosen/rejected
 file instead).

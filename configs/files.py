@@ -4,10 +4,10 @@ on the demonstrations, then RL with the quickstart's recipe and tiny policy.
     python -m rlscale.main --config configs/files.py:train=/tmp/add_train.jsonl,\\
         test=/tmp/add_test.jsonl,prompt=q,answer=a,verifier=exact --workdir /tmp/rlscale_files
 
-Measured on the README's toy files (2,000 two-digit additions `{"q": "What is 86 + 87?",
-"a": "173"}`, 200 held-out; README, "Problem files"): 3 min 37 s on a 2-core CPU shared with
-other jobs (2 min 6 s of CPU time), SFT warm start (400 steps) and compilation included.
-Held-out pass@1 0.805 (the warm start, stopped at its first evaluation above
+Measured on the toy files of docs/data.md, "The files task from scratch" (2,000 two-digit
+additions `{"q": "What is 86 + 87?", "a": "173"}`, 200 held-out): 3 min 37 s on a 2-core CPU
+shared with other jobs (2 min 6 s of CPU time), SFT warm start (400 steps) and compilation
+included. Held-out pass@1 0.805 (the warm start, stopped at its first evaluation above
 `sft.target_pass`) -> 0.93 after 80 RL steps (seed 1, same warm start: 0.814 -> 0.9425).
 
 Files: `.jsonl`, `.json`, `.parquet` or a Hugging Face `datasets` directory, in any layout of

@@ -2,8 +2,7 @@
 completions of each of 320 training prompts with the current policy, the verifier scores
 them, each prompt's best and worst form a pair, and the next 10 steps train `dpo(beta=0.1)`
 on those pairs against the policy of the round's start (Xiong et al. 2024, arXiv
-2312.11456; Pang et al. 2024, arXiv 2404.19733; README, "Preference optimization: offline
-and iterative DPO").
+2312.11456; Pang et al. 2024, arXiv 2404.19733; docs/preference_and_reward_models.md).
 
     python -m rlscale.main --config configs/iterative_dpo.py --workdir /tmp/rlscale_idpo \\
         [--config.sft.reuse_from=/tmp/rlscale_quickstart]
@@ -13,7 +12,7 @@ reused): 34 s, a median 0.11 s per training step and 1.1-1.5 s per round of samp
 Held-out pass@1 0.149 -> 0.761 at step 80 (1.14e12 FLOPs; best 0.773 at step 65); 0.6 / 0.7
 at 4.91e11 / 5.36e11 FLOPs where the quickstart needs 1.07e12 / 1.24e12 (its 0.806 at step
 80 costs 2.62e12). Rounds form 265 pairs (of 320 prompts) at first, 138 in the last, as the
-policy passes 19% then 89% of its samples (README, "Preference optimization").
+policy passes 19% then 89% of its samples (docs/preference_and_reward_models.md).
 Variants: `:smoke` (3 steps of everything, rounds every 2 steps, used by the tests),
 `:every=K` (a round every K steps, of K x batch.prompts prompts), `:pairs=all` (every
 correct x incorrect pair of a prompt, not only its best and worst).

@@ -6,8 +6,8 @@ Laptop CPU (2 cores): 2 min 13 s measured, SFT warm start (about 1.5 minutes) an
 compilation included (2 min 1 s when a previous run filled the compilation cache); 0.29 s
 per RL step. Measured result: held-out pass@1 0.15 (the warm start, which works problems out
 but rarely states the graded answer) -> 0.806 after 80 RL steps (seed 1: 0.795); the run's
-own fit gives A = 0.85. See the README, "What the
-quickstart shows". In pipeline mode (`--config.pipeline.mode=pipeline
+own fit gives A = 0.85. See docs/configs.md, "The
+quickstart". In pipeline mode (`--config.pipeline.mode=pipeline
 --config.pipeline.max_staleness=4`, measured with lr 1e-4): 0.79.
 Variants: `:smoke` (3 steps of everything, under a minute: used by the tests), `:demo` (the
 sampling demo on a random model), `:entropy_rho=0.2` (train only on each micro-batch's top 20%
@@ -35,7 +35,7 @@ def get_config(arg=None):
     c.filters.zero_variance = True
     # Pack the trained sequences into 96-token rows, one completion length: about 40% of an
     # unpacked row is padding here, and a zero-variance group is not run at all; the run
-    # compiles one update program (README, "The learner").
+    # compiles one update program (docs/learner.md).
     c.learner.pack_length, c.learner.length_buckets = 96, 1
     if arg.smoke:
         config_lib.smoke(c)

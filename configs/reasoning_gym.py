@@ -13,8 +13,8 @@ from the same warm start (`--config.sft.reuse_from`) printed the same figures.
 Any other generator by override, e.g. `--config.task.dataset=letter_counting`, with
 `--config.task.difficulty=N` (its curriculum's level N - 1; 0: the generator's defaults) and
 `--config.task.config='{"min_words": 3}'` (the generator's config fields). The task's keys
-are described in `rlscale/data/reasoning_gym_tasks.py`. Variants: `:smoke` (3 steps of
-everything: the tests).
+are described in docs/data.md, "reasoning-gym". Variants: `:smoke` (3 steps of everything:
+the tests).
 """
 
 from rlscale import config_lib

@@ -1,7 +1,8 @@
 """Reward-model RL (RLMT-style) on the quickstart's task: the quickstart's recipe with a
-Bradley-Terry reward model's score as the reward in place of the verifier's (README, "Reward
-models"). The verifier still measures correctness, so the run shows both the reward it
-optimizes and the pass rate it was meant to buy.
+Bradley-Terry reward model's score as the reward in place of the verifier's
+(docs/preference_and_reward_models.md, "Reward models"). The verifier still measures
+correctness, so the run shows both the reward it optimizes and the pass rate it was meant to
+buy.
 
     python -m rlscale.main --config configs/rm_rl.py --workdir /tmp/rlscale_rm_rl \\
         [--config.sft.reuse_from=/tmp/rlscale_quickstart]
@@ -21,7 +22,7 @@ quickstart ends at 0.79. The making costs 1.92e12 FLOPs before the first step.
 
 Variants: `:smoke` (3 steps of everything, used by the tests: a reward model of 20 steps),
 `:prm=DIR` (the outcome reward plus a process reward model's step rewards,
-`process_advantages(mix=add)`; README, "Process rewards").
+`process_advantages(mix=add)`; docs/preference_and_reward_models.md, "Process rewards").
 """
 
 from rlscale import config_lib

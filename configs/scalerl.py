@@ -68,7 +68,7 @@ def get_config(arg=None):
         c.recipe = f"scalerl_{arg.testbed}"
         c.steps, c.eval.every, c.optim.lr = 200, 20, 7.5e-5
         c.sampling.think_budget = c.sampling.max_new_tokens - 8
-    # The system half (README, "PipelineRL"): a generator that takes new weights between
+    # The system half (docs/pipeline.md): a generator that takes new weights between
     # decode steps, no token trained more than 8 updates after the policy that sampled it
     # (the paper's k = 8), one optimizer step per batch. `:sync` runs the synchronous loop.
     if arg.sync:

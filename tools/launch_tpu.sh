@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs one command on every worker of a Cloud TPU VM slice (README, "Running on a pod").
+# Runs one command on every worker of a Cloud TPU VM slice (docs/pods_and_planning.md,
+# "Running on a pod").
 #
 # Creates the slice, or reuses it when it is up (a preempted or stopped slice is deleted and
 # created again), copies this checkout's committed tree to every worker, installs it with the
