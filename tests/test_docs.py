@@ -2,12 +2,10 @@
 heading of its page), and every command in a shell block names a module or script that exists,
 a config (and variant) that loads, config keys that exist and flags the command defines.
 
-Flags are read statically: the command's source is parsed with `ast` for absl definitions
-(`flags.DEFINE_*("name", ...)`, `config_flags.DEFINE_config_file("name", ...)`) and argparse
-ones (`add_argument("--name")`), so no command is imported and the test runs in seconds.
+A command's flags are the ones its `define_flags(fv, argv)` defines on fresh flags (every
+command and tool follows `rlscale.cli`'s pattern), so nothing runs but the definitions.
 """
 
-import ast
 import functools
 import glob
 import importlib.util
@@ -17,6 +15,7 @@ import shlex
 import urllib.parse
 
 import pytest
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,182 +170,35 @@ def _commands():
 COMMANDS = _commands()
 
 
-def _program_file(program):
-    """The file a `-m` module or a tools/ script runs, or None."""
+def _program(program):
+    """(the file a `-m` module or a tools/ script runs, its module name) or (None, None)."""
     if program.startswith("tools/"):
         path = os.path.join(ROOT, program)
-        return path if os.path.isfile(path) else None
+        return (
+            (path, "docs_" + re.sub(r"\W", "_", program)) if os.path.isfile(path) else (None, None)
+        )
     base = os.path.join(ROOT, *program.split("."))
-    for path in (base + ".py", os.path.join(base, "__main__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
+    if os.path.isfile(base + ".py"):
+        return base + ".py", program
+    if os.path.isfile(os.path.join(base, "__main__.py")):  # `python -m rlscale.main`: train.
+        return os.path.join(base, "__main__.py"), f"{program}.train"
+    return None, None
 
 
-def _module_file(name, importer, level):
-    """The repository file `import name` (relative by `level`) reaches from `importer`."""
-    if level:
-        base = os.path.dirname(importer)
-        for _ in range(level - 1):
-            base = os.path.dirname(base)
-        parts = name.split(".") if name else []
-        base = os.path.join(base, *parts)
+@functools.cache
+def _flags(program):
+    """The flags the command defines: its `define_flags(fv, argv)` run on fresh flags (every
+    command and tool follows `rlscale.cli`'s pattern)."""
+    path, name = _program(program)
+    if program.startswith("tools/"):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     else:
-        base = os.path.join(ROOT, *name.split("."))
-    for path in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def _strings(node, env):
-    """Every value a flag-name expression can take, or None when it cannot be read."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value]
-    if isinstance(node, ast.Name) and node.id in env:
-        return env[node.id]
-    if isinstance(node, (ast.Tuple, ast.List)):
-        values = [_strings(e, env) for e in node.elts]
-        return None if None in values else [v for vs in values for v in vs]
-    if isinstance(node, ast.JoinedStr):
-        results = [""]
-        for part in node.values:
-            if isinstance(part, ast.Constant):
-                options = [str(part.value)]
-            elif isinstance(part, ast.FormattedValue):
-                options = _strings(part.value, env)
-            else:
-                options = None
-            if options is None:
-                return None
-            results = [r + o for r in results for o in options]
-        return results
-    return None
-
-
-def _definitions(tree):
-    """([(flag names, enclosing function or None)], unreadable definitions) of one module."""
-    constants = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target = stmt.targets[0]
-            if isinstance(target, ast.Name):
-                values = _strings(stmt.value, {})
-                if values is not None:
-                    constants[target.id] = values
-    found, unreadable = [], 0
-
-    def visit(node, env, function):
-        nonlocal unreadable
-        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
-            values = _strings(node.iter, env)
-            inner = {**env, node.target.id: values} if values is not None else env
-            for child in node.body:
-                visit(child, inner, function)
-            return
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if name.startswith("DEFINE"):
-                named = [k.value for k in node.keywords if k.arg == "name"]
-                arg = node.args[0] if node.args else (named[0] if named else None)
-                values = _strings(arg, env) if arg is not None else None
-                if values is None:
-                    unreadable += 1
-                else:
-                    found.append((values, function))
-            elif name == "add_argument":
-                for arg in node.args:
-                    values = _strings(arg, env)
-                    if values is None:
-                        unreadable += 1
-                    else:
-                        found.append(([v.lstrip("-") for v in values if v[:1] == "-"], function))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            function = function or node.name
-        for child in ast.iter_child_nodes(node):
-            visit(child, env, function)
-
-    for stmt in tree.body:
-        visit(stmt, constants, None)
-    return found, unreadable
-
-
-@functools.cache
-def _parsed(path):
-    """(definitions, calls into repository modules as (file, function), repository files it
-    imports) of one module."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    imports, modules, functions = [], {}, {}  # Files; alias -> file; name -> (file, name).
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                target = _module_file(a.name, path, 0)
-                imports.append(target)
-                if a.asname:
-                    modules[a.asname] = target
-        elif isinstance(node, ast.ImportFrom):
-            parent = _module_file(node.module or "", path, node.level)
-            imports.append(parent)
-            for a in node.names:
-                prefix = f"{node.module}.{a.name}" if node.module else a.name
-                target = _module_file(prefix, path, node.level)  # `from package import module`
-                imports.append(target)
-                if target:
-                    modules[a.asname or a.name] = target
-                elif parent:
-                    functions[a.asname or a.name] = (parent, a.name)
-    calls = set()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-            if func.value.id in modules:
-                calls.add((modules[func.value.id], func.attr))
-        elif isinstance(func, ast.Name) and func.id in functions:
-            calls.add(functions[func.id])
-    return _definitions(tree), calls, [p for p in imports if p and p.startswith(ROOT)]
-
-
-@functools.cache
-def _flags(path):
-    """(flag names, unreadable definitions) of the command in `path`: its own definitions,
-    those of the helpers it imports from its own directory (not another command's; a package's
-    `__main__` takes its command's), and, from any repository module these import
-    (transitively), those made at import time or in a function they call."""
-    commands = {_program_file(tokens[0]) for _, _, tokens in COMMANDS}
-    own, todo = [], [path]
-    while todo:  # The command and its helpers, imported directly from its own directory.
-        current = todo.pop()
-        if current in own:
-            continue
-        own.append(current)
-        todo += [
-            p
-            for p in _parsed(current)[2]
-            if os.path.dirname(p) == os.path.dirname(path)
-            and (p not in commands or os.path.basename(path) == "__main__.py")
-        ]
-    names, unreadable, called, seen, todo = set(), 0, set(), set(), list(own)
-    for current in own:
-        (found, bad), calls, _ = _parsed(current)
-        unreadable += bad
-        called |= calls
-        names.update(n for values, _ in found for n in values)
-    while todo:  # What they import, at import time or through a function they call.
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        (found, _), _, imports = _parsed(current)
-        if current not in own:
-            for values, function in found:
-                if function is None or (current, function) in called:
-                    names.update(values)
-        todo += imports
-    return names, unreadable
+        module = importlib.import_module(name)
+    fv = flags.FlagValues()
+    module.define_flags(fv, ["docs"])
+    return set(fv)
 
 
 @functools.cache
@@ -397,9 +249,8 @@ def _arguments(tokens):
 def test_documented_command_exists(page, line, tokens):
     program = tokens[0]
     assert program != "<unparsable>", f"{page}:{line}: the shell line does not parse: {tokens[1]}"
-    path = _program_file(program)
-    assert path, f"{page}:{line}: no module or script {program}"
-    defined, unreadable = _flags(path)
+    assert _program(program)[0], f"{page}:{line}: no module or script {program}"
+    defined = _flags(program)
     problems = []
     arguments = _arguments(tokens[1:])
     spec = next((v for k, v in arguments if k == "config"), None)
@@ -418,8 +269,7 @@ def test_documented_command_exists(page, line, tokens):
             continue
         known = defined | ABSL_FLAGS
         if name not in known and not (name.startswith("no") and name[2:] in defined):
-            extra = f" ({unreadable} flag definitions could not be read)" if unreadable else ""
-            problems.append(f"--{name}: {program} defines no such flag{extra}")
+            problems.append(f"--{name}: {program} defines no such flag")
         if config is not None and value and name in ("set", "grid"):
             for item in value.split(";"):
                 key = item.partition("=")[0].strip()
