@@ -11,7 +11,7 @@ the accuracy of the working itself (`config_lib.ladder_testbed`). Sizes (`size=`
 (the quickstart's policy), l, xl; `difficulty=` sets the operators (3). RL: the quickstart's
 recipe (CISPO, prompt-mean aggregation, zero-variance filter), 200 steps at lr 7.5e-5.
 Measured (2-core CPU, 3 RL seeds per size; experiments/ladder), held-out pass@1 of the warm
-start -> the final policy (mean over seeds; `rlscale.evaluate`, 500 problems x 4 samples):
+start -> the final policy (mean over seeds; `rlscale.main.evaluate`, 500 problems x 4 samples):
 xs 0.058 -> 0.058, s 0.086 -> 0.111, m 0.224 -> 0.273, l 0.430 -> 0.492, xl 0.683 -> 0.725;
 0.5 to 12.5 minutes per run (xl's 1200 SFT steps are most of its first run).
 Variants: `:smoke` (a few steps of everything).

@@ -11,7 +11,7 @@ The reward model (`reward.model="warm_start"`) is trained at set-up from the war
 weights on the pairs a DPO run makes from the warm start's own samples (8 per training prompt,
 the verifier's best against worst; 1 in 10 held out), cached in WORKDIR/reward_model; its
 sampling and training count in the run's compute. `--config.reward.model=DIR` uses one
-written by `python -m rlscale.reward_model` instead.
+written by `python -m rlscale.main.train_reward_model` instead.
 
 Measured (2-core CPU shared with other runs, the quickstart's warm start reused, 3 seeds;
 experiments/paradigms): 69-174 s each, the reward model's making (2,909-2,979 pairs, 200

@@ -231,14 +231,14 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # Rewards run in `workers` processes with a per-sample `timeout` (s): a crash, hang or
     # exception costs one sample. workers=0 scores in-process. `fn`: "module:function"
     # called as fn(completion, problem) -> float instead of the task's verifier.
-    # Learned rewards (README, "Reward models"; `rl.learned_rewards`): `model`, a reward
-    # model directory (`python -m rlscale.reward_model`) whose r(x, y) is the reward in place
-    # of the verifier's (RLMT; the verifier still measures correctness), or "warm_start": one
-    # trained at set-up for `model_steps` steps (`model_batch_pairs` pairs each, AdamW at
-    # `model_lr`) from the warm start on pairs made from its samples (the `preference`
-    # section's `samples`, `pairs`, `prompts`), cached in WORKDIR/reward_model. `prm`: a
-    # process reward model directory (`python -m rlscale.process_reward train`) whose step
-    # rewards a chain with `process_advantages` reads.
+    # Learned rewards (docs/preference_and_reward_models.md; `rl.learned_rewards`): `model`,
+    # a reward model directory (`python -m rlscale.main.train_reward_model`) whose r(x, y) is
+    # the reward in place of the verifier's (RLMT; the verifier still measures correctness),
+    # or "warm_start": one trained at set-up for `model_steps` steps (`model_batch_pairs`
+    # pairs each, AdamW at `model_lr`) from the warm start on pairs made from its samples
+    # (the `preference` section's `samples`, `pairs`, `prompts`), cached in
+    # WORKDIR/reward_model. `prm`: a process reward model directory (`python -m
+    # rlscale.main.train_prm`) whose step rewards a chain with `process_advantages` reads.
     c.reward = dict(
         fn="",
         workers=2,

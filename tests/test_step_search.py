@@ -1,4 +1,4 @@
-"""Step search (`rlscale.step_search`): PRM-guided beam search over a policy's steps.
+"""Step search (`rlscale.eval.step_search`): PRM-guided beam search over a policy's steps.
 
 A scripted environment with a known right path: the prompt `bad D, S steps:` asks for S
 steps `d=d=...=d` (one digit each), right when none is D nor 0; a step "0" ends the solution

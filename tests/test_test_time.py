@@ -1,4 +1,4 @@
-"""Test-time scaling curves (`rlscale.test_time`): the curves against their definitions, the
+"""Test-time scaling curves (`rlscale.eval.best_of_n`): the curves against their definitions, the
 scorers on hand-made samples, the table and the plot. The command's end
 to end run is in test_evaluate.py."""
 

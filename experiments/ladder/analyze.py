@@ -3,7 +3,7 @@
     python experiments/ladder/analyze.py ROOT [--out experiments/ladder]
 
 Reads every run ROOT/SIZE_sSEED (its metrics.jsonl, scaling/fit.json and the
-`rlscale.evaluate` reports eval_sft.json / eval_final.json) and prints, in Markdown:
+`rlscale.main.evaluate` reports eval_sft.json / eval_final.json) and prints, in Markdown:
 
 1. Per size: parameters, the warm start's held-out pass@1, `answered` and
    `accuracy_answered`; the final policies' (mean and range over seeds).

@@ -5,7 +5,7 @@
 #
 # Each size's seed-0 run trains its SFT warm start; its other seeds share it (sft.reuse_from)
 # and vary only the RL seed. Finished runs are skipped, so the script can be re-run after an
-# interruption. Each warm start and final policy is also scored by `rlscale.evaluate` (500
+# interruption. Each warm start and final policy is also scored by `rlscale.main.evaluate` (500
 # held-out problems x 4 samples: `answered` and `accuracy_answered` tell format from skill).
 # Then: Tan et al.'s law over all sizes, with the largest held out (inter-model prediction),
 # and every run's own first-half prediction (WORKDIR/scaling/fit.json) in one table.
@@ -28,7 +28,7 @@ for seed in $SEEDS; do
     for ckpt in sft final; do
       [ "$ckpt" = sft ] && [ "$seed" != 0 ] && continue  # One warm start per size.
       out=$dir/eval_$ckpt.json
-      [ -f "$out" ] || $PY -m rlscale.evaluate --config "configs/ladder.py:size=$size" \
+      [ -f "$out" ] || $PY -m rlscale.main.evaluate --config "configs/ladder.py:size=$size" \
         --checkpoint "$dir/$ckpt" --k 4 --n 500 --output "$out" > /dev/null
     done
   done

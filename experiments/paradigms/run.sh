@@ -44,10 +44,10 @@ prm() {  # The PRM, from online seed 0's policy.
   [ -f "$ROOT/prm/process_reward.json" ] && return
   run online_s0 configs/quickstart.py --config.seed=0
   echo "== prm"
-  [ -f "$ROOT/prm_labels.jsonl" ] || $PY -m rlscale.process_reward label \
+  [ -f "$ROOT/prm_labels.jsonl" ] || $PY -m rlscale.main.label_steps \
     --config configs/quickstart.py --checkpoint "$ROOT/online_s0/final" \
     --n 500 --k 4 --rollouts 4 --delimiter "=" --out "$ROOT/prm_labels.jsonl" > "$ROOT/logs/prm_label.log" 2>&1
-  $PY -m rlscale.process_reward train --labels "$ROOT/prm_labels.jsonl" --heldout_frac 0.1 \
+  $PY -m rlscale.main.train_prm --labels "$ROOT/prm_labels.jsonl" --heldout_frac 0.1 \
     --init "$ROOT/online_s0/sft" --steps 300 --lr 1e-4 --out "$ROOT/prm" \
     > "$ROOT/logs/prm_train.log" 2>&1
 }
@@ -77,7 +77,7 @@ done
 if [ -d "$ROOT/prm" ] && [ -d "$ROOT/rm_rl_s0/reward_model" ]; then
   for ckpt in sft final; do
     out=$ROOT/test_time_$ckpt.json
-    [ -f "$out" ] || $PY -m rlscale.evaluate --config configs/quickstart.py \
+    [ -f "$out" ] || $PY -m rlscale.main.evaluate --config configs/quickstart.py \
       --checkpoint "$ROOT/online_s0/$ckpt" --k 64 --n 200 \
       --best_of 1,2,4,8,16,32,64 --scorer logprob,reward_model,prm \
       --reward_model "$ROOT/rm_rl_s0/reward_model" --prm "$ROOT/prm" \
@@ -85,7 +85,7 @@ if [ -d "$ROOT/prm" ] && [ -d "$ROOT/rm_rl_s0/reward_model" ]; then
       --output "$out" --plot "$ROOT/test_time_$ckpt.png" > "$ROOT/logs/test_time_$ckpt.log" 2>&1
     # PRM-guided step search (beam 4 x 4 expansions) against best-of-16 at about equal tokens.
     out=$ROOT/step_search_$ckpt.json
-    [ -f "$out" ] || $PY -m rlscale.evaluate --config configs/quickstart.py \
+    [ -f "$out" ] || $PY -m rlscale.main.evaluate --config configs/quickstart.py \
       --checkpoint "$ROOT/online_s0/$ckpt" --k 16 --n 200 --best_of 1,2,4,8,16 \
       --scorer logprob,prm --prm "$ROOT/prm" --prm_aggregation last --step_search 4,4 \
       --output "$out" --plot "$ROOT/step_search_$ckpt.png" > "$ROOT/logs/step_search_$ckpt.log" 2>&1

@@ -1,8 +1,8 @@
 """Preference pairs: read from files, or formed from scored samples.
 
 A `Pair` is a prompt x with a preferred completion y_c (`chosen`) and a dispreferred one y_r
-(`rejected`): the data of a Bradley-Terry reward model (`rlscale.reward_model`) and of the
-paired preference losses (`rlscale.objectives.preference`: DPO, IPO, SimPO).
+(`rejected`): the data of a Bradley-Terry reward model (`rlscale.reward_models.bradley_terry`)
+and of the paired preference losses (`rlscale.objectives.preference`: DPO, IPO, SimPO).
 
 Files (`read_pairs`): one object per row with the string fields `prompt`, `chosen` and
 `rejected` (TRL's "standard" explicit-prompt preference layout; other column names by

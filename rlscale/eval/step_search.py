@@ -1,6 +1,6 @@
 """Step search: beam search over a policy's reasoning steps, guided by a process reward model.
 
-    python -m rlscale.evaluate --config configs/quickstart.py --checkpoint WORKDIR/final \\
+    python -m rlscale.main.evaluate --config configs/quickstart.py --checkpoint WORKDIR/final \\
         --prm PRM_DIR --step_search 4,4 [--step_search_aggregation last] \\
         [--best_of 1,4,16 --scorer prm]
 

@@ -327,7 +327,7 @@ def label_policy(
 ) -> list[dict]:
     """Monte-Carlo step labels of a policy's own completions (the `label` command).
 
-    Loads the checkpoint, its tokenizer and the config's task as `rlscale.evaluate` does,
+    Loads the checkpoint, its tokenizer and the config's task as `rlscale.main.evaluate` does,
     samples `k` completions for each of the first `n` problems of `split` with the config's
     sampling settings, scores them with the task's verifier, and labels every step of every
     completion with `rollouts` continuations of its prefix (`mc_step_labels`), `batch`
@@ -340,7 +340,7 @@ def label_policy(
         WORKDIR/final.
       delimiter: what ends a step; default `TASK_DELIMITERS[config.task.name]`, else
         `DEFAULT_DELIMITER`.
-      tokenizer_path, workdir: as `rlscale.evaluate` (default: the run's tokenizer, the
+      tokenizer_path, workdir: as `rlscale.main.evaluate` (default: the run's tokenizer, the
         checkpoint's parent directory).
 
     Returns:

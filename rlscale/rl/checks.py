@@ -214,14 +214,14 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
         if not os.path.isfile(os.path.join(r.model, meta)):
             problems.append(
                 f"reward.model={r.model!r} is not a reward model directory (no {meta}): write "
-                "one with python -m rlscale.reward_model, or set "
+                "one with python -m rlscale.main.train_reward_model, or set "
                 f"'{learned_rewards.MADE}' to train one at set-up from the warm start's samples"
             )
     if r.model == learned_rewards.MADE and config.init.hf_checkpoint:
         problems.append(
             f"reward.model={learned_rewards.MADE!r} trains from the SFT warm start, which a run "
-            "from init.hf_checkpoint has not: train one with python -m rlscale.reward_model "
-            "--init DIR and name its directory"
+            "from init.hf_checkpoint has not: train one with python -m "
+            "rlscale.main.train_reward_model --init DIR and name its directory"
         )
     if r.model and r.fn:
         problems.append(
@@ -236,7 +236,7 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
     if r.prm and not os.path.isfile(os.path.join(r.prm, prm_lib.META_FILE)):
         problems.append(
             f"reward.prm={r.prm!r} is not a process reward model directory (no "
-            f"{prm_lib.META_FILE}): write one with python -m rlscale.process_reward train"
+            f"{prm_lib.META_FILE}): write one with python -m rlscale.main.train_prm"
         )
     if steps and not r.prm:
         problems.append(

@@ -1,8 +1,9 @@
 """Learned rewards in the RL loop: a reward model's score as the outcome reward (RLMT) and a
 process reward model's step rewards as a dense signal.
 
-`reward.model` (README, "Reward models") replaces the verifier's reward by a Bradley-Terry
-reward model's r(x, y) (`rlscale.reward_model`): what the objective's advantages read, the
+`reward.model` (docs/preference_and_reward_models.md) replaces the verifier's reward by a
+Bradley-Terry reward model's r(x, y) (`reward_models.bradley_terry`): what the objective's
+advantages read, the
 zero-variance filter judges and the step line reports as `reward`. The verifier still
 decides `correct` (reported as the pass rate, and what held-out evaluation measures), so a
 run shows both the reward it optimizes and the correctness it was meant to buy: the gap is
@@ -13,8 +14,8 @@ start's own samples (`rl.pairs`: `preference.samples` per prompt, labelled by th
 9 in 10 of them (the rest measure its held-out accuracy); cached in WORKDIR/reward_model. Its
 sampling and training count in the run's compute, as a DPO run's pairs do.
 
-`reward.prm` names a process reward model (`rlscale.process_reward`, `python -m
-rlscale.process_reward train`): each batch's `step_reward` and `step_mask` terms, read by
+`reward.prm` names a process reward model (`rlscale.reward_models.prm`, `python -m
+rlscale.reward_models.prm train`): each batch's `step_reward` and `step_mask` terms, read by
 `objectives.process_advantages`, hold each step's PRM probability at the step's last token
 (`ProcessRewardModel.step_rewards`).
 

@@ -153,7 +153,7 @@ def _tokenizer(config, workdir, problems):
 
 
 def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
-    """The run's learner from its config (`build`, and `rlscale.plan` for the same program)."""
+    """The run's learner from its config (`build`, and `rlscale.planner` for the same program)."""
     G, M, u = config.batch.group_size, config.sampling.max_new_tokens, config.learner
     return learner.Learner(
         graphdef=graphdef,

@@ -1,5 +1,5 @@
 """Sample and score: the one way completions are sampled and scored (RL rollouts, in-loop
-evaluation, the warm start's evaluation, `python -m rlscale.evaluate`).
+evaluation, the warm start's evaluation, `python -m rlscale.main.evaluate`).
 
 Prompts go to the sampler in chunks padded to the mesh's batch axes; the outputs are fetched
 to every host; each process scores its share of rows (`sharding.process_share`) with the
