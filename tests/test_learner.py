@@ -16,7 +16,7 @@ import pytest
 
 from rlscale import model, objectives, optim, programs, sharding
 from rlscale.model import decoder
-from rlscale.rl import learner
+from rlscale.rl import batch_layout, forward, learner, logp_match
 from rlscale.sampling import SamplingConfig, transform_logits
 
 G, N, P, M = 2, 16, 6, 12
@@ -169,21 +169,23 @@ def test_packed_logprobs_equal_unpacked(setup):
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((2, 1, 1))
     rows = np.arange(N).reshape(1, N)
-    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=4, shards=2)
+    Mb, fwd = batch_layout.plan(roll, rows, max_len=M, buckets=4, shards=2)
     fwd = {k: v[0] for k, v in fwd.items()}
     mask = roll.mask_NM[:, :Mb]
-    place, count = learner.pack(roll, rows, pack_length=24, pack_rows=2, shards=2, group_size=G)
+    place, count = batch_layout.pack(
+        roll, rows, pack_length=24, pack_rows=2, shards=2, group_size=G
+    )
     place = {k: v[0] for k, v in place.items()}
     batch = {
         "tokens": roll.tokens_NL[:, : P + Mb],
         "attn": roll.attn_mask_NL[:, : P + Mb].astype(bool),
         "mask": mask,
     }
-    unpacked = _learner(mesh, graphdef, buckets=4).spec
-    packed = _learner(mesh, graphdef, buckets=4, pack=24).spec
+    unpacked = _learner(mesh, graphdef, buckets=4).spec.forward
+    packed = _learner(mesh, graphdef, buckets=4, pack=24).spec.forward
 
     def logp_unpacked(p):
-        logp = learner.token_terms(
+        logp = forward.token_terms(
             unpacked, p, value_params, fwd, roll.tokens_NL[:, P : P + Mb], ("logp",)
         )["logp"]
         return jnp.sum(jnp.where(mask, logp, 0.0)), logp
@@ -191,8 +193,8 @@ def test_packed_logprobs_equal_unpacked(setup):
     def logp_packed(p):
         logp = jnp.zeros(mask.shape)
         for u in range(count[0]):
-            f, in_N = learner.packed_micro(packed, batch, place, u)
-            t = learner.token_terms(packed, p, value_params, f, f["targets"], ("logp",))
+            f, in_N = forward.packed_micro(packed, batch, place, u)
+            t = forward.token_terms(packed, p, value_params, f, f["targets"], ("logp",))
             logp = jnp.where(in_N[:, None], t["logp"], logp)
         return jnp.sum(jnp.where(mask, logp, 0.0)), logp
 
@@ -277,7 +279,7 @@ def test_ratio_is_against_the_generator_and_match_is_the_first_minibatch(setup):
     ratio = np.exp(-noise[first[0]])[mask[first[0]]].mean()
     assert float(mets["train/ratio_mean"][0, 0]) == pytest.approx(ratio, rel=1e-4)
     stats = mets["train/logp_match_stats"]
-    match = learner.logp_match([{k: v[0, u] for k, v in stats.items()} for u in range(2)])
+    match = logp_match.logp_match([{k: v[0, u] for k, v in stats.items()} for u in range(2)])
     rows = first.reshape(-1)
     m = mask[rows]
     logp = roll.sampler_logp_NM[rows][m] - noise[rows][m]
@@ -308,7 +310,7 @@ def test_chunked_vocab_terms_equal_unchunked(setup, chunk, shards):
     weights = jnp.asarray(rng.normal(size=(2, 4 * shards, M)), jnp.float32)
 
     def loss(p, h, chunk):
-        t = learner.vocab_token_terms(
+        t = forward.vocab_token_terms(
             graphdef, p, h, targets, logits_cfg, ("logp", "entropy"), chunk, shards
         )
         return jnp.sum(weights[0] * t["logp"] + weights[1] * t["entropy"]), t
@@ -335,7 +337,7 @@ def test_chunking_bounds_the_vocabulary_temporaries():
 
     def temp_bytes(chunk):
         def loss(p, h, t):
-            out = learner.vocab_token_terms(
+            out = forward.vocab_token_terms(
                 graphdef, p, h, t, SamplingConfig(), ("logp", "entropy"), chunk
             )
             return jnp.sum(out["logp"] + out["entropy"])
@@ -355,13 +357,13 @@ def test_remat_policies_give_the_same_gradients(setup, remat):
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((1, 1, 1))
     rows = np.arange(N).reshape(1, N)
-    Mb, fwd = learner.plan(roll, rows, max_len=M, buckets=1, shards=1)
+    Mb, fwd = batch_layout.plan(roll, rows, max_len=M, buckets=1, shards=1)
     fwd = {k: v[0] for k, v in fwd.items()}
     targets = roll.tokens_NL[:, P : P + Mb]
-    spec = _learner(mesh, graphdef).spec
+    spec = _learner(mesh, graphdef).spec.forward
 
     def logp_sum(p, spec):
-        logp = learner.token_terms(spec, p, value_params, fwd, targets, ("logp",))["logp"]
+        logp = forward.token_terms(spec, p, value_params, fwd, targets, ("logp",))["logp"]
         return jnp.sum(jnp.where(roll.mask_NM, logp, 0.0))
 
     grad = jax.jit(jax.grad(logp_sum), static_argnums=1)

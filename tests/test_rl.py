@@ -12,7 +12,7 @@ import pytest
 from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines
 
 from rlscale import rl
-from rlscale.rl import checks, learner, rollouts
+from rlscale.rl import checks, logp_match, rollouts
 from rlscale.sampling import SamplingConfig, scoring
 
 RECIPES = ["grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl", "ppo", "quickstart", "distill"]
@@ -347,14 +347,14 @@ def test_logp_match_over_chunks_equals_numpy(scale, noise, tol):
     }
     for cuts in ([], [3, 10, 12, 40]):  # One chunk, and five uneven ones.
         chunks = [
-            learner.logp_match_stats(logp[r], sampler_logp[r], mask[r])
+            logp_match.logp_match_stats(logp[r], sampler_logp[r], mask[r])
             for r in np.split(np.arange(64), cuts)
         ]
-        got = learner.logp_match(chunks)
+        got = logp_match.logp_match(chunks)
         assert got.keys() == expected.keys()
         assert got["train/logp_gap_abs"] == pytest.approx(expected["train/logp_gap_abs"], rel=1e-5)
         assert got["train/prob_pearson"] == pytest.approx(expected["train/prob_pearson"], abs=tol)
-    none = learner.logp_match([learner.logp_match_stats(logp, sampler_logp, mask & False)])
+    none = logp_match.logp_match([logp_match.logp_match_stats(logp, sampler_logp, mask & False)])
     assert all(np.isnan(v) for v in none.values())  # Undefined without tokens: null.
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from rlscale import checkpoint
 from rlscale.model import hf
-from rlscale.rl import learned_rewards, learner
+from rlscale.rl import learned_rewards, logp_match
 from rlscale.scaling import compute
 
 
@@ -59,7 +59,7 @@ class Compute:
 def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
     """(The batch's loss, the learner's other metrics as means over its optimizer steps and
     micro-batches). With `match`, the sampler-vs-learner logprob match of the first step
-    (`learner.logp_match`); without (rows no sampler wrote), none."""
+    (`logp_match.logp_match`); without (rows no sampler wrote), none."""
     mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
@@ -68,7 +68,7 @@ def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
     if match and stats is not None:  # The first step's micro-batches -> gap, Pearson r.
         first = len(stats["n"][0]) if ran is None else int(ran[0].sum())
         chunks = [{k: v[0, u] for k, v in stats.items()} for u in range(first)]
-        mets.update(learner.logp_match(chunks))
+        mets.update(logp_match.logp_match(chunks))
     if ran is not None:  # Per micro-batch metrics past a step's count are zeros: left out.
         mets = {k: v[ran] if np.shape(v) == ran.shape else v for k, v in mets.items()}
     means = {k: float(np.mean(v, dtype=np.float64)) for k, v in mets.items()}

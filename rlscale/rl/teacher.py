@@ -2,9 +2,9 @@
 per batch, in the rollout stage (on-policy distillation; `objectives.distill`).
 
 `Teacher(rollouts)` is the batch's `teacher_logp` [N, M], from one compiled forward pass
-(`teacher_logp`) that runs the learner's own logprob code (`learner.plan`, `token_terms`) on
-the teacher's params. `setup.make_teacher` builds it from `config.teacher`; `checks` compares
-its tokenizer with the run's at start-up.
+(`teacher_logp`) that runs the learner's own logprob code (`batch_layout.plan`,
+`forward.token_terms`) on the teacher's params. `setup.make_teacher` builds it from
+`config.teacher`; `checks` compares its tokenizer with the run's at start-up.
 
 Dimension letters: N rows, K micro-batches of n rows, P padded prompt length, M completion
 tokens (the batch's length bucket).
@@ -16,22 +16,22 @@ import jax
 import numpy as np
 
 from rlscale import sharding
-from rlscale.rl import learner
+from rlscale.rl import batch_layout, forward
 from rlscale.rl.rollouts import Rollouts
 from rlscale.sampling import SamplingConfig
 from rlscale.scaling import compute
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def teacher_logp(params, fwd, targets_KnM, *, spec: learner.Spec):
+def teacher_logp(params, fwd, targets_KnM, *, spec: forward.ForwardSpec):
     """[K, n, M]: the logprob under `params` of each completion token of K micro-batches of n
-    rows (`learner.plan`'s forward rows `fwd`, [K, n, ...], and their completion tokens),
-    computed by the learner's own code (`learner.token_terms`) under `spec.logits_cfg`, one
+    rows (`batch_layout.plan`'s forward rows `fwd`, [K, n, ...], and their completion tokens),
+    computed by the learner's own code (`forward.token_terms`) under `spec.logits_cfg`, one
     micro-batch at a time. No gradient: the teacher is data to the student."""
 
     def one(_, x):
         fwd_k, targets_nM = x
-        return None, learner.token_terms(spec, params, None, fwd_k, targets_nM, ("logp",))["logp"]
+        return None, forward.token_terms(spec, params, None, fwd_k, targets_nM, ("logp",))["logp"]
 
     return jax.lax.scan(one, None, (fwd, targets_KnM))[1]
 
@@ -43,8 +43,8 @@ class Teacher:
 
     The logprobs are at the sampling temperature, as the generator's `sampler_logp` are, but
     without top-k or top-p: a token outside the teacher's nucleus would have logprob -inf.
-    The batch's completions are trimmed to its length bucket (`learner.plan`: one program per
-    prompt bucket and length bucket), and the rows are taken `micro_batches` at a time (the
+    The batch's completions are trimmed to its length bucket (`batch_layout.plan`: one program
+    per prompt bucket and length bucket), and the rows are taken `micro_batches` at a time (the
     learner's micro-batch, whose size its checks fit to the mesh).
     """
 
@@ -65,22 +65,14 @@ class Teacher:
         self.params, self.programs, self.model_cfg = params, programs, model_cfg
         self.micro_batches, self.max_len = micro_batches, max_len
         self.length_buckets = length_buckets
-        self.spec = learner.Spec(
+        self.spec = forward.ForwardSpec(
             graphdef=graphdef,
             logits_cfg=SamplingConfig(temperature=temperature),
-            objective=None,
-            optimizer=None,
             mesh=mesh,
-            train_terms=("logp",),
-            old_terms=(),
-            ref=False,
             pack_length=0,
             pack_rows=0,
-            max_micro=0,
-            minibatches=1,
             chunk=logprob_chunk,
             remat="none",
-            offload_ref=False,
         )
 
     def flops(self, rollouts: Rollouts, max_new_tokens: int) -> float:
@@ -95,7 +87,7 @@ class Teacher:
         rows_Kn = np.arange(N).reshape(self.micro_batches, -1)
         K, n = rows_Kn.shape
         shards = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
-        M, fwd = learner.plan(
+        M, fwd = batch_layout.plan(
             rollouts, rows_Kn, max_len=self.max_len, buckets=self.length_buckets, shards=shards
         )
         targets_KnM = rollouts.tokens_NL[:, P : P + M].reshape(K, n, M).astype(np.int32)

@@ -1,0 +1,181 @@
+"""The per-token terms of a forward pass over sampled rows, as the learner, the reference and
+a distillation teacher compute them: `logp` of each completion token under the sampler's
+logits transform, `entropy` and `value`, from unpacked micro-batch rows
+(`batch_layout.plan`) or from packed rows built on the device (`packed_micro`), the
+vocabulary-sized terms in chunks (`vocab_token_terms`). `ForwardSpec` is what such a pass
+is compiled for.
+
+Dimension letters: N rows, M completion length, n rows per micro-batch, R forward rows and T
+tokens per forward row, d batch shards, X tokens per batch shard, V vocab, D model width.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rlscale import sharding
+from rlscale.model import decoder
+from rlscale.sampling import SamplingConfig, transform_logits
+
+
+class ForwardSpec(NamedTuple):
+    """What a forward pass over sampled rows is compiled for (hashable: a jit static
+    argument)."""
+
+    graphdef: Any
+    logits_cfg: SamplingConfig  # The sampler's logits transform: the distribution sampled.
+    mesh: Any
+    pack_length: int  # Tokens per packed row (0: unpacked).
+    pack_rows: int  # Packed rows per batch shard in a micro-batch.
+    chunk: int  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
+    remat: str  # The decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
+
+
+def token_terms(spec: ForwardSpec, params, value_params, fwd, targets, terms):
+    """Per completion token, under the sampler's logits transform: `logp` of the taken token,
+    `entropy`, and `value` (of the state before the token). Computes only `terms`.
+
+    Unpacked, `fwd` is one micro-batch of the plan (`batch_layout.plan`) and `targets` its rows'
+    completion tokens [n, M]: each completion token's hidden state is gathered within its
+    batch shard, then the vocabulary-sized terms computed on those alone. Packed, `fwd` is a
+    micro-batch's packed rows (`packed_micro`) with `targets` at every position: the terms
+    are computed at every position of the rows, then each completion token's is gathered
+    into its batch row ([N, M]).
+    """
+    h_RTD, _ = decoder.hidden(
+        spec.graphdef,
+        params,
+        fwd["tokens"],
+        fwd["positions"],
+        None if spec.pack_length else fwd["segments"] > 0,
+        segments_BT=fwd["segments"] if spec.pack_length else None,
+        remat=spec.remat,
+    )
+    R, T, D = h_RTD.shape
+    d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
+    h = h_RTD  # Packed: the state at every position of the rows.
+    if not spec.pack_length:  # Each completion token's state, gathered: [n, M, D].
+        n, M = targets.shape
+        shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
+        h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
+        index_dX = rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
+        h = jax.vmap(lambda x, i: jnp.take(x, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
+    out = {}
+    vocab_terms = tuple(t for t in ("logp", "entropy") if t in terms)
+    if vocab_terms:
+        out.update(
+            vocab_token_terms(
+                spec.graphdef,
+                params,
+                h,
+                targets,
+                spec.logits_cfg,
+                vocab_terms,
+                spec.chunk,
+                shards=d,
+            )
+        )
+    if "value" in terms:
+        out["value"] = h.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+    if spec.pack_length:  # From the packed rows' positions to the batch rows' tokens.
+        N, M = fwd["gather"].shape
+        index_dX = rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
+        out = {
+            k: jax.vmap(jnp.take)(
+                rows_sharded(v.reshape(d, R // d * T), spec.mesh), index_dX
+            ).reshape(N, M)
+            for k, v in out.items()
+        }
+    return out
+
+
+def packed_micro(spec: ForwardSpec, batch, place, u):
+    """Micro-batch `u` of an optimizer step, packed on the device from the batch's rows
+    (`batch["tokens"]`, `batch["attn"]`: [N, W], completions in the last M) by the step's
+    `place` (`batch_layout.pack`, [N] each): each batch shard writes its rows' sequences into
+    its own `pack_rows` rows (a scatter, no communication).
+
+    Returns (fwd, in_N): the forward rows `tokens`, `positions`, `segments` (0 on padding,
+    else the sequence's row within its shard plus 1) and `targets` (the next token where it
+    is a completion token), [d * pack_rows, pack_length] each; `gather` [N, M], the flat
+    index within row r's shard of the packed rows of the position predicting its completion
+    token m; and `in_N`, the rows in the micro-batch.
+    """
+    tokens_NL, attn_NL = batch["tokens"], batch["attn"]
+    N, L = tokens_NL.shape
+    M = batch["mask"].shape[1]
+    P = L - M
+    d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
+    T, c = spec.pack_length, spec.pack_rows
+    in_N = place["micro"] == u
+    start_N = place["row"] * T + place["offset"]
+    pos_NL = jnp.maximum(jnp.cumsum(attn_NL, axis=1) - 1, 0)
+    dest_NL = jnp.where(attn_NL & in_N[:, None], start_N[:, None] + pos_NL, c * T)
+    prompt_N = jnp.sum(attn_NL[:, :P], axis=1)
+    gather_NM = jnp.minimum(start_N[:, None] + prompt_N[:, None] - 1 + jnp.arange(M), c * T - 1)
+    into_NM = jnp.where(attn_NL[:, P:] & in_N[:, None], gather_NM, c * T)
+
+    def scatter(dest, values):  # Per batch shard: [N / d, ...] values -> [c * T].
+        dest, values = (rows_sharded(x.reshape(d, -1), spec.mesh) for x in (dest, values))
+        rows = jax.vmap(lambda i, v: jnp.zeros(c * T, jnp.int32).at[i].set(v, mode="drop"))
+        return rows_sharded(rows(dest, values.astype(jnp.int32)), spec.mesh).reshape(d * c, T)
+
+    segment_N = jnp.arange(N) % (N // d) + 1
+    fwd = {
+        "tokens": scatter(dest_NL, tokens_NL),
+        "positions": scatter(dest_NL, pos_NL),
+        "segments": scatter(dest_NL, jnp.broadcast_to(segment_N[:, None], (N, L))),
+        "targets": scatter(into_NM, tokens_NL[:, P:]),  # At the position predicting each.
+        "gather": gather_NM,
+    }
+    return fwd, in_N
+
+
+def vocab_token_terms(
+    graphdef, params, h_nMD, targets_nM, logits_cfg, terms, chunk: int = 0, shards: int = 1
+):
+    """`logp` of each target token and the policy's `entropy`, from the final hidden states
+    under the sampler's logits transform, `chunk` tokens per batch shard at a time.
+
+    Unchunked (`chunk=0`) the [n, M, V] float32 log-probabilities exist at once, and the
+    backward pass keeps its own copy: at a real vocabulary (152k for Qwen2.5) and long
+    completions that is most of a device's memory. Chunked, each of the `shards` batch shards
+    flattens its tokens, and a `lax.map` runs the LM head over `chunk` of them (per shard) at
+    a time; `jax.checkpoint` makes the backward pass recompute each chunk's logits instead of
+    saving them, so the vocabulary-sized temporaries per device are [chunk, V]. Values and
+    gradients are the unchunked ones (the tokens are padded to whole chunks and the padding
+    cut off).
+    """
+
+    def terms_of(h_XD, t_X):
+        logits = transform_logits(decoder.logits(graphdef, params, h_XD), logits_cfg)
+        logp_all = jax.nn.log_softmax(logits)
+        out = {}
+        if "logp" in terms:
+            out["logp"] = jnp.take_along_axis(logp_all, t_X[..., None], axis=-1)[..., 0]
+        if "entropy" in terms:
+            out["entropy"] = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return out
+
+    n, M, D = h_nMD.shape
+    X = n // shards * M  # Tokens per batch shard.
+    if not chunk or chunk >= X:
+        return terms_of(h_nMD, targets_nM)
+    K = -(-X // chunk)
+    pad = K * chunk - X
+    h_dXD = jnp.pad(h_nMD.reshape(shards, X, D), ((0, 0), (0, pad), (0, 0)))
+    t_dX = jnp.pad(targets_nM.reshape(shards, X), ((0, 0), (0, pad)))
+    h_KdCD = h_dXD.reshape(shards, K, chunk, D).swapaxes(0, 1)
+    t_KdC = t_dX.reshape(shards, K, chunk).swapaxes(0, 1)
+    out_KdC = jax.lax.map(lambda xs: jax.checkpoint(terms_of)(*xs), (h_KdCD, t_KdC))
+    return {
+        k: v.swapaxes(0, 1).reshape(shards, K * chunk)[:, :X].reshape(n, M)
+        for k, v in out_KdC.items()
+    }
+
+
+def rows_sharded(x, mesh):
+    return jax.lax.with_sharding_constraint(
+        x, sharding.batch_sharding(mesh, x.ndim, sharding.TRAIN_RULES)
+    )
