@@ -1,37 +1,7 @@
-"""Chat templates of the supported model families, and the reasoning format.
-
-A chat template turns a conversation into the prompt string a chat model was trained on,
-ending with the assistant header when `add_generation_prompt` is set (the default), so that
-the completion is the assistant's turn. Each family has one small, explicit function that
-reproduces the no-tools branch of the family's Hugging Face jinja template (the
-`chat_template` of its `tokenizer_config.json`) character for character:
-
-  llama3    Llama 3.1 / 3.2 / 3.3 Instruct: `<|start_header_id|>role<|end_header_id|>\\n\\n
-            content<|eot_id|>`, always opened by a system turn carrying the knowledge-cutoff
-            and date lines.
-  qwen2     Qwen2 Instruct: ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`), default system
-            prompt "You are a helpful assistant.".
-  qwen2.5   Qwen2.5 (base and Instruct, also Qwen2.5-Math): ChatML with the default system
-            prompt "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.".
-  qwen3     Qwen3: ChatML without a default system prompt; reasoning is kept only in the
-            assistant turns after the last user message, and `enable_thinking=False` closes
-            an empty `<think>` block in the generation prompt.
-  gemma     Gemma (1, 2, 3): `<start_of_turn>user|model\\ncontent<end_of_turn>\\n`; roles must
-            alternate. A system message is folded into the first user turn, as Gemma 3's
-            template does (Gemma 1 and 2's templates reject it; without one all agree).
-
-Messages are dicts `{"role": "system" | "user" | "assistant", "content": str}`, as in
-transformers; a system message may only come first. The BOS token is *not* part of the
-rendered text (`ChatTemplate.bos_token` says which one the Hugging Face template writes
-first): encode with `encode_prompt`, which adds it exactly when the tokenizer has one. That
-gives the ids of transformers' `apply_chat_template(..., tokenize=True)` for every family
-here, and keeps prompts valid for the RL loop's `encode(prompt, add_bos=...)`.
-
-Reasoning format: the completion is `<think>\\n...\\n</think>\\n\\n` then the answer (what
-`reasoning_completion` writes and the math verifier reads: only the text after the last
-`</think>` is graded). When a thinking budget runs out, a sampler appends
-`FORCED_INTERRUPTION` (`interruption_ids`) and lets the model answer (ScaleRL's forced
-interruptions: the RL loop's `sampling.interrupt_phrase`, written in by the sampler).
+"""Chat templates of the supported families (llama3, qwen2, qwen2.5, qwen3, gemma), each reproducing
+its Hugging Face template's no-tools branch, and the reasoning format (`<think>...</think>`, forced
+interruption). The BOS is added by `encode_prompt`, not the template. Formats and how they were
+checked: docs/hugging_face.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""What every command-line entry point shares: absl flags, and a user's mistake as one
-`error: ...` line.
-
-A command (`rlscale.main.*`, the scripts in tools/) defines its flags in
-`define_flags(fv, argv)` and reads them in `main(fv)` (or `main(fv, args)` with positional
-arguments); `run_command(define_flags, main)` runs it from the command line and
-`call(define_flags, main, argv)` runs it in-process on flags of its own, so that commands can
-run one after another in one process (tests, sweeps). A command that fails on a user's
-mistake ends with one line `error: <what, naming the flag, key, file or row>` on stderr and
-exit status 1, never a traceback. A user's mistake is:
-
-* a bad flag or config key, or a config file that does not load (`parse_flags`);
-* raised from `main` (`guard`): an `app.UsageError`, an `OSError` about a file (a missing
-  checkpoint, an unwritable directory), or a `ValueError` raised by rlscale's own code or the
-  command's (the library's "bad config or input" error, whose message names the key, file or
-  row).
-
-Anything else is a bug and keeps its traceback, a `ValueError` from inside JAX or NumPy
-included; `RLSCALE_TRACEBACK=1` prints the traceback of a user's mistake too. The command line
-also sets the console (`console.configure` from `--verbosity`).
+"""What every command shares: flags defined by `define_flags(fv, argv)` and read by `main(fv)`, run
+by `run_command` (in-process by `call`); a user's mistake (bad flag, config key, file or row) is one
+`error: ...` line and exit status 1, never a traceback (`RLSCALE_TRACEBACK=1` shows it); anything
+else is a bug and keeps its traceback.
 """
 
 import functools

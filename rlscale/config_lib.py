@@ -125,7 +125,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         max_seq_len=128,
     )
     # The warm start imitates demonstrations of which only a quarter state the graded
-    # "Answer: N" line: it works problems out well but rarely says the answer (README).
+    # "Answer: N" line: it works problems out well but rarely says the answer (docs/configs.md).
     c.sft = dict(
         max_steps=900,
         batch_size=64,
@@ -155,12 +155,12 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         think_end=" Answer",
     )
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
-    # the real tokens trained on (README, "The learner"): completions are trimmed to one of
+    # the real tokens trained on (docs/learner.md): completions are trimmed to one of
     # `length_buckets` lengths (1: always sampling.max_new_tokens); with `pack_length` > 0,
     # the sequences with trained tokens are packed into rows of that many tokens, micro-
     # batches of `pack_rows` rows per batch shard (0: batch.group_size), as many micro-batches
     # per optimizer step as the batch fills (then `micro_batches` is not used). Memory at
-    # real sizes (README, "Memory at real sizes"): logprobs and entropy over the vocabulary
+    # real sizes (docs/learner.md): logprobs and entropy over the vocabulary
     # `logprob_chunk` completion tokens at a time; `remat` ("none", "dots", "full") what each
     # block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory.
     c.learner = dict(
@@ -174,7 +174,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         remat="none",
         offload_ref=False,
     )
-    # Generation and training (README, "PipelineRL"): "sync" samples each batch with the
+    # Generation and training (docs/pipeline.md): "sync" samples each batch with the
     # current policy, then trains on it; "pipeline" generates continuously and takes new
     # weights between decode steps (in-flight updates, sequences keep their KV cache);
     # "async_ppo" generates each batch with one policy version. No token is trained more than
@@ -198,12 +198,12 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # The loss as a chain of registered transforms (`rlscale.objectives.registry`); override
     # with --config.objective.chain='group_advantages | token_ratio | ...'.
     c.objective = dict(chain=GRPO_CHAIN)
-    # On-policy distillation (README, "On-policy distillation"): the teacher that scores the
+    # On-policy distillation (docs/objectives.md): the teacher that scores the
     # sampled tokens for a chain reading `teacher_logp` (`distill_advantage`). An rlscale
     # params checkpoint (a run's WORKDIR/final or WORKDIR/sft, its tokenizer.model beside it),
     # a Hugging Face model directory, or "self" (the policy the run starts from); "" for none.
     c.teacher = dict(checkpoint="")
-    # Preference optimization (README, "Preference optimization: offline and iterative DPO"),
+    # Preference optimization (docs/preference_and_reward_models.md),
     # run by the preference driver (`rl.dpo`) when `file` or `iterations_every` is set: each
     # step trains on `batch.prompts` pairs (batch.group_size = 2: chosen, rejected) with a
     # preference loss chain (dpo, ipo, simpo, kto). Offline: `file`, a jsonl/json/parquet

@@ -1,19 +1,6 @@
-"""Preemption notices: turn SIGTERM into a flag that the training loop polls between steps.
-
-A preemptible TPU VM gets SIGTERM some seconds before it is taken away. Python's default
-reaction kills the process wherever it is (mid-step, mid-write); instead, the loop checks
-`guard.should_stop(step)` once per step and, when it says so, saves a checkpoint and exits.
-
-Single process: the signal handler only sets `guard.requested`; nothing else happens in it.
-
-Multiple processes (`jax.distributed`): hosts receive SIGTERM at different times, so a per-host
-flag would make one host save and exit while the others wait in a collective forever. JAX's
-preemption service (enabled by `jax.distributed.initialize`) already catches SIGTERM, tells every
-host, and agrees on one step at which all of them stop: `should_stop(step)` then asks
-`jax.experimental.multihost_utils.reached_preemption_sync_point(step)`, which every host must
-call at every step. The guard installs no signal handler then: a Python SIGTERM handler would
-replace the service's own, and a flag raised on one host only (Ctrl-C) would split the hosts.
-(Orbax's `CheckpointManager.reached_preemption(step)` is the same call.)
+"""SIGTERM as a flag the training loop polls between steps (`guard.should_stop(step)`); on several
+processes, JAX's preemption sync point instead, so every host stops at one step. Why:
+docs/reliability.md.
 """
 
 import signal

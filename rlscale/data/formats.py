@@ -1,55 +1,6 @@
-"""Dataset layouts and storage: reading problem files as users bring them.
-
-This module owns which columns of a row hold the prompt, the gold answer and a worked
-demonstration (the layouts), how rows are read from disk (the storage), and detecting a file's
-layout from its columns. `math_data` materializes what `read_rows` returns as a TFDS dataset.
-
-Storage:
-  .jsonl     one JSON object per line (blank lines are skipped); a row is named `line N`
-             (1-based).
-  .json      JSON lines as well (what `datasets.Dataset.to_json` writes), or one JSON array
-             of objects (a row is named `row index N`, 0-based).
-  .parquet   read in record batches with pyarrow; a row is named `row index N` (0-based).
-  directory  a Hugging Face `datasets` directory written by `Dataset.save_to_disk` (its
-             `state.json` lists Arrow stream files) or `DatasetDict.save_to_disk` (its
-             `dataset_dict.json` lists the splits; the split named like the `task.files` key
-             is read, or point the key at `DIR/SPLIT`). Read with pyarrow, which reads the
-             same Arrow files `datasets.load_from_disk` memory-maps, without the `datasets`
-             package and its dependencies. Rows are named `row index N`.
-
-Layouts (`FORMATS`):
-  gsm8k    {"question", "answer": "... #### 42"}: the gold is the text after the last `####`,
-           stripped, thousands commas removed (OpenAI's GSM8K reference code).
-  math     {"problem", "solution"[, "answer"]}: the gold is the `answer` field when the row has
-           one (MATH-500), else the brace-matched argument of the solution's last `\\boxed{}`
-           (or `\\fbox{}`, or `\\boxed 5`).
-  polaris  {"problem", "answer"}.
-  verl     verl's RL parquet, as its `examples/data_preprocess` scripts write it:
-           {"data_source", "prompt": [chat messages], "ability", "reward_model": {"style",
-           "ground_truth"}, "extra_info": {"split", "index", ...}}. The gold is
-           `reward_model.ground_truth`; `data_source` is kept (it can choose the verifier:
-           `math_data.row_verifier`); the id is `extra_info.index`.
-  trl      TRL's layouts: `prompt` (a string: "standard"; a list of chat messages:
-           "conversational") with `completion` or `solution` (a string, or assistant
-           messages), or `messages` (a conversation whose last assistant turn is the
-           completion). The completion (or solution) is the demonstration; the gold is the
-           row's `answer` field when it has one, else the completion's last `\\boxed{}`
-           argument, else the whole completion, stripped.
-  fields   columns the user names: `fields.prompt` (a string or chat messages),
-           `fields.answer`, and optionally `fields.demo` (a worked completion). A dotted name
-           reaches into nested fields (`reward_model.ground_truth`).
-
-`format="auto"` picks the layout from the columns (`detect`): `fields` when `fields.prompt` is
-set; else verl (`prompt` and `reward_model`), trl (`prompt` and one of `completion`,
-`solution`, `answer`; or `messages`), gsm8k (`question`, `answer`), math (`problem`,
-`solution`), polaris (`problem`, `answer`). A file that matches none is an error listing the
-columns found and the layouts tried.
-
-Each row becomes {prompt (the question text, "" for a chat prompt), messages (the chat
-messages as JSON, "" for a text prompt), answer (the gold), demo ("" when the row has none),
-data_source, id (the row's `unique_id` or `id`, verl's `extra_info.index`, else "")}. A
-malformed row (bad JSON, not an object, a missing, empty or mistyped field, malformed chat
-messages, no extractable gold) is a ValueError naming the file and the row.
+"""Problem files as users bring them: storage (.jsonl, .json, .parquet, `datasets` directories),
+layouts (verl, trl, gsm8k, math, polaris, user-named fields) and `format="auto"` detection; every
+malformed row is an error naming its file and row. Tables: docs/data.md.
 """
 
 import dataclasses

@@ -1,42 +1,6 @@
-"""Problem files as TFDS array_record datasets, their prompts, and the files task's verifiers.
-
-The user passes the files; nothing is downloaded. `rlscale.data.formats` reads them (JSON lines,
-JSON, Parquet or Hugging Face `datasets` directories, in the gsm8k, math, polaris, verl, trl or
-user-named `fields` layouts, or `format="auto"`); this module materializes the validated rows
-once per (layouts, files' contents) as a TFDS dataset, formats the prompts at read time, and
-owns the task that verifies completions against the golds (`FilesTask`, the RL loop's
-`task.name="files"`).
-
-    sources = math_data.materialize({"train": "gsm8k/train.parquet", "test": "gsm8k/test.parquet"},
-                                    "auto", data_dir=WORKDIR + "/data")
-    problems = math_data.problems(sources["test"], chat.get("qwen2.5"))
-    problems[0].prompt   # the chat-formatted prompt, ending with the assistant header
-    problems[0].answer   # "18"
-
-Prompts. A text prompt (a question) becomes the user message `{question}\\n{instruction}`
-(`format_prompt`), after the `system` message when one is given, in the chat template's format
-(or the bare user text without a template). A chat prompt (a list of messages: verl, TRL
-conversational) is rendered as written by the chat template, its own system message kept
-(`system` is added only to a conversation without one, and `instruction` is not appended: the
-dataset's authors wrote the instruction into the messages); a chat prompt without a chat
-template is an error naming the file and row. Formatting at read time lets one materialized
-dataset serve every template and instruction.
-
-Verifiers (`VERIFIERS`, each `fn(completion, gold) -> 1.0 or 0.0`):
-  math    `rewards.math.grade`: math-verify on the last `\\boxed{}` (else an `Answer:` line)
-          after `</think>`.
-  exact   the final answer, as a string, equals the gold (both stripped): the last `\\boxed{}`
-          argument, else the rest of the last `Answer:` line, else the whole completion (the
-          text after `</think>` in all three).
-  gsm8k   verl's GSM8K rule (`verl.utils.reward_score.gsm8k`, strict): the number after the
-          last `#### ` in the completion's final 300 characters, commas and `$` removed,
-          equals the gold string.
-  auto    math, except a row whose `data_source` has its own rule in verl's
-          `default_compute_score` (`DATA_SOURCE_VERIFIERS`: `openai/gsm8k` -> gsm8k).
-
-A problem's `demo` (what the from-scratch warm start imitates) is the row's demonstration (a
-TRL completion or solution, `fields.demo`), else the gold in its verifier's answer format
-(`demonstration`: `\\boxed{42}`, or `#### 42` for gsm8k).
+"""Problem files as TFDS array_record datasets (materialized once per contents), their prompts
+formatted at read time, and the files task (`FilesTask`) with its verifiers (math, exact, gsm8k,
+auto). Rules: docs/data.md.
 """
 
 import dataclasses

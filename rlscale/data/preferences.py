@@ -1,31 +1,5 @@
-"""Preference pairs: read from files, or formed from scored samples.
-
-A `Pair` is a prompt x with a preferred completion y_c (`chosen`) and a dispreferred one y_r
-(`rejected`): the data of a Bradley-Terry reward model (`rlscale.reward_models.bradley_terry`)
-and of the paired preference losses (`rlscale.objectives.preference`: DPO, IPO, SimPO).
-
-Files (`read_pairs`): one object per row with the string fields `prompt`, `chosen` and
-`rejected` (TRL's "standard" explicit-prompt preference layout; other column names by
-argument), read by `formats.records`, so `.jsonl` (blank lines skipped), `.json`, `.parquet`
-and `datasets` directories all work and a row is named as there (`file, line N`). Every
-malformed row is reported at once (the first ten named), each with its file and line: a line
-that is not JSON, a row that is not an object, a missing or non-string field. A file with no
-rows is an error. Pairs whose chosen equals rejected carry no preference: they are dropped
-and counted, with one warning giving the count and their first lines.
-
-Samples (`pairs_from_samples`): G completions per prompt, each with a scalar reward (a
-verifier's 0/1), become pairs in one of `MODES`:
-
-  best_vs_worst  one pair per prompt: the highest reward against the lowest (the first
-                 sample of each, by index, on ties); none when all rewards are equal;
-  all            every (i, j) with r_i > r_j, in the order (prompt, i, j): with 0/1 rewards,
-                 every correct x incorrect combination, c (G - c) pairs for c correct.
-
-In both, a pair whose two completions are the same text is left out (it carries no
-preference, as in `read_pairs`). Iterative DPO (Xiong et al. 2024, "Iterative Preference
-Learning from Human Feedback", arXiv 2312.11456; Pang et al. 2024, "Iterative Reasoning
-Preference Optimization", arXiv 2404.19733) builds its pairs this way from the policy's own
-samples.
+"""Preference pairs (prompt, chosen, rejected): read from files, or formed from scored samples
+(`best_vs_worst`, `all`). See docs/preference_and_reward_models.md.
 """
 
 import dataclasses

@@ -1,39 +1,6 @@
-"""reasoning-gym's procedural generators as rlscale tasks, materialized as TFDS array_record
-files like the synthetic tasks (`rlscale.data.builders`).
-
-reasoning-gym (`pip install reasoning-gym`, Open-Thought) has 100+ generators, each a
-config dataclass, a `ProceduralDataset` whose entry i is {question, answer, metadata}, and its
-own `score_answer(answer, entry)`. A run names one with
-
-    task = dict(name="reasoning_gym", dataset="basic_arithmetic", config={}, difficulty=1,
-                seed=0, n_train=4000, n_test=400, partial_credit=False)
-
-* `dataset`: the generator (`reasoning_gym.factory.DATASETS`); an unknown name fails listing
-  the near matches.
-* `difficulty`: 0 is the generator's own defaults; k >= 1 puts every attribute of the
-  generator's curriculum at level k - 1 (capped at its last level; a range attribute spans
-  levels 0 to k - 1, reasoning-gym's inclusive mode). Generators without a curriculum take 0.
-* `config`: keyword arguments of the generator's config dataclass, applied over the
-  difficulty's (a key the dataclass lacks fails listing its fields). From the command line:
-  `--config.task.config='{"min_words": 3}'`.
-* `seed`, `n_train`, `n_test`: the train and test problems come from two generator seeds
-  derived from `seed` (a hash of the seed and the split, far apart: reasoning-gym's entry i
-  of seed s is entry i - 1 of seed s + 1), distinct within a split, and every test prompt that
-  also occurs in train is skipped, so the splits are disjoint by construction.
-
-Prompts are the generator's questions as they are. The answer format is reasoning-gym's own:
-the text inside the last `<answer>...</answer>` of the completion (`reasoning_gym.utils.
-extract_answer`), passed to the generator's `score_answer` with the entry. The SFT warm start's
-demonstration is the gold answer in that format, `<answer>{answer}</answer>` (generators carry
-no worked solution in a common form, so the warm start imitates answers, not working).
-
-Scorers give partial credit (0.01 for a parsable wrong answer, `len(gold) / len(answer)` when
-the gold is inside the answer, ...), while rlscale counts a sample correct when its reward is
-above 0 (pass@k, zero-variance filtering, retirement). So by default the reward is 1.0 when
-`score_answer` gives full credit (>= 1) and 0.0 otherwise; `partial_credit=True` makes the
-reward the score itself (then pass@1 counts any credit).
-
-Dimension letters: none (host-side text).
+"""reasoning-gym's procedural generators as rlscale tasks: disjoint seeded splits materialized as
+TFDS array_record files, graded by each generator's own `score_answer` (full credit by default).
+Keys: docs/data.md.
 """
 
 import dataclasses

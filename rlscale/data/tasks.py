@@ -1,20 +1,6 @@
-"""Synthetic, verifiable reasoning tasks with a difficulty knob, generated deterministically.
-
-Each task maps (split, index) to a `Problem`: a prompt, the gold answer, and a worked
-demonstration for supervised warm starts. Problems are a pure function of (task, difficulty,
-seed, split, index), and the held-out split is disjoint from the training split by
-construction (a problem belongs to the split its prompt's hash picks). Verifiers are exact and
-never evaluate model text with `eval`: they parse it with a small grammar.
-
-  arithmetic   "Q: 7+5*3-2=" -> "7+15-2=22-2=20 Answer: 20" (one operation per step);
-               difficulty = number of operators.
-  countdown    "Q: reach 22 with 3 5 7" -> "3*5+7 Answer: 22"; difficulty = number of inputs;
-               any expression that uses the inputs at most once each and equals the target
-               scores 1.
-
-Both verifiers grade only a completion that ends with the answer line "Answer: N": working
-without a stated answer scores 0 (`without_answer_line` writes such demonstrations, for a warm
-start that has to learn the answer format from the reward).
+"""Synthetic, verifiable tasks (arithmetic, countdown) generated deterministically from (task,
+difficulty, seed, split, index), with disjoint splits and grammar-based verifiers that grade only a
+stated `Answer: N`. See docs/data.md.
 """
 
 import dataclasses

@@ -1,30 +1,6 @@
-"""Test-time scaling: accuracy against the number of samples N drawn per problem.
-
-From G scored samples per problem (`python -m rlscale.main.evaluate --best_of ...`), for each N
-of a list, the benchmark value (the mean over problems) of:
-
-  pass@N            some sample among N is correct (the oracle's curve: a perfect verifier)
-  best_of/<scorer>  the reward of the sample a scorer ranks highest among N
-  maj@N             the reward of the majority-vote answer among N
-  wmaj@N/<scorer>   the same, each vote weighted by the scorer's `vote_weight`
-
-each an unbiased estimate from the G samples, averaged over the C(G, N) choices of N of them
-(`rlscale.eval.estimators`: closed forms for pass@N and best-of-N; for voting, every subset
-while there are at most `estimators.MAX_SUBSETS`, else that many random ones with their
-Monte-Carlo standard error). For 0/1 rewards every curve is an accuracy.
-
-Scorers (`--scorer`) are `Ranker`s: a name, a function giving each sample a score (higher is
-better) and the vote weight a score implies:
-
-  logprob       the policy's mean token logprob; vote weight exp(mean logprob), the per-token
-                geometric-mean probability (Wang et al. 2023's "normalized weighted sum")
-  reward_model  a Bradley-Terry reward model's r(x, y) (`reward_models.bradley_terry`); vote
-                weight sigmoid(r), the model's probability that the sample beats one of reward 0
-                (training centres its rewards at 0)
-
-A process reward model is one more `Ranker` per aggregation, `prm_min`, `prm_last` or
-`prm_product`: its score the aggregate of the probabilities it gives each step of the rows
-`sample_ids` returns (the ids a reward model reads too), its vote weight that probability.
+"""Test-time scaling: accuracy against N (pass@N, best-of-N and weighted voting per scorer), the
+scorers (`Ranker`s: logprob, reward model, PRM), and the curves' table and plot. See
+docs/evaluation.md.
 
 Dimension letters: B problems, G samples per problem, N = B * G rows.
 """

@@ -1,49 +1,5 @@
-"""Step search: beam search over a policy's reasoning steps, guided by a process reward model.
-
-    python -m rlscale.main.evaluate --config configs/quickstart.py --checkpoint WORKDIR/final \\
-        --prm PRM_DIR --step_search 4,4 [--step_search_aggregation last] \\
-        [--best_of 1,4,16 --scorer prm]
-
-searches each problem's solution step by step (`beam_search`), verifies the answer with the
-task's verifier and reports its accuracy with the tokens the search sampled, next to the
-same run's best-of-N curves and what they sampled.
-
-The search (Snell et al. 2024, "Scaling LLM Test-Time Compute Optimally can be More
-Effective than Scaling Model Parameters", arXiv 2408.03314, beam search against a PRM; steps
-verified as in Math-Shepherd, Wang et al. 2024, arXiv 2312.08935). A step ends at the PRM's
-delimiter (`step_labels.split_steps`: "=" for the arithmetic task, else a newline). For a
-problem x, a beam width W (`beam`) and E expansions per entry (`expand`):
-
-    round 0:  sample W * E first steps y ~ pi(. | x) (W copies of x, E samples each);
-    round r:  continue each unfinished kept prefix y E times by ONE step,
-              c ~ pi(. | x ++ y) stopped at the delimiter, giving candidates y ++ c;
-    score:    v(y) = agg_j sigmoid(s_j(x, y)) over y's steps (`prm_lib.prm_scores`;
-              agg "last": the value of the whole prefix, "min" or "product");
-    keep:     the W candidates of highest v, finished ones carried over competing too,
-
-until every kept entry is finished or `max_steps` rounds have run. A candidate is finished
-when its step ended at one of the sampler's own stop tokens (the EOS, a chat template's end of
-turn) or the solution reached `cfg.max_new_tokens` tokens (the budget of one solution, as a
-best-of-N sample's; it is cut there). The answer is the kept finished entry of highest v (the
-best unfinished one when none finished) and it is scored by the task's verifier. W = E = 1
-samples one solution step by step.
-
-Stopping at the delimiter: each step is sampled with the delimiter's tokens added to the
-sampler's `stop_tokens` (a stop token is part of the completion): every token whose text ends
-with the delimiter (`step_stop_tokens`); the delimiter must be one token of the tokenizer.
-A token that holds the delimiter followed by more text (the quickstart tokenizer's "=-") does
-not stop a step: such a step holds two of the PRM's steps, and the PRM scores both.
-
-Every round is one `scoring.sample_and_score` call over all problems' unfinished entries (as
-`step_labels.mc_step_labels` samples prefixes: the prompt is the problem's followed by the
-prefix's text), padded with repeats of the first entry to a multiple of min(`chunk`, B W)
-prompts (B problems, W entries each), so every round runs the sampler on the same shapes
-within a prompt bucket; the padding rows are dropped and not counted.
-
-Compute: `Result.generated_tokens_B` counts every token sampled for a problem's candidates
-(all continuations, including the tokens cut at the budget), the number to compare with
-best-of-N's N x the mean sample length. Each round also prefills every entry's prompt and
-prefix once (`Result.prefill_tokens_B`), which best-of-N does once per problem.
+"""Step search: beam search over a policy's reasoning steps guided by a process reward model, with
+its accuracy and the tokens it sampled, for comparison with best-of-N. See docs/evaluation.md.
 
 Dimension letters: B problems, N candidate rows of a round (entries x E).
 """

@@ -1,22 +1,6 @@
-"""The objective-transform contract: `Transform(init, update)` and `chain`, as in optax.
-
-A transform acts on `terms`, a dict of arrays for one (micro-)batch of N = B * G sampled rows
-laid out prompt-major (row = prompt * G + sample) with M completion tokens each:
-
-  inputs   reward [N], correct [N], mask [N, M], row_weight [N], sampler_logp [N, M],
-           old_logp [N, M], old_value [N, M], ref_logp [N, M], teacher_logp [N, M] (a
-           distillation teacher's, from the rollout stage); in the loss stage also
-           logp [N, M] (differentiable), entropy [N, M], value [N, M] (differentiable) and
-           update (scalar int32: optimizer updates applied so far)
-  outputs  advantage [N, M], returns [N, M], ratio [N, M], loss [N, M] (per-token loss,
-           transforms add to it), loss_sum and denominator (scalars, from `aggregate`),
-           metrics (dict)
-
-Each transform reads only what it declares (`registry.register`). `update(terms, state) ->
-(terms, state)` returns a new dict; `init() -> state`. A loss is a chain ending in an
-aggregation, whose (loss_sum, denominator) are both additive over micro-batches holding whole
-groups, so accumulation normalizes once per optimizer step: loss = sum(loss_sum) /
-sum(denominator).
+"""The transform contract, `Transform(init, update)` over a dict of per-token terms, and `chain`, as
+in optax. A loss ends in an aggregation whose (loss_sum, denominator) add exactly over
+micro-batches. The terms: docs/objectives.md.
 
 Dimension letters: B prompts, G samples per prompt, N = B * G rows, M completion tokens.
 """

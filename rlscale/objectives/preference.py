@@ -1,31 +1,5 @@
-"""Preference objectives: DPO, IPO and SimPO on pairs, KTO on labelled rows.
-
-Each is a whole loss stage on its own: it reduces the rows to `loss_sum` (the sum of the
-per-pair or per-row losses) and `denominator` (the pairs or rows that count), which are
-additive over micro-batches like `aggregate`'s, so a chain is one transform:
-
-  config.objective.chain = "dpo(beta=0.1)"
-
-A per-token `loss` from earlier transforms (`kl_penalty`, `entropy_bonus`) is not part of
-these losses, and `check` does not flag it: put nothing before them that only adds to `loss`.
-
-Pairs. The paired losses read groups of G = 2 rows: row 2p is the chosen (preferred)
-completion y_c of prompt p and row 2p + 1 the rejected one y_r, for the same prompt. The run's
-`group_size` must be 2 (`check` and `build` reject any other, naming group_size), and
-micro-batches hold whole groups, hence whole pairs. A pair counts (in `denominator`, and
-with a loss and a gradient) only when both rows have tokens; a row without tokens (an empty
-completion, or a dropped prompt's row: those have `row_weight` 0 and an all-zero `mask`)
-adds nothing and no NaN, so the learner's packed micro-batches, which zero the mask of the
-rows they do not hold, count each pair in exactly one micro-batch.
-
-Notation, per row i: |y_i| = sum_t mask_it, the sequence log-ratio to the reference
-s_i = sum_t mask_it (logp_it - ref_logp_it) (ref_logp is data: no gradient), and for a pair
-the margin h = s_c - s_r. beta s_i is DPO's implicit reward.
-
-Metrics (means over the micro-batch's counted pairs; 0 when none): `implicit_reward_chosen`,
-`implicit_reward_rejected`, their difference `implicit_reward_margin` and
-`implicit_reward_accuracy`, the fraction of pairs whose margin is > 0 (each loss defines its
-implicit reward in its docstring). KTO reports per-label means instead.
+"""Preference losses, each a whole loss stage: DPO, IPO and SimPO on pairs (rows 2p chosen, 2p + 1
+rejected), KTO on labelled rows. Formulas: docs/objectives.md.
 
 Arrays are [N, M]: N = B * G rows (prompt-major), M completion tokens; P = N / 2 pairs.
 """

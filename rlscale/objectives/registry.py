@@ -1,37 +1,6 @@
-"""The transform registry, and the objective a config names as one chain string.
-
-Every transform factory is registered under its function name with its stage and the terms
-it reads and writes:
-
-  @register("cispo", stage="loss", requires=("ratio", "advantage", "logp", "mask"),
-            provides=("loss",))
-  def cispo(eps_max=4.0, ...): ...
-
-A term that depends on an argument is declared with `ByArg`: token_ratio reads `sampler_logp`
-unless built with behaviour=trainer, when it reads `old_logp` instead:
-
-  @register("token_ratio", stage="loss", provides=("ratio",), requires=(
-      "logp", ByArg("behaviour", {"generator": "sampler_logp", "trainer": "old_logp"})))
-  def token_ratio(behaviour="generator"): ...
-
-`check` and `build` resolve it with the chain's value (the factory's default when the chain
-does not set it), so the learner runs the `old_logp` pass only for chains that read it;
-`table` shows every choice ("sampler_logp (old_logp if behaviour=trainer)").
-
-A config names its objective as transforms separated by `|`, each `name` or
-`name(key=value, ...)` (values are Python literals; a bare word is a string):
-
-  config.objective.chain = (
-      "group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0)"
-      " | aggregate(mode=prompt_mean)"
-  )
-
-Stages: "batch" transforms run once on the whole sampled batch before any update
-(advantages, KL in the reward); "loss" transforms run per micro-batch inside the
-differentiated loss and end in an aggregation. The run supplies `group_size` (G) and
-`max_len` (M, the completion budget) to factories that take them; configs never set them.
-`check` lists every problem with a chain, `build` turns it into an `Objective`, whose
-`model_terms` are the model passes the learner must run.
+"""The transform registry (name, stage, required and provided terms, `ByArg` choices) and the
+objective a config names as one chain string: `parse`, `check` (every problem at once), `build`, and
+the README's `table`. Chain syntax and stages: docs/objectives.md.
 """
 
 import ast

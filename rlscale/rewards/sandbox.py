@@ -1,28 +1,5 @@
-"""A pool of worker processes that runs one function with a per-call deadline.
-
-Reward checks run untrusted model output through libraries (sympy, parsers) that can take
-unbounded time or memory on adversarial input, and the usual `signal.alarm` timeout only works in
-the main thread and cannot interrupt a long C call (a Python big-int power). This module isolates
-each check in a persistent worker process instead:
-
-* a call that passes its deadline gets `Result("timeout")`, and its worker is killed with
-  SIGKILL and replaced;
-* a call whose worker dies (a crash, `os._exit`, the OOM killer, an allocation abort) gets
-  `Result("crash")`, and the worker is replaced;
-* a call whose function raises gets `Result("error")`; the worker lives on.
-
-Only the sample at fault is lost, and the pool survives. `WorkerPool.map` is safe to call from
-any thread and from several threads at once: each call checks out idle workers for itself, so
-no two threads ever share a worker's socket. A call's deadline starts when a ready worker receives
-it, so time spent waiting for a free worker, or for a replacement worker to start, is not
-counted against it.
-
-The worker processes run `rlscale.rewards.worker` as their main module, so they never import
-the caller's: scoring works from a script without an `if __name__ == "__main__":` guard, from
-`python -c`, from stdin and from a notebook. By default each pool starts its own fork server (a
-fresh interpreter that imports the preloaded modules and the function once) and each worker is a
-fork of it, so a replacement starts warm; with 'spawn' each worker is a fresh interpreter. Never
-'fork' from the caller, which is unsafe in a process that runs JAX or any other threaded runtime.
+"""A pool of worker processes that runs one function with a per-call deadline: a timeout, a crash or
+an exception costs that call only, and the worker is replaced. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,5 @@
-"""The worker side of `rewards.sandbox.WorkerPool`: its own program, never the caller's `__main__`.
-
-`sandbox.WorkerPool` starts its processes as fresh interpreters that run `main` with a ROLE and a
-socket FD (as `python -m rlscale.rewards.worker ROLE FD` would, but with the working directory
-kept off `sys.path` until the pool's own is installed). They import this module (standard
-library only) and what the pool names, never the caller's main module. `multiprocessing`'s
-'spawn' and 'forkserver' children re-run the caller's main script instead (as `__mp_main__`): a
-script without an `if __name__ == "__main__":` guard then runs again inside every worker, and
-one read from stdin cannot be re-run at all. Here scoring works the same from a script,
-`python -c`, stdin, a notebook kernel or another framework's reward hook.
-
-Two roles, each told its setup (`Setup`) by the pool over its socket `FD`:
-
-* `server`: a fork server. It imports the preload modules and the function once, then forks a
-  worker for each request (`FORK`, with the worker's socket passed alongside) and ends one on
-  request (`END`: SIGKILL unless it has exited, then its exit code). It reaps its workers as
-  they exit (SIGCHLD) and only signals one it has not reaped, so a reused process id is never
-  hit. It is single-threaded, forks nothing else, and exits when the pool closes its socket or
-  dies; its workers then get SIGKILL (`PR_SET_PDEATHSIG`).
-* `worker`: one worker in a fresh interpreter (the pool's 'spawn' start method).
-
-A worker (`worker_main`) reports ready, then runs `fn(*args)` for each `(task_id, args)` it
-receives until EOF or None, replying `(task_id, status, value or error)`.
+"""The worker side of `sandbox.WorkerPool`: a fork server or a worker in a fresh interpreter, never
+the caller's `__main__` (standard library only). See docs/data.md.
 """
 
 from __future__ import annotations

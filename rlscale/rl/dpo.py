@@ -1,19 +1,5 @@
-"""The preference driver: offline and iterative (semi-online) DPO on the RL loop's parts.
-
-Each step trains the policy on `batch.prompts` preference pairs (rows 2p chosen, 2p + 1
-rejected) with the objective's preference loss (`dpo`, `ipo`, `simpo`, `kto`) against a
-reference, one `Learner.update` as an RL step's; evaluation, checkpoints, preemption and
-the compute counters are the RL loop's (`loop.Loop`), so a preference run's curve lies on
-the same compute axis as an RL run's. The pairs come from `rl.pairs.PairSource`:
-
-- offline (`preference.file`): a file's pairs, or pairs made once from the warm start's own
-  samples ('warm_start'), in reshuffled epochs; the reference is the warm start.
-- iterative (`preference.iterations_every` = K): before steps 1, K + 1, 2K + 1, ... a round
-  samples `preference.samples` completions of each of its prompts with the current policy,
-  the verifier scores them and pairs are formed; the reference becomes the policy of the
-  round's start. The round's sampling counts in `compute/sample_flops` as an RL step's does.
-
-A step whose round formed no pair trains nothing (its line says `pref/batch_pairs` 0).
+"""The preference driver: offline and iterative DPO (and IPO, SimPO, KTO) on the RL loop's parts,
+one `Learner.update` on pairs per step. See docs/preference_and_reward_models.md.
 """
 
 import time

@@ -1,27 +1,6 @@
-"""Learned rewards in the RL loop: a reward model's score as the outcome reward (RLMT) and a
-process reward model's step rewards as a dense signal.
-
-`reward.model` (docs/preference_and_reward_models.md) replaces the verifier's reward by a
-Bradley-Terry reward model's r(x, y) (`reward_models.bradley_terry`): what the objective's
-advantages read, the
-zero-variance filter judges and the step line reports as `reward`. The verifier still
-decides `correct` (reported as the pass rate, and what held-out evaluation measures), so a
-run shows both the reward it optimizes and the correctness it was meant to buy: the gap is
-reward over-optimization. The model is a directory written by `python -m
-rlscale.reward_model`, or `MADE` ("warm_start"): one trained at set-up, `reward.model_steps`
-steps from the warm start's weights, on the pairs a preference run makes from the warm
-start's own samples (`rl.pairs`: `preference.samples` per prompt, labelled by the verifier),
-9 in 10 of them (the rest measure its held-out accuracy); cached in WORKDIR/reward_model. Its
-sampling and training count in the run's compute, as a DPO run's pairs do.
-
-`reward.prm` names a process reward model (`rlscale.reward_models.prm`, `python -m
-rlscale.reward_models.prm train`): each batch's `step_reward` and `step_mask` terms, read by
-`objectives.process_advantages`, hold each step's PRM probability at the step's last token
-(`ProcessRewardModel.step_rewards`).
-
-Both score on the trainer's devices, once per sampled round (the reward model, in
-`RolloutSource.judge`) or batch (the PRM, in `RolloutSource.rollouts`), and their forward
-FLOPs count in `compute/sample_flops` (`scoring_flops` of the step's stats).
+"""Learned rewards in the RL loop: a reward model's score as the outcome reward (`reward.model`, or
+one made at set-up) and a PRM's step rewards (`reward.prm`), their FLOPs counted. See
+docs/preference_and_reward_models.md.
 
 Dimension letters: N rows, P padded prompt length, M completion tokens.
 """

@@ -1,29 +1,9 @@
-"""The learner: its train state, the per-token terms an objective needs, and one compiled
-update on a batch of rollouts.
+"""The learner: its train state and one compiled update per shape on a batch's real tokens
+(trimmed to a length bucket, or packed: `batch_layout`), from the per-token terms of its
+forward passes (`forward`). See docs/learner.md.
 
-Each batch is trained on its real tokens only. Completions are trimmed to the longest in the
-batch, rounded up to one of `learner.length_buckets` lengths (one compiled program per
-bucket). Unpacked, the host cuts each micro-batch's rows to that length
-(`batch_layout.plan`). With
-`learner.pack_length`, the sequences that carry trained tokens are packed into micro-batches
-of `pack_rows` rows of that many tokens per batch shard (segment ids keep them apart in
-attention and positions) while rows with nothing to train are left out: the host decides
-where each sequence goes (`batch_layout.pack`), the device builds the rows
-(`forward.packed_micro`), and a step
-runs as many micro-batches as its batch fills, from the same program. One jitted function
-(`update_step`) runs everything else: the trainer's old terms and the reference's logprobs
-where the chain reads them, the batch-stage transforms (advantages), and epochs x
-minibatches optimizer steps, each a loop over its micro-batches' gradients.
-
-Every jitted function is module-level and pure; the batch arrives as global arrays with rows
-sharded over the mesh's batch axes (`sharding.put_batch`), so each device does its share.
-Only the terms the objective's chain requires are computed (`Objective.model_terms`).
-
-Dimension letters: N rows (prompts x group), G group size, P padded prompt length, M
-completion length (the batch's bucket), S optimizer steps per batch (epochs x minibatches),
-U micro-batches per step, n rows per micro-batch, R forward rows per micro-batch and T tokens
-per forward row (unpacked R = n and T = P + M; packed R = d x pack_rows and T = pack_length),
-d batch shards, V vocab, D model width.
+Dimension letters: N rows, G group size, M completion length, S optimizer steps per batch, U
+micro-batches per step, n rows per micro-batch, d batch shards, D model width.
 """
 
 import dataclasses

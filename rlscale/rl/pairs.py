@@ -1,34 +1,8 @@
-"""Preference pairs as learner batches: read from a file, made from the warm start's samples,
-or formed each round from the current policy's (iterative DPO); and their resumable draw.
+"""Preference pairs as learner batches (rows 2p chosen, 2p + 1 rejected): from a file, from the warm
+start's samples or from each round's; and their resumable draw (`PairSet`).
 
-Rows. A pair becomes two learner rows, as a sampled group of two would be (`pair_rollouts`):
-row 2p holds the prompt and the chosen completion, row 2p + 1 the prompt and the rejected
-one, the layout the paired losses of `rlscale.objectives.preference` read; prompts are
-left-padded to their sampling bucket and every completion token is trained on. The rows
-carry no sampler logprobs (zeros: no preference loss reads them, and the driver reports no
-sampler-vs-learner match); `correct` and `reward` hold the label (1 chosen, 0 rejected:
-what KTO reads).
-
-Tokens (`TokenPair`). A file's text pairs (and pairs made from the warm start, which are
-written as a file) are encoded as the RL loop encodes a prompt (`chat.encode_prompt`) and
-each completion as its text's ids plus the stop token the sampler ends at (unless the text
-already ends in one), cut to `sampling.max_new_tokens` (`encode_pairs`). A round's pairs
-keep the tokens that were sampled, prompt and completions (with their stop token), so the
-learner trains on exactly the rows the policy wrote.
-
-Pairs from samples (`sample_pairs`): `preference.samples` completions of each prompt,
-generated and scored by the verifier as RL rollouts are (`RolloutSource.sample`), become
-pairs prompt by prompt (`data.preferences.pairs_from_samples` on their texts: `best_vs_worst`
-or `all`), so a prompt whose samples all score alike gives none (`prompts_without_pair`).
-
-The draw (`PairSet`, in `RunState`): batches of `batch.prompts` pairs in reshuffled epochs
-(a `filters.PromptStream` over pair indices; with fewer pairs than a batch, a batch repeats
-them). A file's pairs are read again at a restart and checked against the digest the
-checkpoint holds; a round's pairs are saved in the checkpoint (as token ids), so a resumed
-round trains on exactly its pairs.
-
-Dimension letters: B pairs (`batch.prompts`), G samples per prompt, N = 2B rows, P padded
-prompt length, M completion tokens.
+Dimension letters: B pairs, G samples per prompt, N = 2B rows, P padded prompt length, M completion
+tokens.
 """
 
 import dataclasses

@@ -1,21 +1,8 @@
-"""Rollouts: prompts in, scored and filtered completions out.
+"""Rollouts: prompts in, scored and filtered completions out (generator requests, scoring, filters,
+static shapes, a teacher's logprobs and learned rewards). See docs/learner.md.
 
-`RolloutSource` turns the prompt stream into the learner's `Rollouts`: requests to the
-generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`), sampling
-rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling (judged on
-correctness, or on a reward model's score, before reward shaping), the soft overlong penalty,
-assembly into static shapes, and, for on-policy distillation, a teacher's logprobs of the
-sampled tokens (`rl.teacher`). Learned rewards (`rl.learned_rewards`): a reward model's score
-replaces the verifier's reward (which still decides `correct`), and a PRM's step rewards travel
-with the batch; the forward FLOPs of the reward model, the PRM and the teacher are the step's
-`scoring_flops`. The synchronous driver calls `next`; the pipeline driver calls its parts
-(`draw`, `requests`, `score`, `judge`, `rollouts`) from its generator and trainer threads: both
-assemble a batch with `rollouts`, which runs the teacher, so the teacher's logprobs travel with
-every batch whichever the driver. Every process runs the same host logic on the same data, so
-host state (stream, history) stays identical across processes without being exchanged.
-
-Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length,
-M new tokens, L = P + M.
+Dimension letters: B prompts, G samples per prompt, N = B * G rows, P padded prompt length, M new
+tokens, L = P + M.
 """
 
 import concurrent.futures

@@ -1,31 +1,8 @@
-"""The generator engine: continuous batching over a fixed set of decode slots, with weights
-that can change between decode calls.
+"""The generator engine: continuous batching over fixed decode slots sharing one ring KV cache, with
+weights that can change between decode calls (each token records its version).
 
-A fixed number of slots S share one preallocated KV cache of C columns, used as a ring: every
-decode step writes column `index` for all slots and advances it (mod C). A request (a prompt
-and its G samples) is prefilled once and placed in G free slots, its prompt written just
-behind the write index; a finished sample leaves its slot to the next request (continuous
-batching), and a request is returned when all its samples are done. C = longest prompt
-bucket + max_new_tokens, so a live sequence never overwrites itself.
-
-On a mesh the slots split over its batch axes into shards. A request's samples take free
-slots on as few shards as they can (`take_slots`), and each shard they reach prefills the
-request for its own slots (`prefill_rows`): a device prefills only its share of the
-requests and writes only into its own slots, with no collective and no full-width rows.
-
-Weights can change between decode calls (`Generator.set_params`): live sequences keep the
-KV cache built by the old weights and continue under the new ones. The engine carries the
-next token's logits, so on a change it re-runs each live row's last token under the new
-weights (rewriting that token's own cache column) before drawing again: every token is then
-drawn from the policy version it is recorded with (`versions_GM`), its logprob under that
-policy, computed over a prefix cached by the versions that sampled it. The decode step is the
-static sampler's (`sampler.decode_step`); a sample draws with its own key
-(fold_in(request key, sample)), so a request gets the same completion whatever slot it lands
-in and whatever else is decoding.
-
-Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one
-prefill call (a request per shard it reaches, padded), P their padded prompt length, G
-samples per request, N = R x G.
+Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill call,
+P their padded prompt length, G samples per request, N = R x G.
 """
 
 import dataclasses

@@ -1,21 +1,8 @@
-"""Compute-optimal allocation of RL compute: the IsoCompute playbook's grid and its analysis.
+"""Compute-optimal allocation of RL compute (the IsoCompute playbook): the grid of budget splits
+C = n x B_p x M and its analysis (n* per budget, n*(C), record points), on plain numbers.
 
-The IsoCompute playbook (arXiv 2603.12151) splits a fixed RL budget `C = n * B_p * M`,
-counted in rollouts (sampled completions): `n` rollouts per prompt (`batch.group_size`),
-`B_p` prompts per batch (`batch.prompts`) and `M` optimizer steps (`steps`). Its finding:
-the best `n` grows with `C` and then saturates. Data reuse spends the same compute on a
-training set reused `tau` times: the RL loop draws from `B_p * M / tau` distinct prompts.
-
-Owns, on plain numbers (no files, no config, no plotting):
-  `iso_cells`             the grid of (C, n, B_p, tau) cells whose split divides exactly;
-  `optimal_rollouts`      per budget, reward against n and the vertex n* of a parabola in
-                          log2 n;
-  `fit_optimal_rollouts`  the power law n*(C) and whether it grows, then saturates;
-  `record_points`         the best-so-far frontier over every cell's evaluations;
-  `format_allocation_table`, `format_reuse_table`  Markdown tables of the above.
-
-Letters: C the budget in rollouts, n rollouts per prompt, B_p prompts per batch, M steps,
-tau the reuse factor; n* the compute-optimal n at one budget.
+Letters: C the budget in rollouts, n rollouts per prompt, B_p prompts per batch, M steps, tau the
+reuse factor, n* the compute-optimal n.
 """
 
 import dataclasses

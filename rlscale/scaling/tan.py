@@ -1,23 +1,6 @@
-"""Tan et al.'s RL power law across model sizes: the law, its joint fit, its two predictions.
-
-Tan et al. 2025 ("Scaling Behaviors of LLM Reinforcement Learning Post-Training: An Empirical
-Study in Mathematical Reasoning", arXiv 2509.25300) model the test loss `L = 1 - pass@1` of
-RL post-training over the Qwen2.5 series (0.5B to 72B) as
-
-    log10 L(N, X) = -k(N) log10 X + E0(N),
-    k(N) = k_max N / (N + N0),    E0(N) = E0_max N / (N + N1),
-
-with N the model size (parameters), X the training compute (FLOPs) or data (samples), k(N)
-the learning efficiency, which saturates at k_max as N grows past N0. Two uses: intra-model,
-fit a run's first fraction and predict the rest (`predict_within_run`: one size, so the law is
-a line `log10 L = -k log10 X + E0`); inter-model, fit all sizes but one and predict the
-held-out one (`extrapolate_to_size`).
-
-Everything takes plain arrays of points `(N, X, reward)` (one row per evaluation, sizes in
-any order); reading runs lives in `scaling.runs`, plotting in `scaling.plot`. Degenerate
-input raises `ValueError` naming the problem and the row. A reward of 1 (L = 0, whose log is
-undefined) or below 0 (not a pass rate) is refused, not clipped: a clip would put an
-arbitrary floor into the fit; drop the point or evaluate on more problems instead.
+"""Tan et al.'s RL power law across model sizes: the law, its joint fit, and its intra- and
+inter-model predictions, on plain arrays of (model size N, compute or data X, reward). The law and
+the fit: docs/scaling.md.
 """
 
 import dataclasses
