@@ -35,17 +35,14 @@ a data-dependent trip count, so its count is one decode step's, multiplied by th
 worst-case batch (every completion `max_new_tokens` long); a packed update's micro-batch
 loops (also `while_loop`s) count as many trips as that batch fills micro-batches.
 
-The step-time estimate is a roofline bound from a small table of published peaks
-(`ACCELERATORS`): the update and prefill at the accelerator's dense bfloat16 peak, each
-decode step at max(FLOPs / peak, bytes / HBM bandwidth) with bytes the weights and the KV
-cache it reads.
+What a plan says against an accelerator (the table, the verdict on a memory budget, the
+knobs to turn, the step-time bound) is `plan_report`'s; the checks of what a plan is asked
+for are `plan_inputs`'.
 """
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from typing import Any
 
 import jax
@@ -62,36 +59,6 @@ from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine
 from rlscale.sampling.sampler import _Layout
-
-GIB = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """Published per-chip figures: dense bfloat16 peak FLOP/s, HBM bandwidth (bytes/s) and
-    HBM capacity (bytes)."""
-
-    name: str
-    peak_flops: float
-    hbm_bandwidth: float
-    hbm_bytes: float
-
-
-# Vendor datasheets; dense (not 2:4-sparse) bfloat16 peaks, per chip.
-ACCELERATORS = {
-    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): BF16 Tensor Core 1,979
-    # TFLOP/s with sparsity, so 989 dense; HBM3 3.35 TB/s; 80 GB.
-    "h100": Accelerator("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9),
-    # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): the H100's compute
-    # (1,979 TFLOP/s sparse BF16), HBM3e 4.8 TB/s, 141 GB.
-    "h200": Accelerator("NVIDIA H200 SXM", 989e12, 4.8e12, 141e9),
-    # Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e): 197 TFLOP/s BF16, 819 GB/s, 16 GB.
-    "tpu_v5e": Accelerator("TPU v5e", 197e12, 819e9, 16e9),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s BF16, 2,765 GB/s, 95 GB.
-    "tpu_v5p": Accelerator("TPU v5p", 459e12, 2765e9, 95e9),
-    # cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOP/s BF16, 1,640 GB/s, 32 GB.
-    "tpu_v6e": Accelerator("TPU v6e", 918e12, 1640e9, 32e9),
-}
 
 # The byte terms of `Plan.per_device_bytes`, in the order they are printed.
 TERMS = (
@@ -355,9 +322,10 @@ class Plan:
       flops_per_device: FLOPs per RL step per device (update + prefills + decode steps).
       programs: per compiled program its cost entry (`programs.cost`, per call, loop bodies
         counted once), `loop_factor`, calls per step and FLOPs per step.
-      step_seconds: the roofline bound per phase and in all (`estimate`).
+      decode_bytes: per device, what each decode step reads: the generator's weights and the
+        engine state (the memory traffic of `plan_report.estimate`'s bound).
       info: the shapes planned (prompt length, completion length, rows, slots, ...) and, as
-        `settings`, the knob values `advice` names.
+        `settings`, the knob values `plan_report.advice` names.
     """
 
     per_device_bytes: dict
@@ -365,7 +333,7 @@ class Plan:
     host_bytes: int
     flops_per_device: float
     programs: dict
-    step_seconds: dict
+    decode_bytes: int
     info: dict
 
     def largest_term(self) -> str:
@@ -401,7 +369,7 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int):
     return graphdef, params, state, ref, entry
 
 
-def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerator: Accelerator):
+def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
     """Compiles a run's learner update and generator programs for `train_mesh` and
     `gen_mesh` (the same mesh when the roles share devices) from abstract arrays, and
     accounts its memory and work per device (`Plan`).
@@ -411,15 +379,11 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
       model_cfg: the policy's architecture and numerics (`model_config`).
       train_mesh, gen_mesh: `sharding.role_meshes(config.mesh.shape, generator_devices)`.
       prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
-      accelerator: whose peaks the step-time bound uses.
     """
     B, G = config.batch.prompts, config.batch.group_size
-    M = config.sampling.max_new_tokens
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
     shared = gen_mesh is train_mesh
-    copy = config.pipeline.mode != "sync"  # `Setup.generator_params` copies in pipeline modes.
-
     graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P)
 
     # The generator: its params in the sampling layout, its state, its programs.
@@ -430,58 +394,27 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
     )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
 
-    # Bytes per device.
-    def moved(x, y):  # A leaf the reshard to the generator's layout copies.
-        return copy or not x.sharding.is_equivalent_to(y.sharding, len(x.shape))
-
-    gen_copy = [
-        y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(gen_params)) if moved(x, y)
-    ]
-    trained = (state.params, state.value_params)
-    grads = sum(leaf_bytes(x) // x.dtype.itemsize * 4 for x in jax.tree.leaves(trained))
-    trainer = {
-        "params": device_bytes(trained),
-        "opt_state": device_bytes(state.opt_state),
-        "ref_params": device_bytes(ref),
-        "grads": grads,  # Float32 accumulators (`update_step`), laid out as the params.
-        "temp": max(update["temp_bytes"] - grads, 0),
-    }
-    generator = {
-        "generator_params": device_bytes(gen_copy),
-        "kv_cache": device_bytes(engine_state),
-        "generator_temp": max(insert["temp_bytes"], decode["temp_bytes"]),
-    }
-    roles = {}
+    trainer = trainer_bytes(state, ref, update)
+    copy = config.pipeline.mode != "sync"  # `Setup.generator_params` copies in pipeline modes.
+    generator = generator_bytes(params, gen_params, engine_state, (insert, decode), copy)
     if shared:
-        roles["shared"] = _with_total({**trainer, **generator})
+        roles = {"shared": _with_total({**trainer, **generator})}
     else:
-        roles["trainer"] = _with_total(trainer)
-        roles["generator"] = _with_total(generator)
-    worst = max(roles.values(), key=lambda r: r["total"])
-
-    # Work per step: the update once; the batch's admissions; M decode steps per wave of
-    # requests through the slots (every completion max_new_tokens long).
-    slots = config.pipeline.slots or B * G
-    waves = -(-B * G // slots)
-    calls = {"update_step": 1, "engine_insert": -(-B // admitted), "engine_decode": waves * M}
+        roles = {"trainer": _with_total(trainer), "generator": _with_total(generator)}
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
-    table = {}
-    for name, e in entries.items():
-        flops = e["flops_per_device"] * e["loop_factor"]
-        table[name] = {**e, "calls_per_step": calls[name], "flops_per_step": flops * calls[name]}
-    decode_bytes = device_bytes(gen_params) + generator["kv_cache"]
-    seconds = estimate(table, decode_bytes, accelerator, shared)
+    table = work_per_step(config, entries, admitted)
+    slots = config.pipeline.slots or B * G
     return Plan(
-        per_device_bytes=worst,
+        per_device_bytes=max(roles.values(), key=lambda r: r["total"]),
         roles=roles,
         host_bytes=device_bytes(ref, "pinned_host"),
         flops_per_device=sum(t["flops_per_step"] for t in table.values()),
         programs=table,
-        step_seconds=seconds,
+        decode_bytes=device_bytes(gen_params) + generator["kv_cache"],
         info={
             "prompt_len": prompt_len,
             "prompt_bucket": P,
-            "max_new_tokens": M,
+            "max_new_tokens": config.sampling.max_new_tokens,
             "rows": B * G,
             "slots": slots,
             "prefill_requests": admitted,
@@ -492,83 +425,79 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int, accelerat
             "param_dtype": model_cfg.param_dtype,
             "dtype": model_cfg.dtype,
             "num_params": model_cfg.num_params(),
-            "settings": {  # What `advice` names.
-                "mesh": tuple(config.mesh.shape),
-                "param_dtype": model_cfg.param_dtype,
-                "micro_batches": config.learner.micro_batches,
-                "next_micro_batches": next_micro_batches(config, train_mesh),
-                "pack_rows": config.learner.pack_rows or G if config.learner.pack_length else 0,
-                "next_pack_rows": next_pack_rows(config, train_mesh, P),
-                "remat": config.learner.remat,
-                "logprob_chunk": config.learner.logprob_chunk,
-                "slots": slots,
-                "max_new_tokens": M,
-            },
+            "settings": advice_settings(config, model_cfg, train_mesh, P),
         },
     )
 
 
-def to_json(p: Plan, **extra) -> dict:
-    """The plan as a JSON-ready dict, with `extra` fields (the model, accelerator, ...)."""
-    return {**extra, **dataclasses.asdict(p)}
+def trainer_bytes(state, ref, update: dict) -> dict:
+    """The trainer's terms per device: the trained params and value head, the optimizer
+    state, the reference, the update's float32 gradient accumulators (laid out as the
+    params) and its other temporaries (`update`: its compiled entry)."""
+    trained = (state.params, state.value_params)
+    grads = sum(leaf_bytes(x) // x.dtype.itemsize * 4 for x in jax.tree.leaves(trained))
+    return {
+        "params": device_bytes(trained),
+        "opt_state": device_bytes(state.opt_state),
+        "ref_params": device_bytes(ref),
+        "grads": grads,
+        "temp": max(update["temp_bytes"] - grads, 0),
+    }
 
 
-def write(path: str, p: Plan, **extra) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(to_json(p, **extra), f, indent=2)
+def generator_bytes(params, gen_params, engine_state, entries, copy: bool) -> dict:
+    """The generator's terms per device: the leaves of its sampling-layout params that are a
+    copy (all of them with `copy`, else those the reshard from `params` moves), the engine
+    state, and the largest temporaries of its compiled `entries`."""
+
+    def moved(x, y):
+        return copy or not x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(gen_params))
+    return {
+        "generator_params": device_bytes([y for x, y in pairs if moved(x, y)]),
+        "kv_cache": device_bytes(engine_state),
+        "generator_temp": max(e["temp_bytes"] for e in entries),
+    }
 
 
-def advice(term: str, s: dict) -> str:
-    """The knobs that shrink `term`, in the order to try, with the run's values
-    (`Plan.info["settings"]`): config keys, and the mesh as `--mesh` (data,fsdp,tensor)."""
-    mesh = ",".join(str(n) for n in s["mesh"])
-    fsdp = f"a larger fsdp axis (--mesh={mesh}: the params are split fsdp x tensor ways)"
-    if term in ("params", "grads"):
-        return f"{fsdp} or tensor parallelism"
-    if term == "opt_state":
-        laid = f"{fsdp} or tensor parallelism (the optimizer state is laid out as the params)"
-        if s["param_dtype"] == "float32":
-            return laid
-        # Low-precision params: float32 masters are a third of the state (with AdamW's moments).
-        return f"{laid}; with float32 params (model.param_dtype) it holds no master copy"
-    if term == "ref_params":
-        return "learner.offload_ref=True (the reference waits in host memory), or " + fsdp
-    if term == "generator_params":
-        return (
-            f"tensor parallelism (--mesh={mesh}: the sampling layout keeps whole matrices on "
-            "each data x fsdp replica and splits them only over tensor)"
-        )
-    if term == "kv_cache":
-        return (
-            f"fewer decode slots (pipeline.slots={s['slots']}), shorter completions "
-            f"(sampling.max_new_tokens={s['max_new_tokens']}), or more data x fsdp devices "
-            f"(--mesh={mesh}: they split the slots)"
-        )
-    if term == "temp":
-        knobs = []
-        if s["next_micro_batches"]:
-            knobs.append(
-                f"learner.micro_batches={s['next_micro_batches']} (now {s['micro_batches']})"
-            )
-        if s.get("next_pack_rows"):
-            knobs.append(f"learner.pack_rows={s['next_pack_rows']} (now {s['pack_rows']})")
-        if s["remat"] != "full":
-            knobs.append(
-                f"learner.remat={'dots' if s['remat'] == 'none' else 'full'} (now {s['remat']})"
-            )
-        if s["logprob_chunk"] > 1:
-            knobs.append(
-                f"learner.logprob_chunk={max(s['logprob_chunk'] // 4, 1)} "
-                f"(now {s['logprob_chunk']})"
-            )
-        return ", ".join([*knobs, f"more data x fsdp devices (--mesh={mesh})"])
-    return (  # generator_temp
-        f"fewer decode slots (pipeline.slots={s['slots']}: fewer requests prefilled at once), "
-        f"a shorter prompt bucket (sampling.buckets), or more data x fsdp devices "
-        f"(--mesh={mesh}: each prefills the requests of its own slots)"
-    )
+def work_per_step(config, entries: dict, admitted: int) -> dict:
+    """Per compiled program its entry with `calls_per_step` and `flops_per_step` (its
+    per-call count at its loops' trip counts): the update once; the batch's admissions
+    (`admitted` requests each); max_new_tokens decode steps per wave of requests through the
+    slots (every completion max_new_tokens long)."""
+    B, G = config.batch.prompts, config.batch.group_size
+    slots = config.pipeline.slots or B * G
+    waves = -(-B * G // slots)
+    calls = {
+        "update_step": 1,
+        "engine_insert": -(-B // admitted),
+        "engine_decode": waves * config.sampling.max_new_tokens,
+    }
+    table = {}
+    for name, e in entries.items():
+        flops = e["flops_per_device"] * e["loop_factor"]
+        table[name] = {**e, "calls_per_step": calls[name], "flops_per_step": flops * calls[name]}
+    return table
+
+
+def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
+    """The run's values of the knobs `plan_report.advice` names, and the next values of
+    those the run's checks constrain, on the trainer `mesh`."""
+    learner = config.learner
+    G = config.batch.group_size
+    return {
+        "mesh": tuple(config.mesh.shape),
+        "param_dtype": model_cfg.param_dtype,
+        "micro_batches": learner.micro_batches,
+        "next_micro_batches": next_micro_batches(config, mesh),
+        "pack_rows": learner.pack_rows or G if learner.pack_length else 0,
+        "next_pack_rows": next_pack_rows(config, mesh, prompt_bucket),
+        "remat": learner.remat,
+        "logprob_chunk": learner.logprob_chunk,
+        "slots": config.pipeline.slots or config.batch.prompts * G,
+        "max_new_tokens": config.sampling.max_new_tokens,
+    }
 
 
 def next_micro_batches(config, mesh) -> int:
@@ -600,62 +529,8 @@ def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
     return half if half >= -(-on_shard // per_row) else 0
 
 
-def verdict(p: Plan, hbm_bytes: float) -> tuple[bool, str]:
-    """(fits, the sentence that says so): a plan that does not fit names its largest term
-    and the knobs that shrink it."""
-    total = p.per_device_bytes["total"]
-    if total <= hbm_bytes:
-        return True, f"FITS: {size(total)} of {size(hbm_bytes)} per device"
-    big = p.largest_term()
-    return False, (
-        f"DOES NOT FIT: {size(total)} per device > {size(hbm_bytes)}; the largest term is "
-        f"{big} ({size(p.per_device_bytes[big])}): try {advice(big, p.info['settings'])}"
-    )
-
-
-def size(nbytes: float) -> str:
-    """Bytes in GiB, or MiB below one GiB."""
-    if nbytes < GIB:
-        return f"{nbytes / (1 << 20):.1f} MiB"
-    return f"{nbytes / GIB:.2f} GiB"
-
-
-def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
-    """What the run's parts would refuse at these shapes, found before compiling: the cache
-    the model cannot hold, packing that cannot hold a sequence or a group."""
-    problems = []
-    M = config.sampling.max_new_tokens
-    try:
-        P = sampling_config(config).bucket(prompt_len)
-    except ValueError as e:
-        return [f"prompt length {prompt_len}: {e}"]
-    if P + M > model_cfg.max_seq_len:
-        problems.append(
-            f"prompt bucket {P} + sampling.max_new_tokens={M} = {P + M} tokens exceeds the "
-            f"model's max_seq_len={model_cfg.max_seq_len}"
-        )
-    return problems + checks.pack_problems(config, P)
-
-
 def _with_total(terms: dict) -> dict:
     out = {k: int(terms.get(k, 0)) for k in TERMS}
     resident = sum(out[k] for k in TERMS if k not in ("grads", "temp", "generator_temp"))
     out["total"] = resident + max(out["grads"] + out["temp"], out["generator_temp"])
     return out
-
-
-def estimate(table: dict, decode_bytes: int, acc: Accelerator, shared: bool) -> dict:
-    """Seconds per RL step, a roofline bound: the update and the prefills at the dense peak,
-    each decode step at max(FLOPs / peak, `decode_bytes` / bandwidth) (the weights and the
-    KV cache it reads). Sequential when the roles share devices, overlapped when split."""
-    update = table["update_step"]["flops_per_step"] / acc.peak_flops
-    prefill = table["engine_insert"]["flops_per_step"] / acc.peak_flops
-    d = table["engine_decode"]
-    per_step = max(
-        d["flops_per_step"] / max(d["calls_per_step"], 1) / acc.peak_flops,
-        decode_bytes / acc.hbm_bandwidth,
-    )
-    decode = per_step * d["calls_per_step"]
-    generate = prefill + decode
-    total = update + generate if shared else max(update, generate)
-    return {"update": update, "prefill": prefill, "decode": decode, "step": total}

@@ -1,7 +1,7 @@
-"""The AOT planner (`rlscale.planner`, `python -m rlscale.main.plan`): per-device bytes against
-the model's own
-parameter count and against the arrays a run really allocates, FLOPs per step independent of
-how the batch is split, the verdict, the JSON, and the CLI's bad input."""
+"""The AOT planner (`rlscale.planner`, `plan_inputs`, `plan_report`; `python -m
+rlscale.main.plan`): per-device bytes against the model's own parameter count and against
+the arrays a run really allocates, FLOPs per step independent of how the batch is split, the
+flag checks, the verdict, the JSON, and the CLI's bad input."""
 
 import dataclasses
 import json
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import ROOT, load_config
 
-from rlscale import model, planner, sharding
+from rlscale import model, plan_inputs, plan_report, planner, sharding
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import engine
@@ -114,13 +114,14 @@ def tiny_plan():
     config.mesh.shape = (1, 2, 1)
     train, gen = sharding.role_meshes((1, 2, 1), 0)
     cfg = dataclasses.replace(planner.model_config(config, "tiny"), **WIDE)
-    p = planner.plan_run(config, cfg, train, gen, 64, planner.ACCELERATORS["h100"])
+    p = planner.plan_run(config, cfg, train, gen, 64)
     return config, cfg, p
 
 
 def test_plan_json_and_terms(tiny_plan):
     config, cfg, p = tiny_plan
-    out = json.loads(json.dumps(planner.to_json(p, model="tiny")))
+    h100 = plan_report.ACCELERATORS["h100"]
+    out = json.loads(json.dumps(plan_report.to_json(p, h100, model="tiny")))
     b = out["per_device_bytes"]
     assert {"params", "opt_state", "grads", "temp", "kv_cache", "total"} <= set(b)
     norms = _norm_params(cfg)
@@ -134,6 +135,14 @@ def test_plan_json_and_terms(tiny_plan):
     )
     decode = out["programs"]["engine_decode"]
     assert decode["calls_per_step"] == config.sampling.max_new_tokens
+    # The roofline bound: the roles share devices, so the phases add up; each decode step
+    # reads at least the weights and the cache.
+    s = out["step_seconds"]
+    assert s["step"] == pytest.approx(s["update"] + s["prefill"] + s["decode"])
+    assert s["decode"] >= decode["calls_per_step"] * out["decode_bytes"] / h100.hbm_bandwidth
+    assert s["update"] == pytest.approx(
+        out["programs"]["update_step"]["flops_per_step"] / h100.peak_flops
+    )
 
 
 def test_generator_flops_match_the_analytic_count(tiny_plan):
@@ -158,18 +167,48 @@ def test_generator_flops_match_the_analytic_count(tiny_plan):
     assert insert["flops_per_step"] == pytest.approx(prefill / 2, rel=0.02)
 
 
+def test_check_target_defaults_and_every_problem_at_once():
+    """The flags' values alone: the defaults come from the config's mesh and buckets and the
+    platform's accelerator; bad values are all reported, each naming its flag."""
+    flag_values = dict(
+        model="tiny",
+        mesh=None,
+        devices=None,
+        platform="tpu",
+        accelerator=None,
+        hbm_gib=None,
+        prompt_len=None,
+        config_mesh=(1, 4, 2),
+        buckets=(16, 64),
+    )
+    problems, target = plan_inputs.check_target(**flag_values)
+    assert problems == []
+    assert target == plan_inputs.Target(
+        (1, 4, 2), 8, "tpu_v5p", plan_report.ACCELERATORS["tpu_v5p"].hbm_bytes, 64
+    )
+    bad = {**flag_values, "mesh": "2,x,1", "accelerator": "a100", "prompt_len": 65}
+    problems, _ = plan_inputs.check_target(**bad)
+    assert problems == [
+        "--mesh=2,x,1: expected three positive sizes data,fsdp,tensor",
+        "--accelerator=a100: not one of h100, h200, tpu_v5e, tpu_v5p, tpu_v6e",
+        "--prompt_len=65 is longer than the largest prompt bucket (sampling.buckets=(16, 64))",
+    ]
+    problems, target = plan_inputs.check_target(**{**flag_values, "hbm_gib": 0.5})
+    assert problems == [] and target.hbm_bytes == plan_report.GIB / 2
+
+
 def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
     _, _, p = tiny_plan
     total = p.per_device_bytes["total"]
-    assert planner.verdict(p, total) == (
+    assert plan_report.verdict(p, total) == (
         True,
-        f"FITS: {planner.size(total)} of {planner.size(total)} per device",
+        f"FITS: {plan_report.size(total)} of {plan_report.size(total)} per device",
     )
-    fits, message = planner.verdict(p, total - 1)
+    fits, message = plan_report.verdict(p, total - 1)
     big = max(planner.TERMS, key=lambda k: p.per_device_bytes[k])
     assert not fits
     assert f"the largest term is {big}" in message
-    assert planner.advice(big, p.info["settings"]) in message
+    assert plan_report.advice(big, p.info["settings"]) in message
 
 
 def _accepted(config) -> bool:
@@ -224,15 +263,15 @@ def test_temp_advice_names_each_knob_with_its_value():
         "slots": 32,
         "max_new_tokens": 32,
     }
-    assert planner.advice("temp", settings) == (
+    assert plan_report.advice("temp", settings) == (
         "learner.micro_batches=2 (now 1), learner.remat=dots (now none), "
         "learner.logprob_chunk=256 (now 1024), more data x fsdp devices (--mesh=2,4,1)"
     )
     # Every knob at its limit: only more devices are left.
     spent = {**settings, "next_micro_batches": 0, "remat": "full", "logprob_chunk": 1}
-    assert planner.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
+    assert plan_report.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
     packed = {**spent, "pack_rows": 8, "next_pack_rows": 4}
-    assert planner.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
+    assert plan_report.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
 
 
 @pytest.mark.parametrize(
@@ -314,7 +353,9 @@ def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
     big = max(planner.TERMS, key=lambda k: b[k])
     assert "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"error: DOES NOT FIT: {planner.size(b['total'])} per device > 1.0 MiB")
+    assert line.startswith(
+        f"error: DOES NOT FIT: {plan_report.size(b['total'])} per device > 1.0 MiB"
+    )
     assert f"the largest term is {big}" in line
     assert "params" in r.stdout and "kv_cache" in r.stdout  # The table comes first.
     assert saved["fits"] is False and saved["flops_per_device"] > 0

@@ -1,0 +1,182 @@
+"""What a plan is asked for, checked before anything compiles: the target (mesh, devices,
+accelerator, memory per device, prompt length) from the plan command's flag values, the run's
+own start-up checks at the planned mesh, the shapes the model must hold (every problem at
+once, each naming its flag or config key), and the devices the programs compile on.
+"""
+
+import dataclasses
+import difflib
+
+import jax
+
+from rlscale import plan_report, planner
+from rlscale.model.config import NAMES
+from rlscale.rl import checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a plan is for, from the flags' values (None where a value is bad).
+
+    Attributes:
+      mesh: data, fsdp and tensor sizes.
+      devices: the devices planned for (the mesh's product).
+      accelerator: a key of `plan_report.ACCELERATORS`.
+      hbm_bytes: memory per device.
+      prompt_len: the longest prompt, in tokens.
+    """
+
+    mesh: tuple[int, int, int] | None
+    devices: int | None
+    accelerator: str
+    hbm_bytes: float | None
+    prompt_len: int
+
+
+def check_target(
+    *,
+    model: str,
+    mesh: str | None,
+    devices: int | None,
+    platform: str,
+    accelerator: str | None,
+    hbm_gib: float | None,
+    prompt_len: int | None,
+    config_mesh: tuple,
+    buckets: tuple,
+) -> tuple[list[str], Target]:
+    """Every problem with the plan command's flag values at once, each naming its flag; and
+    the target they give. `mesh` defaults to `config_mesh`, `devices` to the mesh's product,
+    `accelerator` to the platform's usual one, `hbm_gib` to its HBM and `prompt_len` to the
+    largest of the config's prompt `buckets`."""
+    problems = []
+    mesh_text = mesh or ",".join(str(s) for s in config_mesh)
+    try:
+        sizes = tuple(int(s) for s in mesh_text.split(","))
+        if len(sizes) != 3 or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        problems.append(f"--mesh={mesh_text}: expected three positive sizes data,fsdp,tensor")
+        sizes = None
+    if sizes is not None:
+        product = sizes[0] * sizes[1] * sizes[2]
+        devices = product if devices is None else devices
+        if devices != product:
+            problems.append(
+                f"--mesh={mesh_text} has {product} devices (data x fsdp x tensor) but "
+                f"--devices={devices}; they must be equal"
+            )
+    if model not in NAMES:
+        near = difflib.get_close_matches(model, NAMES, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        problems.append(f"--model={model}: no such model; {hint}known: {', '.join(NAMES)}")
+    accelerator = accelerator or ("tpu_v5p" if platform == "tpu" else "h100")
+    hbm = None
+    if accelerator not in plan_report.ACCELERATORS:
+        known = ", ".join(plan_report.ACCELERATORS)
+        problems.append(f"--accelerator={accelerator}: not one of {known}")
+    else:
+        acc = plan_report.ACCELERATORS[accelerator]
+        hbm = (hbm_gib * plan_report.GIB) if hbm_gib is not None else acc.hbm_bytes
+        if hbm_gib is not None and hbm_gib <= 0:
+            problems.append(f"--hbm_gib={hbm_gib}: must be > 0")
+    longest = prompt_len or (max(buckets) if buckets else 0)
+    if prompt_len is not None and prompt_len < 1:
+        problems.append(f"--prompt_len={prompt_len}: must be >= 1")
+    elif buckets and longest > max(buckets):
+        problems.append(
+            f"--prompt_len={longest} is longer than the largest prompt bucket "
+            f"(sampling.buckets={buckets})"
+        )
+    return problems, Target(sizes, devices, accelerator, hbm, longest)
+
+
+def config_problems(config) -> list[str]:
+    """The run's own start-up checks (`rl.checks.validate`), less those about its data,
+    checkpoint and reward function: the planner needs only shapes."""
+    shapes = config.copy_and_resolve_references()
+    with shapes.unlocked():
+        shapes.task.name = "arithmetic"
+        shapes.init.hf_checkpoint = ""
+        shapes.reward.fn = ""
+    try:
+        checks.validate(shapes)
+    except ValueError as e:  # "Invalid config:\n  a\n  b": one problem a line.
+        return [line.strip() for line in str(e).splitlines()[1:]]
+    return []
+
+
+def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
+    """What the run's parts would refuse at these shapes, found before compiling: the cache
+    the model cannot hold, packing that cannot hold a sequence or a group."""
+    problems = []
+    M = config.sampling.max_new_tokens
+    try:
+        P = planner.sampling_config(config).bucket(prompt_len)
+    except ValueError as e:
+        return [f"prompt length {prompt_len}: {e}"]
+    if P + M > model_cfg.max_seq_len:
+        problems.append(
+            f"prompt bucket {P} + sampling.max_new_tokens={M} = {P + M} tokens exceeds the "
+            f"model's max_seq_len={model_cfg.max_seq_len}"
+        )
+    return problems + checks.pack_problems(config, P)
+
+
+def resolve(config, model: str, **flag_values):
+    """The config at the planned mesh, the target and the architecture `model` with the
+    run's numerics (`planner.model_config`), from the plan command's flag values
+    (`check_target`'s keywords, less the config's); or every problem at once.
+
+    Returns:
+      (problems, config, target, model_cfg): `config` a copy of `config` whose mesh is the
+      target's (1,1,1 when a flag is bad, so that its own checks still run), `model_cfg` None
+      when `model` is unknown or the prompt length bad.
+    """
+    problems, target = check_target(
+        model=model,
+        config_mesh=tuple(config.mesh.shape),
+        buckets=tuple(config.sampling.buckets),
+        **flag_values,
+    )
+    config = config.copy_and_resolve_references()
+    with config.unlocked():  # The checks below see the planned mesh when it is a valid one.
+        config.mesh.shape = target.mesh if not problems else (1, 1, 1)
+    problems += config_problems(config)
+    model_cfg = None
+    if model in NAMES and not any(x.startswith("--prompt_len") for x in problems):
+        model_cfg = planner.model_config(config, model)
+        problems += [
+            f"--model={model}: {e}" for e in shape_problems(config, model_cfg, target.prompt_len)
+        ]
+    return problems, config, target, model_cfg
+
+
+def missing_devices(platform: str, n: int) -> str | None:
+    """Why this machine cannot compile for `n` attached `platform` (gpu, tpu) devices, or
+    None when it can."""
+    have = [d for d in jax.devices() if d.platform == platform]
+    if len(have) >= n:
+        return None
+    why = f"this machine has {len(have)} {platform.upper()} devices, not {n}"
+    if platform == "tpu":
+        try:
+            from jax.experimental import topologies
+
+            topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+            why += "; jax.experimental.topologies is available but the learner places a batch"
+            why += " on its devices, which needs them attached"
+        except Exception as e:  # noqa: BLE001  (the TPU runtime is absent: say why)
+            why += f"; jax.experimental.topologies is unavailable ({str(e).split('. ')[0]})"
+    return why
+
+
+def devices_used(platform: str, n: int, fallback: str | None = None) -> str:
+    """Where the programs are compiled, in words: `n` fake CPU devices, standing in for
+    `platform` when `fallback` (why its devices are missing), or `n` attached devices."""
+    if fallback:
+        return f"{n} fake CPU devices (XLA:CPU), standing in for {platform}: {fallback}"
+    if platform == "cpu":
+        return f"{n} fake CPU devices (XLA:CPU)"
+    have = [d for d in jax.devices() if d.platform == platform]
+    return f"{n} attached {platform.upper()} devices ({have[0].device_kind})"
