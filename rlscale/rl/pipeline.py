@@ -1,7 +1,7 @@
 """The pipeline driver: a generator thread decodes continuously while the trainer updates
 (PipelineRL: Piché et al. 2025; the system half of ScaleRL: Khatri et al. 2025).
 
-The generator thread owns the engine (`sampling.engine.Generator`): it submits each batch's
+The generator thread owns the engine (`sampling.generator.Generator`): it submits each batch's
 requests once admission allows, decodes `pipeline.decode_chunk` tokens per call, scores each
 batch when its last request completes and hands it to the trainer. The trainer (this thread)
 takes batch after batch, updates, and publishes the new weights resharded onto the

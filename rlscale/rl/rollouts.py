@@ -1,7 +1,7 @@
 """Rollouts: prompts in, scored and filtered completions out.
 
 `RolloutSource` turns the prompt stream into the learner's `Rollouts`: requests to the
-generator engine (`sampling.engine`), scoring (`sampling.scoring.score_completed`), sampling
+generator engine (`sampling.generator`), scoring (`sampling.scoring.score_completed`), sampling
 rounds, DAPO's dynamic sampling, zero-variance filtering and no-positive-resampling (judged on
 correctness, or on a reward model's score, before reward shaping), the soft overlong penalty,
 assembly into static shapes, and, for on-policy distillation, a teacher's logprobs of the
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from rlscale.data import filters
-from rlscale.sampling.engine import Request
+from rlscale.sampling.generator import Request
 from rlscale.sampling.scoring import Samples, concat, encode_prompts, score_completed
 
 
