@@ -10,7 +10,7 @@ import pytest
 
 from rlscale import model, programs, sharding
 from rlscale.sampling import Sampler, SamplingConfig, transform_logits
-from rlscale.sampling.engine import Generator, Request
+from rlscale.sampling.generator import Generator, Request
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20], [21, 22]]
 SCFG = SamplingConfig(

@@ -11,7 +11,7 @@ from conftest import golden_config, metric_lines
 
 from rlscale import rl
 from rlscale.rl import learner
-from rlscale.sampling import engine
+from rlscale.sampling import generator
 
 
 def _config(warm, **pipeline):
@@ -51,13 +51,13 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
 
     monkeypatch.setattr(learner.Learner, "update", recording)
     if slow == "generator":
-        step = engine.Generator.step
+        step = generator.Generator.step
 
         def slow_step(self, max_steps):
             time.sleep(0.05)
             return step(self, max_steps)
 
-        monkeypatch.setattr(engine.Generator, "step", slow_step)
+        monkeypatch.setattr(generator.Generator, "step", slow_step)
     config = _config(warm, mode=mode, max_staleness=k, generator_devices=4, decode_chunk=2)
     config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 4, 4
     # One update program: a compile for a new length bucket would stall the trainer for

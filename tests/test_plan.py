@@ -17,7 +17,7 @@ from conftest import ROOT, load_config
 from rlscale import model, plan_inputs, plan_report, planner, sharding
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
-from rlscale.sampling import engine
+from rlscale.sampling import generator
 from rlscale.sampling.sampler import _Layout
 from rlscale.scaling import compute
 
@@ -97,7 +97,7 @@ def test_kv_cache_bytes_are_the_engines():
     scfg = planner.sampling_config(config)
     slots, P = config.batch.prompts * config.batch.group_size, scfg.buckets[-1]
     graphdef, _ = model.abstract_model(cfg)
-    real = engine.Generator(graphdef, cfg, scfg, slots, P, mesh)
+    real = generator.Generator(graphdef, cfg, scfg, slots, P, mesh)
     layout = _Layout(mesh, sharding.SAMPLE_RULES)
     abstract = planner.abstract_engine_state(cfg, scfg, slots, P, layout)
     expected = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(real.state))

@@ -13,11 +13,12 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 
-from rlscale import model, scaling
+from rlscale import cli, model, scaling
 from rlscale.model import hf
 from rlscale.scaling import tan
 
@@ -52,6 +53,12 @@ def _jacobian(n, x, h=1e-6):
     return np.stack(
         [(_law(t + h * e, n, x) - _law(t - h * e, n, x)) / (2 * h) for e in np.eye(4)], -1
     )
+
+
+def _fit_tool(argv):
+    """`tools/fit_scaling.py ARGV`, in-process."""
+    tool = _tool()
+    return cli.call(tool.define_flags, tool.main, argv)
 
 
 def _tool():
@@ -262,7 +269,7 @@ def test_runs_are_sized_by_their_policy(tmp_path, capsys):
     assert n.tolist() == np.repeat(expected, 8).tolist()  # The step-0 evaluations left out.
     assert xs.tolist() == np.tile(x, 3).tolist()
 
-    assert _tool().main(runs + ["--law", "tan", "--out", str(tmp_path / "out")]) == 0
+    _fit_tool(runs + ["--law", "tan", "--out", str(tmp_path / "out")])
     fits = json.loads((tmp_path / "out" / "fits.json").read_text())
     assert fits["n_points"] == 24 and fits["extrapolation"] is None
     assert fits["r2"] == pytest.approx(1.0, abs=1e-9)  # Three sizes, no noise.
@@ -281,9 +288,8 @@ def test_fit_tool_tan_holdout_on_a_csv(tmp_path, capsys):
     csv_path = tmp_path / "sizes.csv"
     _write_csv(csv_path, n, x, r)
     out = tmp_path / "out"
-    tool = _tool()
     argv = [str(csv_path), "--law", "tan", "--holdout-size", "7.2e10", "--out", str(out)]
-    assert tool.main(argv) == 0
+    _fit_tool(argv)
     fits = json.loads((out / "fits.json").read_text())
     keys = {"law", "k_max", "N0", "E0_max", "N1", "r2", "n_points", "extrapolation"}
     assert set(fits) == keys and fits["law"] == "tan"
@@ -299,16 +305,19 @@ def test_fit_tool_tan_holdout_on_a_csv(tmp_path, capsys):
     assert f"held-out size 72000000000: reward MAE {ex.mae:.4f}" in printed
 
     # --min-compute drops the points below it.
-    assert tool.main(argv[:-1] + [str(tmp_path / "o2"), "--min-compute", "1e18"]) == 0
+    _fit_tool(argv[:-1] + [str(tmp_path / "o2"), "--min-compute", "1e18"])
     assert json.loads((tmp_path / "o2" / "fits.json").read_text())["n_points"] == np.sum(
         (x >= 1e18) & (n != 7.2e10)
     )
     _write_csv(csv_path, n[:12], x[:12], r[:12])
     with pytest.raises(ValueError, match="one model size only"):
-        tool.main([str(csv_path), "--law", "tan", "--out", str(tmp_path / "o3")])
-    for bad in (["--holdout-size", "1e9"], ["--law", "tan", "--fit-until-frac", "0.5"]):
-        with pytest.raises(SystemExit) as e:
-            tool.main([str(csv_path), "--out", str(tmp_path / "o4")] + bad)
-        assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--fit-until-frac: sigmoid only; --law tan predicts with --holdout-size" in err
+        _fit_tool([str(csv_path), "--law", "tan", "--out", str(tmp_path / "o3")])
+    for bad, message in (
+        (["--holdout-size", "1e9"], "--holdout-size"),
+        (
+            ["--law", "tan", "--fit-until-frac", "0.5"],
+            "--fit-until-frac: sigmoid only; --law tan predicts with --holdout-size",
+        ),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _fit_tool([str(csv_path), "--out", str(tmp_path / "o4")] + bad)

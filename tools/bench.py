@@ -13,7 +13,7 @@ then times:
     K/V written. Achieved fraction = sum of bounds / measured decode time.
   * train: forward + backward of the next-token loss + AdamW, FLOPs = 6 x (matmul params) x
     tokens + 12 x layers x heads x head_dim x T per token (attention), fraction of peak.
-  * generator: continuous batching (`engine.Generator`, --slots slots, `step(--steps_per_call)`)
+  * generator: continuous batching (`generator.Generator`, --slots slots, `step(--steps_per_call)`)
     against static batching (`Sampler` on batches of --slots requests in the same order) on
     --requests requests whose completion lengths are long-tailed (see `completion_lengths`;
     no stop tokens, so each request's budget is its length). A static batch decodes until its
@@ -37,7 +37,7 @@ import optax
 from absl import flags
 
 from rlscale import cli, model, next_token
-from rlscale.sampling import engine
+from rlscale.sampling import generator
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
 
@@ -192,12 +192,12 @@ def bench_generator(
 
     # Request i = row j of batch b draws with fold_in(fold_in(key_b, j), 0) on both sides.
     reqs = [
-        engine.Request(i, prompts[i], jax.random.fold_in(batch_keys[i // slots], i % slots), n)
+        generator.Request(i, prompts[i], jax.random.fold_in(batch_keys[i // slots], i % slots), n)
         for i, n in enumerate(lengths.tolist())
     ]
 
     def run_engine():
-        gen = engine.Generator(graphdef, cfg, scfg(longest), slots, prompt_len)
+        gen = generator.Generator(graphdef, cfg, scfg(longest), slots, prompt_len)
         gen.set_params(params, 0)
         t = time.perf_counter()
         gen.submit(reqs)  # Timed, as the static side's checks and padding are.

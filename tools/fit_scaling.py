@@ -32,7 +32,7 @@ import sys
 from absl import flags
 
 from rlscale import cli
-from rlscale.scaling import runs, tan
+from rlscale.scaling import runs, tan, tan_runs
 
 
 def define_flags(fv: flags.FlagValues, argv) -> None:
@@ -98,7 +98,7 @@ def fit_and_report(inputs, out, **kwargs) -> list:
 def fit_tan_and_report(inputs, out, *, x_key, y_key, min_compute, holdout_size) -> None:
     """Fits Tan et al.'s law over the inputs' sizes (holding `holdout_size` out), prints the
     table and writes fits.json + tan.png."""
-    n, x, r = runs.read_sized_points(inputs, x_key, y_key)
+    n, x, r = tan_runs.read_sized_points(inputs, x_key, y_key)
     keep = ~(x < min_compute)  # NaN stays, for the fit's check to name.
     n, x, r = n[keep], x[keep], r[keep]
     ext = None
@@ -107,7 +107,7 @@ def fit_tan_and_report(inputs, out, *, x_key, y_key, min_compute, holdout_size) 
     else:
         ext = tan.extrapolate_to_size(n, x, r, holdout_size=holdout_size)
         fit = ext.fit
-    print(runs.format_tan_table(fit, n, x, r, holdout_size))
+    print(tan_runs.format_tan_table(fit, n, x, r, holdout_size))
     if ext:
         print(
             f"held-out size {ext.holdout_size:.12g}: reward MAE {ext.mae:.4f}, max "
@@ -115,7 +115,7 @@ def fit_tan_and_report(inputs, out, *, x_key, y_key, min_compute, holdout_size) 
         )
     csv_only = all(p.endswith(".csv") for p in inputs)  # The axes are the CSV's columns.
     labels = dict(x_key="compute", y_key="reward") if csv_only else dict(x_key=x_key, y_key=y_key)
-    paths = runs.write_tan_report(fit, n, x, r, out, extrapolation=ext, **labels)
+    paths = tan_runs.write_tan_report(fit, n, x, r, out, extrapolation=ext, **labels)
     print(f"wrote {paths['fits']} and {paths['plot']}")
 
 

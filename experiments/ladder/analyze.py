@@ -27,7 +27,7 @@ import shutil
 
 import numpy as np
 
-from rlscale.scaling import runs, tan
+from rlscale.scaling import runs, tan, tan_runs
 
 SIZES = ("xs", "s", "m", "l", "xl")
 TAN_FRAC = 0.5  # Tan et al. use 25-40%; a half keeps 5 of the 10 evaluations to fit on.
@@ -91,7 +91,7 @@ def main():
             return f"{v.mean():.3f}" + (f" [{v.min():.3f}, {v.max():.3f}]" if v.size > 1 else "")
 
         print(
-            f"| {s} | {runs.model_size(seeds[0][1]) / 1e6:.2f}M | {fmt(warm.get('pass@1'))} | "
+            f"| {s} | {tan_runs.model_size(seeds[0][1]) / 1e6:.2f}M | {fmt(warm.get('pass@1'))} | "
             f"{fmt(warm.get('answered'))} | {fmt(warm.get('accuracy_answered'))} | "
             f"{spread('pass@1')} ({len(finals)}) | {spread('answered')} | "
             f"{spread('accuracy_answered')} |"

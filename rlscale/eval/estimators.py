@@ -153,6 +153,23 @@ def _subset_sums(table_GK: np.ndarray, idx_RN: np.ndarray) -> np.ndarray:
     return acc_RK
 
 
+def _subset_votes(id_G, M: int, weights_G, rewards_G, idx_RN) -> np.ndarray:
+    """One problem's vote in each subset `idx_RN`: the mean reward of its most-voted answers.
+
+    `id_G` is each sample's answer in [0, M) (-1: none); K = 3M summed columns, each answer's
+    count, votes and reward."""
+    onehot_GM = (id_G[:, None] == np.arange(M)).astype(np.float64)
+    table_GK = np.concatenate(
+        [onehot_GM, onehot_GM * weights_G[:, None], onehot_GM * rewards_G[:, None]],
+        axis=1,
+    )
+    count_RM, votes_RM, reward_RM = np.split(_subset_sums(table_GK, idx_RN), 3, axis=1)
+    reward_RM = reward_RM / np.maximum(count_RM, 1)
+    votes_RM = np.where(count_RM > 0, votes_RM, -np.inf)
+    top_RM = (count_RM > 0) & (votes_RM == votes_RM.max(1, keepdims=True))
+    return (top_RM * reward_RM).sum(1) / np.maximum(top_RM.sum(1), 1)
+
+
 def maj_at_n(
     answers_BG: Sequence[Sequence[str | None]],
     rewards_BG,
@@ -222,17 +239,7 @@ def maj_at_n(
             idx_RN = _all_subsets(G, n)
         else:  # The first n of a random permutation: a uniform n-subset.
             idx_RN = np.argsort(rng.random((max_subsets, G)), axis=1)[:, :n]
-        M = len(index)
-        onehot_GM = (id_G[:, None] == np.arange(M)).astype(np.float64)
-        table_GK = np.concatenate(
-            [onehot_GM, onehot_GM * weights_BG[p, :, None], onehot_GM * rewards_BG[p, :, None]],
-            axis=1,
-        )
-        count_RM, votes_RM, reward_RM = np.split(_subset_sums(table_GK, idx_RN), 3, axis=1)
-        reward_RM = reward_RM / np.maximum(count_RM, 1)
-        votes_RM = np.where(count_RM > 0, votes_RM, -np.inf)
-        top_RM = (count_RM > 0) & (votes_RM == votes_RM.max(1, keepdims=True))
-        value_R = (top_RM * reward_RM).sum(1) / np.maximum(top_RM.sum(1), 1)
+        value_R = _subset_votes(id_G, len(index), weights_BG[p], rewards_BG[p], idx_RN)
         value_B[p] = value_R.mean()
         if not exact:
             stderr_B[p] = value_R.std(ddof=1) / np.sqrt(len(value_R)) if len(value_R) > 1 else 0

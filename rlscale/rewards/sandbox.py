@@ -211,6 +211,23 @@ class _Worker:
         self.kill()
 
 
+@dataclasses.dataclass
+class _MapCall:
+    """One `WorkerPool.map` call's bookkeeping: its calls' results, the calls not yet started,
+    the workers it has checked out and the ones running a call (index, task id, deadline)."""
+
+    args_list: Sequence[tuple]
+    timeout: float
+    results: list[Result | None] = dataclasses.field(init=False)
+    pending: collections.deque[int] = dataclasses.field(init=False)
+    held: list[_Worker] = dataclasses.field(default_factory=list)
+    running: dict[_Worker, tuple[int, int, float]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.results = [None] * len(self.args_list)
+        self.pending = collections.deque(range(len(self.args_list)))
+
+
 class WorkerPool:
     """Persistent worker processes that run `fn(*args)` with a deadline per call.
 
@@ -339,6 +356,131 @@ class WorkerPool:
         self._close_server_if_done()
         raise RuntimeError("WorkerPool is closed")
 
+    # -- one map call's steps (`_MapCall`) -------------------------------------------------------
+
+    def _finish(self, call: _MapCall, index: int, result: Result):
+        call.results[index] = result
+        with self._cond:
+            self._stats.calls += 1
+            if result.status == TIMEOUT:
+                self._stats.timeouts += 1
+            elif result.status == ERROR:
+                self._stats.errors += 1
+            elif result.status == CRASH:
+                self._stats.crashes += 1
+
+    def _dispatch(self, call: _MapCall) -> int:
+        """Checks out workers and hands the next calls to the ready, idle ones; gives back those
+        not needed. Returns how many more workers the call wanted."""
+        held, pending, running = call.held, call.pending, call.running
+        # Hold about as many workers as there are calls left to start; block only when
+        # holding none, so one thread's big batch cannot starve another thread.
+        free_held = [w for w in held if w not in running]
+        wanted = len(pending) - len(free_held)
+        if wanted > 0:
+            held += self._checkout(wanted, block=not held)
+        # Hand the next calls to ready, idle workers; give back the ones not needed.
+        for worker in [w for w in held if w not in running]:
+            if pending and worker.ready:
+                index = pending.popleft()
+                task_id = next(self._task_ids)
+                try:
+                    worker.conn.send((task_id, call.args_list[index]))
+                except (OSError, ValueError):
+                    # Died while idle (the OOM killer, say): no call is lost.
+                    pending.appendleft(index)
+                    held[held.index(worker)] = self._replace(worker)
+                    continue
+                running[worker] = (index, task_id, time.monotonic() + call.timeout)
+            elif not pending:
+                held.remove(worker)
+                self._checkin(worker)
+        return wanted
+
+    def _wait(self, call: _MapCall, wanted: int) -> list:
+        """Waits for messages from the held workers until the next deadline."""
+        now = time.monotonic()
+        wait_s = self._startup_timeout
+        if call.running:
+            wait_s = min(wait_s, max(0.0, min(d for _, _, d in call.running.values()) - now))
+        if call.pending and wanted > 0:
+            # Poll now and then for workers that other threads give back.
+            wait_s = min(wait_s, 0.05)
+        return multiprocessing.connection.wait([w.conn for w in call.held], wait_s)
+
+    def _receive(self, call: _MapCall, worker: _Worker):
+        """Handles one message from `worker`: ready, failed to start, a result, or its death."""
+        held, running = call.held, call.running
+        conn = worker.conn
+        try:
+            task_id, status, payload = conn.recv()
+        except (EOFError, OSError):
+            if worker in running:
+                index, _, _ = running.pop(worker)
+                code = worker.kill()
+                self._finish(call, index, Result(CRASH, error=f"worker died (exit code {code})"))
+            elif not worker.ready:
+                with self._cond:
+                    self._startup_failures += 1
+                    failures = self._startup_failures
+                if failures > _MAX_STARTUP_FAILURES:
+                    raise RuntimeError(
+                        f"{failures} reward workers in a row died while starting "
+                        "(check the initializer and the memory limit)."
+                    ) from None
+            held[held.index(worker)] = self._replace(worker)
+            return
+        if task_id == worker_lib.READY:
+            worker.ready = True
+            with self._cond:
+                self._startup_failures = 0
+            return
+        if task_id == worker_lib.FAILED:
+            raise RuntimeError(f"a reward worker could not start: {payload}")
+        index, expected_id, _ = running.pop(worker)
+        assert task_id == expected_id, (task_id, expected_id)
+        if status == OK:
+            self._finish(call, index, Result(OK, value=payload))
+        else:
+            self._finish(call, index, Result(ERROR, error=payload))
+
+    def _expire(self, call: _MapCall):
+        """Times out the calls past their deadline (their workers replaced); fails when a worker
+        takes longer than `startup_timeout` to start."""
+        held, running = call.held, call.running
+        now = time.monotonic()
+        for worker, (index, _, deadline) in list(running.items()):
+            if now >= deadline:
+                del running[worker]
+                self._finish(
+                    call, index, Result(TIMEOUT, error=f"no result after {call.timeout:g} s")
+                )
+                held[held.index(worker)] = self._replace(worker)
+        for worker in held:
+            if not worker.ready and now - worker.started_at > self._startup_timeout:
+                raise RuntimeError(
+                    f"A reward worker did not start within {self._startup_timeout:g} s."
+                )
+
+    def _abandon(self, call: _MapCall):
+        """After an exception: gives back the call's idle workers; workers in an unknown state
+        (mid-call, half-started) are killed and replaced in the pool, not given back."""
+        for worker in call.held:
+            if worker in call.running or not worker.ready:
+                with self._cond:
+                    self._all.discard(worker)
+                worker.kill()
+                try:
+                    with self._cond:
+                        if not self._closed:
+                            self._add_worker_locked()
+                            self._cond.notify()
+                except Exception:  # noqa: BLE001  (keep the original exception)
+                    pass
+            else:
+                self._checkin(worker)
+        self._close_server_if_done()
+
     # -- public API ------------------------------------------------------------------------------
 
     def map(self, args_list: Sequence[tuple], timeout: float) -> list[Result]:
@@ -353,125 +495,23 @@ class WorkerPool:
         """
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
-        results: list[Result | None] = [None] * len(args_list)
-        pending = collections.deque(range(len(args_list)))
-        held: list[_Worker] = []  # Workers this call has checked out.
-        running: dict[_Worker, tuple[int, int, float]] = {}  # worker -> (index, id, deadline)
-
-        def finish(index: int, result: Result):
-            results[index] = result
-            with self._cond:
-                self._stats.calls += 1
-                if result.status == TIMEOUT:
-                    self._stats.timeouts += 1
-                elif result.status == ERROR:
-                    self._stats.errors += 1
-                elif result.status == CRASH:
-                    self._stats.crashes += 1
-
+        call = _MapCall(args_list, timeout)
         try:
-            while pending or running:
-                # Hold about as many workers as there are calls left to start; block only when
-                # holding none, so one thread's big batch cannot starve another thread.
-                free_held = [w for w in held if w not in running]
-                wanted = len(pending) - len(free_held)
-                if wanted > 0:
-                    held += self._checkout(wanted, block=not held)
-                # Hand the next calls to ready, idle workers; give back the ones not needed.
-                for worker in [w for w in held if w not in running]:
-                    if pending and worker.ready:
-                        index = pending.popleft()
-                        task_id = next(self._task_ids)
-                        try:
-                            worker.conn.send((task_id, args_list[index]))
-                        except (OSError, ValueError):
-                            # Died while idle (the OOM killer, say): no call is lost.
-                            pending.appendleft(index)
-                            held[held.index(worker)] = self._replace(worker)
-                            continue
-                        running[worker] = (index, task_id, time.monotonic() + timeout)
-                    elif not pending:
-                        held.remove(worker)
-                        self._checkin(worker)
-                if not held:
+            while call.pending or call.running:
+                wanted = self._dispatch(call)
+                if not call.held:
                     continue
-
-                now = time.monotonic()
-                wait_s = self._startup_timeout
-                if running:
-                    wait_s = min(wait_s, max(0.0, min(d for _, _, d in running.values()) - now))
-                if pending and wanted > 0:
-                    # Poll now and then for workers that other threads give back.
-                    wait_s = min(wait_s, 0.05)
-                ready_conns = multiprocessing.connection.wait([w.conn for w in held], wait_s)
-
-                by_conn = {w.conn: w for w in held}
+                ready_conns = self._wait(call, wanted)
+                by_conn = {w.conn: w for w in call.held}
                 for conn in ready_conns:
-                    worker = by_conn[conn]
-                    try:
-                        task_id, status, payload = conn.recv()
-                    except (EOFError, OSError):
-                        if worker in running:
-                            index, _, _ = running.pop(worker)
-                            code = worker.kill()
-                            finish(index, Result(CRASH, error=f"worker died (exit code {code})"))
-                        elif not worker.ready:
-                            with self._cond:
-                                self._startup_failures += 1
-                                failures = self._startup_failures
-                            if failures > _MAX_STARTUP_FAILURES:
-                                raise RuntimeError(
-                                    f"{failures} reward workers in a row died while starting "
-                                    "(check the initializer and the memory limit)."
-                                ) from None
-                        held[held.index(worker)] = self._replace(worker)
-                        continue
-                    if task_id == worker_lib.READY:
-                        worker.ready = True
-                        with self._cond:
-                            self._startup_failures = 0
-                        continue
-                    if task_id == worker_lib.FAILED:
-                        raise RuntimeError(f"a reward worker could not start: {payload}")
-                    index, expected_id, _ = running.pop(worker)
-                    assert task_id == expected_id, (task_id, expected_id)
-                    if status == OK:
-                        finish(index, Result(OK, value=payload))
-                    else:
-                        finish(index, Result(ERROR, error=payload))
-
-                now = time.monotonic()
-                for worker, (index, _, deadline) in list(running.items()):
-                    if now >= deadline:
-                        del running[worker]
-                        finish(index, Result(TIMEOUT, error=f"no result after {timeout:g} s"))
-                        held[held.index(worker)] = self._replace(worker)
-                for worker in held:
-                    if not worker.ready and now - worker.started_at > self._startup_timeout:
-                        raise RuntimeError(
-                            f"A reward worker did not start within {self._startup_timeout:g} s."
-                        )
+                    self._receive(call, by_conn[conn])
+                self._expire(call)
         except BaseException:
-            # Workers in an unknown state (mid-call, half-started) are not given back.
-            for worker in held:
-                if worker in running or not worker.ready:
-                    with self._cond:
-                        self._all.discard(worker)
-                    worker.kill()
-                    try:
-                        with self._cond:
-                            if not self._closed:
-                                self._add_worker_locked()
-                                self._cond.notify()
-                    except Exception:  # noqa: BLE001  (keep the original exception)
-                        pass
-                else:
-                    self._checkin(worker)
-            self._close_server_if_done()
+            self._abandon(call)
             raise
-        for worker in held:
+        for worker in call.held:
             self._checkin(worker)
-        return results  # type: ignore[return-value]
+        return call.results  # type: ignore[return-value]
 
     def stats(self) -> PoolStats:
         """Returns a copy of the cumulative counters."""

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from rlscale.data import filters
-from rlscale.sampling.engine import Request
+from rlscale.sampling.generator import Request
 from rlscale.sampling.scoring import Samples, concat, encode_prompts, score_completed
 
 

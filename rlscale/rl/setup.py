@@ -39,7 +39,7 @@ from rlscale.rewards import isolation
 from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
-from rlscale.sampling.engine import Generator
+from rlscale.sampling.generator import Generator
 
 
 @dataclasses.dataclass

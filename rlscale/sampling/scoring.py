@@ -133,7 +133,7 @@ def _score(tokenizer, scorer, host: dict, problems_N: list, prompt_BP, prompt_ma
 
 
 def score_completed(tokenizer, scorer, completed: Sequence, problems: Sequence, cfg) -> Samples:
-    """`Samples` of requests the generator engine completed (`engine.Completed`), in the order
+    """`Samples` of requests the generator engine completed (`generator.Completed`), in the order
     given; `problems[i]` is request i's problem. Prompts are left-padded to the bucket of the
     longest, as the static sampler pads a batch."""
     longest = max(len(c.request.prompt) for c in completed)

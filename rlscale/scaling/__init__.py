@@ -2,11 +2,11 @@
 
 `compute` counts FLOPs; `fit` fits the ScaleRL sigmoid (Khatri et al. 2025) and the one-curve
 power law (Tan et al. 2025) to arrays; `tan` fits Tan et al.'s law jointly over model sizes
-and predicts a run's rest or a held-out size; `runs` reads runs' curves (and their model
-sizes), fits them and writes `fits.json`; `allocation` splits a rollout budget into
-rollouts per prompt, prompts per batch and steps (the IsoCompute playbook, arXiv 2603.12151)
-and finds the compute-optimal rollouts per prompt n*(C); `plot` draws the fits (matplotlib is
-imported only when plotting).
+and predicts a run's rest or a held-out size; `runs` reads runs' curves, fits them and writes
+`fits.json`; `tan_runs` sizes runs and reads, tables and reports Tan's law over them;
+`allocation` splits a rollout budget into rollouts per prompt, prompts per batch and steps
+(the IsoCompute playbook, arXiv 2603.12151) and finds the compute-optimal rollouts per prompt
+n*(C); `plot` draws the fits (matplotlib is imported only when plotting).
 """
 
 from rlscale.scaling.allocation import (
@@ -40,16 +40,10 @@ from rlscale.scaling.runs import (
     fit_inputs,
     fit_run,
     format_table,
-    format_tan_table,
-    model_size,
     read_csv,
     read_curve,
     read_metrics,
-    read_sized_csv,
-    read_sized_points,
-    tan_record,
     write_report,
-    write_tan_report,
 )
 from rlscale.scaling.tan import (
     RunPrediction,
@@ -58,6 +52,14 @@ from rlscale.scaling.tan import (
     extrapolate_to_size,
     fit_tan,
     predict_within_run,
+)
+from rlscale.scaling.tan_runs import (
+    format_tan_table,
+    model_size,
+    read_sized_csv,
+    read_sized_points,
+    tan_record,
+    write_tan_report,
 )
 
 __all__ = [

@@ -410,17 +410,7 @@ def fit_sigmoid(
       ValueError: for degenerate input (see `check_curve`; fewer than 4 points after the
         cut; a flat reward), an unknown method or inconsistent bounds.
     """
-    c, r = check_curve(compute, reward)
-    if method not in ("grid", "lsq"):
-        raise ValueError(f"unknown fit method {method!r}; expected 'grid' or 'lsq'")
-    if r0 is None:
-        if c.size == 0:
-            raise ValueError(f"too few points: 0; a fit needs at least {MIN_POINTS}")
-        r0 = float(r[0])
-    elif not math.isfinite(r0):
-        raise ValueError(f"r0={r0} is not finite")
-    c, r = _select(c, r, min_compute)
-    u = np.log(c)
+    u, r, r0 = _sigmoid_points(compute, reward, r0=r0, min_compute=min_compute, method=method)
     bounds = _bounds(u, r, r0, a_max, b_bounds, c_mid_bounds)
     fit = _fit_grid if method == "grid" else _fit_lsq
     A, B, m, sse = fit(u, r, r0, bounds)
@@ -435,11 +425,30 @@ def fit_sigmoid(
         R0=float(r0),
         r2=1.0 - sse / sst,
         sse=sse,
-        n_points=int(c.size),
+        n_points=int(u.size),
         method=method,
         min_compute=float(min_compute),
         A_interval=interval,
     )
+
+
+def _sigmoid_points(compute, reward, *, r0, min_compute, method):
+    """`fit_sigmoid`'s checked inputs: (log compute of the fitted points, their rewards, R0).
+
+    Raises:
+      ValueError: as `fit_sigmoid` documents, for the points, `r0` and `method`.
+    """
+    c, r = check_curve(compute, reward)
+    if method not in ("grid", "lsq"):
+        raise ValueError(f"unknown fit method {method!r}; expected 'grid' or 'lsq'")
+    if r0 is None:
+        if c.size == 0:
+            raise ValueError(f"too few points: 0; a fit needs at least {MIN_POINTS}")
+        r0 = float(r[0])
+    elif not math.isfinite(r0):
+        raise ValueError(f"r0={r0} is not finite")
+    c, r = _select(c, r, min_compute)
+    return np.log(c), r, r0
 
 
 def _bootstrap_a(u, r, r0, bounds, x0, n_boot, level, seed):

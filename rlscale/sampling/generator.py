@@ -1,0 +1,330 @@
+"""The generator engine's host side: `Generator` takes `Request`s in and gives `Completed`
+ones out, keeping the request queue, the free slots, weight changes between decode calls and
+the harvest of finished samples; it drives the device programs of `sampling.engine`, whose
+docstring states the engine's invariants.
+
+Dimension letters: S slots, M max new tokens, V vocab, R rows of one prefill call, P their
+padded prompt length, G samples per request.
+"""
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rlscale import sharding
+from rlscale.model.config import ModelConfig
+from rlscale.sampling import engine
+from rlscale.sampling.sampler import SamplingConfig, _Layout
+
+
+@dataclasses.dataclass
+class Request:
+    """A prompt to sample `SamplingConfig.num_samples` completions of.
+
+    Attributes:
+      id: the caller's handle, returned with the completions.
+      prompt: token ids.
+      key: a PRNG key; sample g draws with fold_in(key, g).
+      max_new_tokens: this request's budget (0: the config's).
+    """
+
+    id: Any
+    prompt: Sequence[int]
+    key: jax.Array
+    max_new_tokens: int = 0
+
+
+class Completed(NamedTuple):
+    """A request's G completions (host arrays, [G, M]); see `sampler.SampleOutput` for the
+    fields they share. `versions_GM` is the policy version that sampled each token."""
+
+    request: Request
+    tokens_GM: np.ndarray
+    mask_GM: np.ndarray
+    logprobs_GM: np.ndarray
+    versions_GM: np.ndarray
+    forced_GM: np.ndarray
+    lengths_G: np.ndarray
+    truncated_G: np.ndarray
+    interrupted_G: np.ndarray
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started: decode steps run, slot-steps (steps x slots),
+    tokens generated (the useful slot-steps), seconds decoding, prefilling and swapping
+    weights (device busy time: each call is waited on)."""
+
+    steps: int = 0
+    slot_steps: int = 0
+    tokens: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    swap_s: float = 0.0
+
+    @property
+    def utilization(self) -> float:
+        return self.tokens / max(self.slot_steps, 1)
+
+
+class Generator:
+    """Requests in, completed requests out, over `slots` decode slots.
+
+    Host side of the engine: a queue of requests, the free slots, weight changes between
+    decode calls, and harvesting finished samples. Every bad input fails in `submit` or at
+    construction, before anything is compiled.
+
+    Args:
+      graphdef, model_cfg: the policy.
+      cfg: sampling settings; `num_samples` is G, `buckets` the prompt lengths.
+      slots: S, a multiple of G and of the mesh's batch split.
+      max_prompt_len: the longest prompt to accept; the cache has bucket(it) + M columns.
+      mesh, rules: the generator's device set and its layout (params must be in it).
+      programs: a `programs.Programs` recording the compiled engine programs.
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        model_cfg: ModelConfig,
+        cfg: SamplingConfig,
+        slots: int,
+        max_prompt_len: int,
+        mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.SAMPLE_RULES,
+        programs=None,
+    ):
+        G = cfg.num_samples
+        problems = []
+        if slots < G or slots % G:
+            problems.append(f"slots={slots} must be a positive multiple of num_samples={G}")
+        div = 1 if mesh is None else sharding.batch_divisor(mesh, rules)
+        if mesh is not None:
+            if slots % div:
+                problems.append(
+                    f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
+                    f"batch split {div} ways); use a multiple of {div}"
+                )
+        bucket = cfg.bucket(max_prompt_len) if max_prompt_len <= cfg.buckets[-1] else None
+        if bucket is None:
+            problems.append(
+                f"max_prompt_len={max_prompt_len} is longer than the largest bucket "
+                f"{cfg.buckets[-1]}"
+            )
+        elif bucket + cfg.max_new_tokens > model_cfg.max_seq_len:
+            problems.append(
+                f"prompt bucket {bucket} + max_new_tokens={cfg.max_new_tokens} exceeds the "
+                f"model's max_seq_len={model_cfg.max_seq_len}"
+            )
+        if problems:
+            raise ValueError("Invalid generator: " + "; ".join(problems))
+        self.cfg, self.slots, self.max_prompt_len = cfg, slots, max_prompt_len
+        self.shards = div  # The slots' split over the mesh's batch axes.
+        self.model_cfg = model_cfg
+        self.layout = None if mesh is None else _Layout(mesh, rules)
+        self.static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=cfg, layout=self.layout)
+        self.programs = programs
+        self.state = engine.init_state(
+            model_cfg=model_cfg,
+            cfg=cfg,
+            slots=slots,
+            columns=bucket + cfg.max_new_tokens,
+            layout=self.layout,
+        )
+        self.params, self.version, self._stale = None, 0, False
+        self.queue: list[tuple[Request, np.ndarray]] = []  # With each request's key data.
+        self.free = list(range(slots))
+        self.running: dict[int, tuple[Request, list[int]]] = {}  # Slot -> (request, its slots).
+        self.partial: dict[int, dict] = {}  # id(request) -> harvested rows so far.
+        self.stats = EngineStats()
+
+    # -- host API --------------------------------------------------------------------------
+
+    def precompile(self, params) -> None:
+        """Starts compiling the decode program in the background (`Programs.prefetch`): its
+        shapes are the slots' and the weights' (`params`: in the generator's layout, arrays or
+        their `jax.ShapeDtypeStruct`s), so a run's first decode does not wait for it. (The
+        prefill's depend on the requests admitted together.)"""
+        if self.programs is not None:
+            args = (params, self.state, *self._replicated(np.int32(0), np.int32(0)))
+            self.programs.prefetch("engine_decode", engine.decode, args, self.static)
+
+    def set_params(self, params, version: int) -> None:
+        """Weights for the next decode steps (in the generator's layout), and their version."""
+        self.params, self.version, self._stale = params, int(version), True
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        V = self.model_cfg.vocab_size
+        for r in requests:
+            where = f"request {r.id!r}"
+            if len(r.prompt) == 0:
+                raise ValueError(f"{where}: the prompt is empty")
+            if len(r.prompt) > self.max_prompt_len:
+                raise ValueError(
+                    f"{where}: prompt of {len(r.prompt)} tokens > max_prompt_len="
+                    f"{self.max_prompt_len}"
+                )
+            bad = [t for t in r.prompt if not 0 <= int(t) < V]
+            if bad:
+                raise ValueError(f"{where}: token id(s) {bad[:5]} outside [0, {V})")
+            if not 0 <= r.max_new_tokens <= self.cfg.max_new_tokens:
+                raise ValueError(
+                    f"{where}: max_new_tokens={r.max_new_tokens} not in [0, "
+                    f"{self.cfg.max_new_tokens}]"
+                )
+        # Keys as host data: they may live on other devices (the trainer's) than the engine.
+        self.queue.extend((r, sharding.fetch(jax.random.key_data(r.key))) for r in requests)
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or decoding."""
+        return bool(self.queue or self.running)
+
+    @property
+    def live_slots(self) -> int:
+        return self.slots - len(self.free)
+
+    def step(self, max_steps: int) -> list[Completed]:
+        """Admits queued requests into free slots, decodes up to `max_steps` tokens per slot
+        and returns the requests whose samples are all done."""
+        if self.params is None:
+            raise ValueError("Generator.step before set_params: no weights to sample with")
+        if self._stale:
+            if self.running:
+                t = time.perf_counter()
+                self.state = self._run(
+                    "engine_refresh", engine.refresh, self._replicated(self.version)
+                )
+                jax.block_until_ready(self.state)
+                self.stats.swap_s += time.perf_counter() - t
+            else:  # Nothing live: the new version takes effect at the next prefill.
+                self.state = self.state._replace(version=self._replicated(self.version)[0])
+            self._stale = False
+        self._admit()
+        if not self.running:
+            return []
+        t = time.perf_counter()
+        # Waiting requests: stop once they can start, but admit at least an eighth of the
+        # slots at a time (each admission is a prefill program that reads every weight).
+        G = self.cfg.num_samples
+        wanted = max(G, self.slots // 8 // G * G) - len(self.free) if self.queue else 0
+        args = self._replicated(np.int32(max_steps), np.int32(wanted))
+        self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
+        steps, tokens = map(int, sharding.fetch((steps, tokens)))
+        self.stats.decode_s += time.perf_counter() - t
+        self.stats.steps += steps
+        self.stats.slot_steps += steps * self.slots
+        self.stats.tokens += tokens
+        return self._harvest()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _replicated(self, *xs) -> tuple:
+        """Host values -> copies on every device of the generator's mesh."""
+        xs = tuple(jnp.asarray(x) for x in xs)
+        return xs if self.layout is None else tuple(sharding.replicate(xs, self.layout.mesh))
+
+    def _rows(self, *xs) -> tuple:
+        """Host rows -> arrays split over the mesh's batch axes, as the slots are."""
+        if self.layout is None:
+            return xs
+        return tuple(sharding.put_batch(xs, self.layout.mesh, self.layout.rules))
+
+    def _run(self, name, fn, extra):
+        args = (self.params, self.state, *extra)
+        if self.programs is not None:
+            return self.programs.run(name, fn, args, self.static)
+        return fn(*args, **self.static)
+
+    def _admit(self):
+        G = self.cfg.num_samples
+        fits = min(len(self.free) // G, len(self.queue))
+        if not fits:
+            return
+        if not self.running:  # Idle: restart the ring, so the same work computes the same
+            # bits whatever ran before (a resumed run samples as the uninterrupted one did).
+            cache = self.state.cache._replace(index=self._replicated(np.int32(0))[0])
+            self.state = self.state._replace(cache=cache)
+        taken, self.queue = self.queue[:fits], self.queue[fits:]
+        by_bucket: dict[int, list] = {}
+        for r, keydata in taken:
+            by_bucket.setdefault(self.cfg.bucket(len(r.prompt)), []).append((r, keydata))
+        for P, reqs in sorted(by_bucket.items()):
+            owned = [engine.take_slots(self.free, G, self.slots // self.shards) for _ in reqs]
+            for (r, _), own in zip(reqs, owned):
+                for s in own:
+                    self.running[s] = (r, own)
+            rows = engine.prefill_rows(owned, self.slots, self.shards)
+            R = len(rows)
+            tokens = np.full((R, P), self.cfg.pad_id, np.int32)
+            mask = np.zeros((R, P), bool)
+            slots = np.full((R, G), self.slots, np.int32)  # Padding rows write nothing.
+            limits = np.zeros((R, G), np.int32)
+            keys = np.zeros((R, 2), np.uint32)
+            for i, row in enumerate(rows):
+                if row is None:
+                    continue
+                r, keydata = reqs[row[0]]
+                tokens[i, P - len(r.prompt) :] = r.prompt
+                mask[i, P - len(r.prompt) :] = True
+                slots[i] = row[1]
+                limits[i] = r.max_new_tokens or self.cfg.max_new_tokens
+                keys[i] = keydata
+            t = time.perf_counter()
+            args = self._rows(tokens, mask, slots, keys, limits)
+            self.state = self._run("engine_insert", engine.insert, args)
+            jax.block_until_ready(self.state)
+            self.stats.prefill_s += time.perf_counter() - t
+
+    def _harvest(self) -> list[Completed]:
+        finished_S = sharding.fetch(engine.finished(self.state))
+        done = [s for s in self.running if finished_S[s]]
+        if not done:
+            return []
+        rows = self.state.rows
+        host = sharding.fetch(
+            {
+                "tokens": rows["tokens_NM"],
+                "logprobs": rows["logprobs_NM"],
+                "forced": rows["forced_NM"],
+                "versions": self.state.version_SM,
+                "lengths": rows["length_N"],
+                "stopped": rows["done_N"],
+                "interrupted": rows["interrupted_N"],
+            }
+        )
+        completed = []
+        for s in sorted(done):
+            r, own = self.running.pop(s)
+            self.free.append(s)
+            got = self.partial.setdefault(id(r), {})
+            got[own.index(s)] = {k: np.asarray(v[s]) for k, v in host.items()}
+            if len(got) == len(own):
+                del self.partial[id(r)]
+                completed.append(self._completed(r, [got[g] for g in range(len(own))]))
+        self.free.sort()
+        return completed
+
+    def _completed(self, r: Request, rows: list[dict]) -> Completed:
+        def stack(k):
+            return np.stack([row[k] for row in rows])
+
+        lengths = stack("lengths")
+        M = self.cfg.max_new_tokens
+        return Completed(
+            request=r,
+            tokens_GM=stack("tokens"),
+            mask_GM=np.arange(M)[None, :] < lengths[:, None],
+            logprobs_GM=stack("logprobs"),
+            versions_GM=stack("versions"),
+            forced_GM=stack("forced"),
+            lengths_G=lengths,
+            truncated_G=~stack("stopped"),
+            interrupted_G=stack("interrupted"),
+        )
