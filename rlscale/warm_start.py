@@ -91,91 +91,23 @@ def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_probl
     summary_path = os.path.join(path, "sft.json")
     inputs = _inputs(config)
     if os.path.exists(summary_path):
-        inputs_path = os.path.join(path, "inputs.json")
-        if not os.path.exists(inputs_path):
-            raise ValueError(
-                f"{path} holds a warm start with no record of the settings it was made with "
-                "(an older rlscale); delete it or use another workdir"
-            )
-        with open(inputs_path) as f:
-            diff = checkpoint.config_diff(json.load(f), inputs)
-        if diff:
-            raise ValueError(
-                f"{path} holds a warm start made with different settings; delete it or use "
-                "another workdir:\n  " + "\n  ".join(diff)
-            )
-        cfg, _, params = checkpoint.load_params(path, mesh=mesh)
-        compute_only = {k: getattr(model_cfg, k) for k in COMPUTE_ONLY}
-        if dataclasses.replace(cfg, **compute_only) != model_cfg:
-            raise ValueError(
-                f"{path} holds a warm start for a different model; delete it or "
-                f"use another workdir (cached {cfg}, wanted {model_cfg})"
-            )
-        with open(summary_path) as f:
-            summary = json.load(f)
-        logging.info("reusing the SFT warm start in %s: %s", path, summary)
-        graphdef, _ = model.abstract_model(model_cfg)  # This run's compute settings.
-        return graphdef, params, summary
-
-    c = config.sft
-    rng = jax.random.key(c.seed)
+        return _load(path, inputs, model_cfg, mesh)
+    rng = jax.random.key(config.sft.seed)
     graphdef, params = model.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
     summary = {"steps": 0, "pass@1": None}
-    if c.max_steps > 0:
-        optimizer = optax.chain(
-            optax.clip_by_global_norm(1.0),
-            optax.adamw(
-                optax.warmup_cosine_decay_schedule(
-                    0.0, c.lr, min(20, c.max_steps // 2), c.max_steps, c.lr * 0.1
-                )
-            ),
+    if config.sft.max_steps > 0:
+        params, summary = _train(
+            config,
+            graphdef,
+            params,
+            model_cfg,
+            mesh,
+            rng,
+            tokenizer,
+            task,
+            train_problems,
+            test_problems,
         )
-        step_fn = next_token.make_train_step(graphdef, optimizer)
-        state = next_token.init_state(params, optimizer)
-        lengths = [
-            len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2
-            for p in train_problems
-        ]
-        length = -(-max(lengths) // 8) * 8
-        sampler = Sampler(graphdef, model_cfg, mesh)
-        scfg = SamplingConfig(
-            max_new_tokens=config.sampling.max_new_tokens,
-            temperature=1.0,
-            num_samples=config.eval.samples,
-            stop_tokens=(tokenizer.eos_id,),
-            pad_id=tokenizer.pad_id,
-            buckets=tuple(config.sampling.buckets),
-        )
-        order_rng = np.random.default_rng([c.seed, 7])
-        pass_at_1 = 0.0
-        for step in range(1, c.max_steps + 1):
-            idx = order_rng.integers(0, len(train_problems), c.batch_size)
-            bare_B = order_rng.random(c.batch_size) >= c.answer_line_fraction
-            tokens, mask, target = _batch(
-                tokenizer, [train_problems[i] for i in idx], length, bare_B
-            )
-            state, mets = step_fn(state, tokens, mask, target)
-            if step % c.eval_every == 0 or step == c.max_steps:
-                ev = heldout.pass_rates(
-                    sampler,
-                    state.params,
-                    tokenizer,
-                    test_problems[: config.eval.prompts],
-                    jax.random.fold_in(rng, step),
-                    scfg,
-                    scoring.Scorer(task.verify),
-                )
-                pass_at_1 = ev["eval/pass@1"]
-                logging.info(
-                    "sft step %d loss %.3f held-out pass@1 %.3f",
-                    step,
-                    float(mets["loss"]),
-                    pass_at_1,
-                )
-                if pass_at_1 >= c.target_pass:
-                    break
-        params = state.params
-        summary = {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}
     checkpoint.save_params(path, model_cfg, params)  # Every process writes its shards.
     if jax.process_index() == 0:
         with open(os.path.join(path, "inputs.json"), "w") as f:
@@ -183,3 +115,89 @@ def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_probl
         with open(summary_path, "w") as f:  # Written last: its presence marks a complete cache.
             json.dump(summary, f, indent=2)
     return graphdef, params, summary
+
+
+def _load(path, inputs: dict, model_cfg, mesh):
+    """(graphdef, params, summary) of the warm start cached in `path` (WORKDIR/sft), once it
+    is shown to be made with `inputs` (`_inputs`) for `model_cfg` (up to `COMPUTE_ONLY`)."""
+    inputs_path = os.path.join(path, "inputs.json")
+    if not os.path.exists(inputs_path):
+        raise ValueError(
+            f"{path} holds a warm start with no record of the settings it was made with "
+            "(an older rlscale); delete it or use another workdir"
+        )
+    with open(inputs_path) as f:
+        diff = checkpoint.config_diff(json.load(f), inputs)
+    if diff:
+        raise ValueError(
+            f"{path} holds a warm start made with different settings; delete it or use "
+            "another workdir:\n  " + "\n  ".join(diff)
+        )
+    cfg, _, params = checkpoint.load_params(path, mesh=mesh)
+    compute_only = {k: getattr(model_cfg, k) for k in COMPUTE_ONLY}
+    if dataclasses.replace(cfg, **compute_only) != model_cfg:
+        raise ValueError(
+            f"{path} holds a warm start for a different model; delete it or "
+            f"use another workdir (cached {cfg}, wanted {model_cfg})"
+        )
+    with open(os.path.join(path, "sft.json")) as f:
+        summary = json.load(f)
+    logging.info("reusing the SFT warm start in %s: %s", path, summary)
+    graphdef, _ = model.abstract_model(model_cfg)  # This run's compute settings.
+    return graphdef, params, summary
+
+
+def _train(
+    config, graphdef, params, model_cfg, mesh, rng, tokenizer, task, train_problems, test_problems
+):
+    """(params, summary) after SFT on the demonstrations (`config.sft`), stopped at
+    `sft.max_steps` or once held-out pass@1, measured every `sft.eval_every` steps with keys
+    folded from `rng`, reaches `sft.target_pass`."""
+    c = config.sft
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            optax.warmup_cosine_decay_schedule(
+                0.0, c.lr, min(20, c.max_steps // 2), c.max_steps, c.lr * 0.1
+            )
+        ),
+    )
+    step_fn = next_token.make_train_step(graphdef, optimizer)
+    state = next_token.init_state(params, optimizer)
+    lengths = [
+        len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2 for p in train_problems
+    ]
+    length = -(-max(lengths) // 8) * 8
+    sampler = Sampler(graphdef, model_cfg, mesh)
+    scfg = SamplingConfig(
+        max_new_tokens=config.sampling.max_new_tokens,
+        temperature=1.0,
+        num_samples=config.eval.samples,
+        stop_tokens=(tokenizer.eos_id,),
+        pad_id=tokenizer.pad_id,
+        buckets=tuple(config.sampling.buckets),
+    )
+    order_rng = np.random.default_rng([c.seed, 7])
+    pass_at_1 = 0.0
+    for step in range(1, c.max_steps + 1):
+        idx = order_rng.integers(0, len(train_problems), c.batch_size)
+        bare_B = order_rng.random(c.batch_size) >= c.answer_line_fraction
+        tokens, mask, target = _batch(tokenizer, [train_problems[i] for i in idx], length, bare_B)
+        state, mets = step_fn(state, tokens, mask, target)
+        if step % c.eval_every == 0 or step == c.max_steps:
+            ev = heldout.pass_rates(
+                sampler,
+                state.params,
+                tokenizer,
+                test_problems[: config.eval.prompts],
+                jax.random.fold_in(rng, step),
+                scfg,
+                scoring.Scorer(task.verify),
+            )
+            pass_at_1 = ev["eval/pass@1"]
+            logging.info(
+                "sft step %d loss %.3f held-out pass@1 %.3f", step, float(mets["loss"]), pass_at_1
+            )
+            if pass_at_1 >= c.target_pass:
+                break
+    return state.params, {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}

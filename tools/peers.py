@@ -252,24 +252,46 @@ def run_trl(s, hf_dir: str, workdir: str, seed: int) -> list[dict]:
     """TRL's GRPOTrainer from the exported warm start; one record per step (step time, and
     rlscale's evaluation of the policy every `eval.every` steps and at the end)."""
     import datasets
-    import jax
-    import numpy as np
     import torch
     import transformers
     import trl
 
-    from rlscale import sharding
-    from rlscale.model import hf
+    config = s.config
+    out_dir = os.path.join(workdir, f"trl_seed{seed}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    args = trl_config(config, seed, out_dir)
+    transformers.set_seed(seed)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    train = datasets.Dataset.from_dict(
+        {
+            "prompt": [p.prompt for p in s.train_problems],
+            "problem": list(range(len(s.train_problems))),
+        }
+    )
+    clock = _trl_clock(_trl_evaluator(s, seed), config.eval.every, config.steps, seed)
+    trainer = trl.GRPOTrainer(
+        model=policy,
+        reward_funcs=[_trl_reward(s)],
+        args=args,
+        train_dataset=train,
+        processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
+        callbacks=[clock],
+    )
+    print(f"trl seed {seed}: GRPOTrainer, {torch.get_num_threads()} torch threads", flush=True)
+    trainer.train()
+    return clock.records
+
+
+def _trl_reward(s):
+    """TRL's reward function: TRL's completions decoded as rlscale decodes its own (stop
+    token dropped), then scored by the quickstart's verifier in rlscale's verifier pool."""
+    import numpy as np
+
     from rlscale.sampling import scoring
 
-    config = s.config
-    every, steps = config.eval.every, config.steps
-    tok = s.tokenizer
-    M = config.sampling.max_new_tokens
+    tok, M = s.tokenizer, s.config.sampling.max_new_tokens
 
     def reward(prompts, completions, completion_ids, problem, **_):
-        # TRL's completions decoded as rlscale decodes its own (stop token dropped), then
-        # scored by the quickstart's verifier in rlscale's verifier pool.
         del prompts, completions
         tokens = np.full((len(completion_ids), M), tok.padding_id, np.int32)
         for i, ids in enumerate(completion_ids):
@@ -278,6 +300,17 @@ def run_trl(s, hf_dir: str, workdir: str, seed: int) -> list[dict]:
         texts = scoring.completions_text(tok, tokens, lengths)
         rewards, _ = s.train_scorer(texts, [s.train_problems[i] for i in problem])
         return [float(r) for r in rewards]
+
+    return reward
+
+
+def _trl_evaluator(s, seed: int):
+    """evaluate(policy, step) -> rlscale's held-out metrics of a TRL policy, read back into
+    rlscale (`save_pretrained` -> `load_hf`)."""
+    import jax
+
+    from rlscale import sharding
+    from rlscale.model import hf
 
     def evaluate(policy, step: int) -> dict:
         with tempfile.TemporaryDirectory() as d:
@@ -289,10 +322,16 @@ def run_trl(s, hf_dir: str, workdir: str, seed: int) -> list[dict]:
         rng = jax.random.fold_in(jax.random.key(seed), 10**6 + step)
         return s.evaluate(params, rng)
 
-    class Clock(transformers.TrainerCallback):
-        """Times each optimizer step (generation, rewards, loss, update) and evaluates the
-        policy outside the timed span."""
+    return evaluate
 
+
+def _trl_clock(evaluate, every: int, steps: int, seed: int):
+    """A trainer callback that times each optimizer step (generation, rewards, loss, update)
+    and evaluates the policy (`evaluate(policy, step)`) before training, every `every` steps
+    and at step `steps`, outside the timed span; its `records` are `run_trl`'s."""
+    import transformers
+
+    class Clock(transformers.TrainerCallback):
         def __init__(self):
             self.records = []
 
@@ -313,29 +352,7 @@ def run_trl(s, hf_dir: str, workdir: str, seed: int) -> list[dict]:
                 )
             self.records.append(record)
 
-    out_dir = os.path.join(workdir, f"trl_seed{seed}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    args = trl_config(config, seed, out_dir)
-    transformers.set_seed(seed)
-    policy = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    train = datasets.Dataset.from_dict(
-        {
-            "prompt": [p.prompt for p in s.train_problems],
-            "problem": list(range(len(s.train_problems))),
-        }
-    )
-    clock = Clock()
-    trainer = trl.GRPOTrainer(
-        model=policy,
-        reward_funcs=[reward],
-        args=args,
-        train_dataset=train,
-        processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
-        callbacks=[clock],
-    )
-    print(f"trl seed {seed}: GRPOTrainer, {torch.get_num_threads()} torch threads", flush=True)
-    trainer.train()
-    return clock.records
+    return Clock()
 
 
 # ------------------------------------------------------------------------------------------

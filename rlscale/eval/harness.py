@@ -138,12 +138,47 @@ def run(
         step_search_aggregation,
     )
     policy = saved_policy.load_policy(config, checkpoint_dir, workdir, tokenizer_path)
-    tokenizer, tokenizer_path = policy.tokenizer, policy.tokenizer_path
     task, problems = saved_policy.load_problems(config, workdir, split, n)
-    cfg = saved_policy.sampling_config(config, tokenizer, k)
+    cfg = saved_policy.sampling_config(config, policy.tokenizer, k)
+    rm, prm = _scoring_models(  # Before sampling anything.
+        ns, scorers, step_search, reward_model_dir, prm_dir, policy.tokenizer, problems, cfg
+    )
+    samples, searched = _sample_and_search(
+        config, policy, task, problems, cfg, prm, seed, batch, step_search, step_search_aggregation
+    )
+    answer_fn = answer_fn_for(config, task)
+    result = metrics(samples, k, answer_fn)
+    report = _report(config, checkpoint_dir, policy.tokenizer_path, split, seed, cfg, result)
+    report["per_prompt"] = {"rewards": samples.reward_N.reshape(-1, k).tolist()}
+    if ns is not None:
+        chosen = best_of_n.rankers(scorers, rm, prm, list(prm_aggregation))
+        report["test_time"], scores = _test_time(samples, problems, k, ns, chosen, answer_fn, seed)
+        report["per_prompt"]["scores"] = {name: s.tolist() for name, s in scores.items()}
+        plot = os.path.abspath(plot or os.path.join(workdir, f"test_time_{split}.png"))
+        report["test_time_plot"] = plot
+    if searched is not None:
+        report["step_search"] = searched
+        if ns is not None:  # The same run's best-of-N, with what it samples per problem.
+            searched["best_of"] = {
+                "N": ns,
+                "generated_tokens_per_problem": step_search_lib.best_of_tokens(
+                    samples.lengths_N, k, ns
+                ),
+                **{key: v for key, v in report["test_time"].items() if key.startswith("best_of/")},
+            }
+    result["wall_s"] = time.time() - t_start
+    output = output or os.path.join(workdir, f"eval_{split}.json")
+    if jax.process_index() == 0:
+        _write(report, output, plot if ns is not None else None, config.task.name, k, len(problems))
+    return report
+
+
+def _scoring_models(ns, scorers, step_search, reward_model_dir, prm_dir, tokenizer, problems, cfg):
+    """(reward model, PRM) that `run` ranks or searches with (None where not asked for), in
+    a bucket that holds the longest prompt and a full-length completion."""
     rm = prm = None
     scored = ns is not None and {"reward_model", "prm"} & set(scorers)
-    if scored or step_search is not None:  # Before sampling anything.
+    if scored or step_search is not None:
         longest = max(len(p) for p in scoring.encode_prompts(tokenizer, problems))
         longest += cfg.max_new_tokens + 1
         if ns is not None and "reward_model" in scorers:
@@ -152,40 +187,52 @@ def run(
             )
         if prm_dir:
             prm = best_of_n.load_scoring_model("prm", prm_dir, prm_lib.load, tokenizer, longest)
-    # The task's verifier in the config's verifier pool (`reward.workers`, `reward.timeout`).
+    return rm, prm
+
+
+def _sample_and_search(
+    config, policy, task, problems, cfg, prm, seed, batch, step_search, aggregation
+) -> tuple[scoring.Samples, dict | None]:
+    """`run`'s samples, scored by the task's verifier in the config's verifier pool
+    (`reward.workers`, `reward.timeout`), and with `step_search` the report's `step_search`
+    entry (`step_search.summary`): the PRM-guided beam search over steps of every problem,
+    with a key other than the samples'."""
     with saved_policy.verifier_pool(config) as pool:
         samples = scoring.sample_and_score(
             policy.sampler,
             policy.params,
-            tokenizer,
+            policy.tokenizer,
             problems,
             jax.random.key(seed),
             cfg,
             scoring.Scorer(task.verify, pool, config.reward.timeout),
             chunk=batch,
         )
-        searched = None
-        if step_search is not None:
-            beam, expand = step_search_lib.parse_beam(step_search)
-            searched = step_search_lib.beam_search(
-                policy.sampler,
-                policy.params,
-                tokenizer,
-                problems,
-                task.verify,
-                prm,
-                beam=beam,
-                expand=expand,
-                cfg=cfg,
-                rng=jax.random.fold_in(jax.random.key(seed), 1),  # Not the samples' key.
-                aggregation=step_search_aggregation,
-                pool=pool,
-                timeout=config.reward.timeout,
-                chunk=batch,
-            )
-    answer_fn = answer_fn_for(config, task)
-    result = metrics(samples, k, answer_fn)
-    report = {
+        if step_search is None:
+            return samples, None
+        beam, expand = step_search_lib.parse_beam(step_search)
+        searched = step_search_lib.beam_search(
+            policy.sampler,
+            policy.params,
+            policy.tokenizer,
+            problems,
+            task.verify,
+            prm,
+            beam=beam,
+            expand=expand,
+            cfg=cfg,
+            rng=jax.random.fold_in(jax.random.key(seed), 1),  # Not the samples' key.
+            aggregation=aggregation,
+            pool=pool,
+            timeout=config.reward.timeout,
+            chunk=batch,
+        )
+    return samples, step_search_lib.summary(searched, beam, expand, aggregation)
+
+
+def _report(config, checkpoint_dir, tokenizer_path, split, seed, cfg, result: dict) -> dict:
+    """The report's settings and `metrics` (`result`)."""
+    return {
         "checkpoint": checkpoint_dir,
         "tokenizer": os.path.abspath(tokenizer_path),
         "task": config.task.to_dict(),
@@ -198,45 +245,33 @@ def run(
             "top_p": cfg.top_p,
         },
         "metrics": result,
-        "per_prompt": {"rewards": samples.reward_N.reshape(-1, k).tolist()},
     }
-    if ns is not None:
-        chosen = best_of_n.rankers(scorers, rm, prm, list(prm_aggregation))
-        scores = {r.name: np.asarray(r.score(samples, problems)).reshape(-1, k) for r in chosen}
-        answers = None if answer_fn is None else answers_of(samples, k, answer_fn)
-        report["test_time"] = best_of_n.curves(
-            samples.reward_N.reshape(-1, k),
-            ns,
-            scores,
-            answers,
-            {r.name: r.vote_weight(scores[r.name]) for r in chosen},
-            seed=seed,
-        )
-        report["per_prompt"]["scores"] = {name: s.tolist() for name, s in scores.items()}
-        plot = os.path.abspath(plot or os.path.join(workdir, f"test_time_{split}.png"))
-        report["test_time_plot"] = plot
-    if searched is not None:
-        report["step_search"] = step_search_lib.summary(
-            searched, beam, expand, step_search_aggregation
-        )
-        if ns is not None:  # The same run's best-of-N, with what it samples per problem.
-            curves = report["test_time"]
-            report["step_search"]["best_of"] = {
-                "N": ns,
-                "generated_tokens_per_problem": step_search_lib.best_of_tokens(
-                    samples.lengths_N, k, ns
-                ),
-                **{key: v for key, v in curves.items() if key.startswith("best_of/")},
-            }
-    result["wall_s"] = time.time() - t_start
-    output = output or os.path.join(workdir, f"eval_{split}.json")
-    if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w") as f:
-            json.dump(report, f, indent=2)
-        if ns is not None:
-            os.makedirs(os.path.dirname(plot), exist_ok=True)
-            name = os.path.join(*checkpoint_dir.split(os.sep)[-2:])  # E.g. run/final.
-            title = f"{name}: {config.task.name} {split}"
-            best_of_n.plot(report["test_time"], plot, title=f"{title}, k={k}, n={len(problems)}")
-    return report
+
+
+def _test_time(samples, problems, k: int, ns, chosen, answer_fn, seed: int):
+    """(the report's `test_time` curves, each ranker's [B, k] scores): best-of-N for N in
+    `ns` by each of the `chosen` rankers (`best_of_n.curves`)."""
+    scores = {r.name: np.asarray(r.score(samples, problems)).reshape(-1, k) for r in chosen}
+    answers = None if answer_fn is None else answers_of(samples, k, answer_fn)
+    curves = best_of_n.curves(
+        samples.reward_N.reshape(-1, k),
+        ns,
+        scores,
+        answers,
+        {r.name: r.vote_weight(scores[r.name]) for r in chosen},
+        seed=seed,
+    )
+    return curves, scores
+
+
+def _write(report: dict, output: str, plot: str | None, task_name: str, k: int, n: int) -> None:
+    """Writes the JSON report to `output` and, when given a `plot` path, its test-time curves
+    (n: the prompts evaluated)."""
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as f:
+        json.dump(report, f, indent=2)
+    if plot is not None:
+        os.makedirs(os.path.dirname(plot), exist_ok=True)
+        name = os.path.join(*report["checkpoint"].split(os.sep)[-2:])  # E.g. run/final.
+        title = f"{name}: {task_name} {report['split']}"
+        best_of_n.plot(report["test_time"], plot, title=f"{title}, k={k}, n={n}")

@@ -184,6 +184,36 @@ def beam_search(
         delimiter that is not one token (`step_stop_tokens`) or forced interruption on
         (`step_config`).
     """
+    _check_search(problems, beam, expand, max_steps, chunk, aggregation)
+    step_cfg = step_config(cfg, step_stop_tokens(tokenizer, prm.config.delimiter), expand)
+    rounds_max = cfg.max_new_tokens if max_steps is None else max_steps
+    prompt_ids, B = scoring.encode_prompts(tokenizer, problems), len(problems)
+    pad_to = min(chunk or B * beam, B * beam)  # Every round's prompts: a multiple of it.
+    beams = [[Entry((), "", False, math.nan)] * beam for _ in range(B)]  # Round 0: W copies.
+    generated_B, prefill_B = np.zeros(B, np.int64), np.zeros(B, np.int64)
+    rounds = 0
+    while rounds < rounds_max:
+        live = [(b, e) for b in range(B) for e in beams[b] if not e.finished]
+        if not live:
+            break
+        samples = scoring.sample_and_score(
+            sampler,
+            params,
+            tokenizer,
+            _step_prefixes(problems, live, pad_to),
+            jax.random.fold_in(rng, rounds),
+            step_cfg,
+            scoring.Scorer(_unverified),
+            chunk,
+        )
+        rounds += 1
+        new = _continuations(tokenizer, cfg, live, samples, expand, generated_B, prefill_B)
+        beams = _keep(beams, new, _prefix_scores(prm, prompt_ids, new, aggregation), beam)
+    return _result(beams, problems, verifier, pool, timeout, generated_B, prefill_B, rounds)
+
+
+def _check_search(problems, beam, expand, max_steps, chunk, aggregation) -> None:
+    """Raises `beam_search`'s ValueErrors about its arguments."""
     if not problems:
         raise ValueError("no problems to search")
     if min(beam, expand) < 1:
@@ -194,53 +224,62 @@ def beam_search(
         raise ValueError(f"chunk={chunk} must be >= 1")
     if aggregation not in prm_lib.AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is not one of {tuple(prm_lib.AGGREGATIONS)}")
-    step_cfg = step_config(cfg, step_stop_tokens(tokenizer, prm.config.delimiter), expand)
+
+
+def _step_prefixes(problems, live, pad_to: int) -> list[step_labels.StepPrefix]:
+    """A round's prompts: each live (problem, entry)'s problem followed by the entry's text,
+    padded with repeats of the first to a multiple of `pad_to` (static shapes; the padding
+    rows are sampled and dropped)."""
+    items = [
+        step_labels.StepPrefix(problems[b].prompt + e.text, problems[b], e.text) for b, e in live
+    ]
+    return items + [items[0]] * (-len(items) % pad_to)
+
+
+def _continuations(
+    tokenizer, cfg: SamplingConfig, live, samples: scoring.Samples, expand, generated_B, prefill_B
+) -> list[tuple[int, tuple[int, ...], str, bool]]:
+    """(problem, ids, text, finished) of each of a round's candidates: each live entry
+    followed by each of its E sampled steps, cut at `cfg.max_new_tokens`; finished when the
+    step adds nothing, ends at one of `cfg.stop_tokens` or reaches the budget. Adds each
+    problem's prefilled and sampled tokens to `prefill_B` and `generated_B`."""
     ends, budget, eos = set(cfg.stop_tokens), cfg.max_new_tokens, tokenizer.eos_id
-    rounds_max = budget if max_steps is None else max_steps
-    prompt_ids = scoring.encode_prompts(tokenizer, problems)
-    B = len(problems)
-    beams = [[Entry((), "", False, math.nan)] * beam for _ in range(B)]  # Round 0: W copies.
-    generated_B, prefill_B = np.zeros(B, np.int64), np.zeros(B, np.int64)
-    rounds = 0
-    while rounds < rounds_max:
-        live = [(b, e) for b in range(B) for e in beams[b] if not e.finished]
-        if not live:
-            break
-        items = [
-            step_labels.StepPrefix(problems[b].prompt + e.text, problems[b], e.text)
-            for b, e in live
-        ]
-        items += [items[0]] * (-len(items) % min(chunk or B * beam, B * beam))  # Static shapes.
-        samples = scoring.sample_and_score(
-            sampler,
-            params,
-            tokenizer,
-            items,
-            jax.random.fold_in(rng, rounds),
-            step_cfg,
-            scoring.Scorer(_unverified),
-            chunk,
-        )
-        rounds += 1
-        new = []  # (problem, ids, text, finished) of each candidate.
-        for i, (b, e) in enumerate(live):
-            prefill_B[b] += int(samples.prompt_mask_BP[i].sum())
-            for n in range(i * expand, (i + 1) * expand):
-                sampled = samples.tokens_NM[n, : samples.lengths_N[n]].tolist()
-                generated_B[b] += len(sampled)
-                ids = e.ids + tuple(sampled[: budget - len(e.ids)])
-                finished = len(ids) == len(e.ids) or ids[-1] in ends or len(ids) >= budget
-                text = tokenizer.decode([t for t in ids if t != eos])
-                new.append((b, ids, text, finished))
-        rows = [list(ids) for _, ids, _, _ in new]
-        longest = max(len(prompt_ids[b]) + len(ids) for b, ids, _, _ in new)
-        scores = prm_lib.prm_scores(
-            prm.with_bucket(longest), [prompt_ids[b] for b, *_ in new], rows, aggregation
-        )
-        candidates = [[e for e in entries if e.finished] for entries in beams]
-        for (b, ids, text, finished), v in zip(new, scores):
-            candidates[b].append(Entry(ids, text, finished, float(v)))
-        beams = [_best(c, beam) for c in candidates]
+    new = []
+    for i, (b, e) in enumerate(live):
+        prefill_B[b] += int(samples.prompt_mask_BP[i].sum())
+        for n in range(i * expand, (i + 1) * expand):
+            sampled = samples.tokens_NM[n, : samples.lengths_N[n]].tolist()
+            generated_B[b] += len(sampled)
+            ids = e.ids + tuple(sampled[: budget - len(e.ids)])
+            finished = len(ids) == len(e.ids) or ids[-1] in ends or len(ids) >= budget
+            text = tokenizer.decode([t for t in ids if t != eos])
+            new.append((b, ids, text, finished))
+    return new
+
+
+def _prefix_scores(prm: prm_lib.ProcessRewardModel, prompt_ids, new, aggregation: str):
+    """The PRM's score v of each candidate (`prm_lib.prm_scores`), in one bucket that holds
+    the longest problem and candidate."""
+    rows = [list(ids) for _, ids, _, _ in new]
+    longest = max(len(prompt_ids[b]) + len(ids) for b, ids, _, _ in new)
+    return prm_lib.prm_scores(
+        prm.with_bucket(longest), [prompt_ids[b] for b, *_ in new], rows, aggregation
+    )
+
+
+def _keep(beams: list[list[Entry]], new, scores, beam: int) -> list[list[Entry]]:
+    """Each problem's next beam: the W best of its candidates and its finished entries."""
+    candidates = [[e for e in entries if e.finished] for entries in beams]
+    for (b, ids, text, finished), v in zip(new, scores):
+        candidates[b].append(Entry(ids, text, finished, float(v)))
+    return [_best(c, beam) for c in candidates]
+
+
+def _result(
+    beams, problems, verifier, pool, timeout, generated_B, prefill_B, rounds: int
+) -> Result:
+    """The search's `Result`: each problem's answer (its best finished entry, else its best
+    one) scored by the verifier."""
     answers = [next((e for e in entries if e.finished), entries[0]) for entries in beams]
     texts = [e.text for e in answers]
     rewards, failures = scoring.Scorer(verifier, pool, timeout)(texts, list(problems))

@@ -290,6 +290,12 @@ def mc_step_labels(
             chunk,
         )
         correct_IK = samples.reward_N.reshape(len(items), num_rollouts) > 0
+    return _labels(steps, outcome, correct_IK)
+
+
+def _labels(steps: Sequence[Steps], outcome, correct_IK: np.ndarray) -> list[StepLabels]:
+    """Each completion's `StepLabels`: its prefixes' rows of `correct_IK` (completion-major,
+    S - 1 rows each) averaged (soft) or any-ed (hard), then its outcome's label."""
     labels, at = [], 0
     for s, r in zip(steps, outcome):
         n = max(s.num_steps - 1, 0)
@@ -354,13 +360,7 @@ def label_policy(
         delimiter that occurs in no completion (`check_delimiter`, naming it), or as
         `evaluate.load_policy` and `evaluate.load_problems`.
     """
-    if min(n, k, rollouts, batch) < 1:
-        raise ValueError(
-            f"--n={n}, --k={k}, --rollouts={rollouts} and --batch={batch} must be >= 1"
-        )
-    if delimiter is None:
-        delimiter = TASK_DELIMITERS.get(config.task.name, DEFAULT_DELIMITER)
-    _check_delimiter_text(delimiter)
+    delimiter = _label_delimiter(config, delimiter, n, k, rollouts, batch)
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
     policy = saved_policy.load_policy(config, checkpoint_dir, workdir, tokenizer_path)
@@ -396,6 +396,28 @@ def label_policy(
             timeout=timeout,
             chunk=batch,
         )
+    return _label_rows(problems, k, delimiter, samples, labels)
+
+
+def _label_delimiter(
+    config, delimiter: str | None, n: int, k: int, rollouts: int, batch: int
+) -> str:
+    """`label_policy`'s delimiter (its default filled in), once its counts and the delimiter
+    are checked."""
+    if min(n, k, rollouts, batch) < 1:
+        raise ValueError(
+            f"--n={n}, --k={k}, --rollouts={rollouts} and --batch={batch} must be >= 1"
+        )
+    if delimiter is None:
+        delimiter = TASK_DELIMITERS.get(config.task.name, DEFAULT_DELIMITER)
+    _check_delimiter_text(delimiter)
+    return delimiter
+
+
+def _label_rows(
+    problems, k: int, delimiter: str, samples: scoring.Samples, labels: Sequence[StepLabels]
+) -> list[dict]:
+    """`label_policy`'s rows: one per sampled completion, problem-major."""
     return [
         {
             "problem": i // k,

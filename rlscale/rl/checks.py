@@ -425,7 +425,28 @@ def _preference_problems(config, resolved) -> list[str]:
 
 def validate(config) -> None:
     """Raises ValueError listing every problem with the config."""
-    b, u = config.batch, config.learner
+    problems = _objective_problems(config)
+    problems += _batch_problems(config)
+    problems += _mesh_problems(config)
+    problems += _task_problems(config)
+    if (
+        config.filters.overlong_cache
+        and config.filters.overlong_cache > config.sampling.max_new_tokens
+    ):
+        problems.append(
+            f"filters.overlong_cache={config.filters.overlong_cache} exceeds "
+            f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
+        )
+    problems += _reward_problems(config)
+    problems += _value_problems(config)
+    if problems:
+        raise ValueError("Invalid config:\n  " + "\n  ".join(problems))
+
+
+def _objective_problems(config) -> list[str]:
+    """The chain's own problems (`objectives.check`), then those of what its transforms read:
+    a teacher's logprobs, preference pairs, learned step rewards."""
+    b = config.batch
     problems = objectives.check(
         config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
     )
@@ -442,7 +463,14 @@ def validate(config) -> None:
         if resolved is None
         else [e.name for e, kwargs in resolved if "step_reward" in e.required(kwargs)]
     )
-    problems += _learned_reward_problems(config, steps)
+    return problems + _learned_reward_problems(config, steps)
+
+
+def _batch_problems(config) -> list[str]:
+    """How `batch` divides into the learner's minibatches and micro-batches, and the
+    learner's own settings (length buckets, logprob chunks, remat, packing)."""
+    b, u, M = config.batch, config.learner, config.sampling.max_new_tokens
+    problems = []
     if b.prompts < 1:
         problems.append(f"batch.prompts={b.prompts} must be >= 1")
     if b.group_size < 1:
@@ -463,7 +491,6 @@ def validate(config) -> None:
         )
     if not isinstance(u.length_buckets, int) or u.length_buckets < 1:
         problems.append(f"learner.length_buckets={u.length_buckets!r} must be an integer >= 1")
-    M = config.sampling.max_new_tokens
     if not isinstance(u.logprob_chunk, int) or u.logprob_chunk < 1:
         problems.append(f"learner.logprob_chunk={u.logprob_chunk!r} must be an integer >= 1")
     if u.remat not in decoder.REMAT_POLICIES:
@@ -479,7 +506,12 @@ def validate(config) -> None:
         problems.append(
             f"learner.pack_rows={u.pack_rows!r} must be an integer >= 0 (0: batch.group_size)"
         )
-    problems += _mesh_problems(config)
+    return problems
+
+
+def _task_problems(config) -> list[str]:
+    """The task's name and settings, and the Hugging Face checkpoint the policy starts from."""
+    problems = []
     if config.task.name not in (*tasks.TASKS, *data_load.FILE_TASKS, "reasoning_gym"):
         problems.append(
             f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)}, 'files' or "
@@ -498,14 +530,12 @@ def validate(config) -> None:
             f"init.hf_checkpoint={config.init.hf_checkpoint!r} has no config.json: not a "
             "Hugging Face model directory"
         )
-    if (
-        config.filters.overlong_cache
-        and config.filters.overlong_cache > config.sampling.max_new_tokens
-    ):
-        problems.append(
-            f"filters.overlong_cache={config.filters.overlong_cache} exceeds "
-            f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
-        )
+    return problems
+
+
+def _reward_problems(config) -> list[str]:
+    """A custom reward function that does not import, and worker processes without a timeout."""
+    problems = []
     if config.reward.fn:
         try:
             if not callable(import_function(config.reward.fn)):
@@ -514,6 +544,12 @@ def validate(config) -> None:
             problems.append(f"reward.fn={config.reward.fn!r} ('module:function') fails: {e}")
     if config.reward.workers and config.reward.timeout <= 0:
         problems.append(f"reward.timeout={config.reward.timeout} must be > 0 with worker processes")
+    return problems
+
+
+def _value_problems(config) -> list[str]:
+    """Counts, rates and the sampler's think budget out of range."""
+    problems = []
     for key, value, low in (
         ("steps", config.steps, 1),
         ("eval.every", config.eval.every, 1),
@@ -531,9 +567,7 @@ def validate(config) -> None:
             problems.append(f"{key}={value!r} must be a number >= 0")
     # The phrase is at least one token; the exact count is checked once it is encoded.
     s = config.sampling
-    problems += think_budget_problems(s.think_budget, 1, s.max_new_tokens, prefix="sampling.")
-    if problems:
-        raise ValueError("Invalid config:\n  " + "\n  ".join(problems))
+    return problems + think_budget_problems(s.think_budget, 1, s.max_new_tokens, prefix="sampling.")
 
 
 def pack_problems(config, longest_prompt: int) -> list[str]:

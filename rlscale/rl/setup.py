@@ -209,6 +209,45 @@ def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_li
     )
 
 
+def _check_with_data(config, tokenizer, tokenizer_source: str, scfg, longest: int) -> list:
+    """`preference.file`'s pairs (empty without one), once the checks that need the data and
+    the tokenizer pass: packing the longest prompt (`longest` tokens), the teacher's and the
+    learned rewards' tokenizers, the pair file. Raises ValueError listing every problem."""
+    problems = checks.pack_problems(config, longest)
+    problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
+    problems += checks.learned_reward_tokenizer_problems(config, tokenizer)
+    preference_pairs, trouble = pairs.read_file(config, tokenizer, scfg)
+    problems += trouble
+    if problems:  # Before the warm start's training.
+        raise ValueError("; ".join(problems))
+    return preference_pairs
+
+
+def _verifier_pool(config, reward_fn, task):
+    """The run's one verifier pool (`reward.workers` processes), or None (in-process)."""
+    if not config.reward.workers:
+        return None
+    # Workers start with the verifiers' modules already imported.
+    modules = sorted({reward_fn.__module__, task.verify.__module__})
+    return isolation.verifier_pool(config.reward.workers, preload=modules)
+
+
+def _policy(config, workdir: str, mesh, tokenizer, task, splits) -> tuple[Any, Any, Any, dict]:
+    """(model_cfg, graphdef, params, warm-start summary) of the policy the run starts from:
+    `init.hf_checkpoint` (placed directly on the mesh; no summary), else the SFT warm start
+    (trained now, or cached in WORKDIR/sft)."""
+    if config.init.hf_checkpoint:
+        model_cfg, graphdef, params = hf.load_hf(
+            config.init.hf_checkpoint, mesh, dtype=config.model.dtype
+        )
+        return model_cfg, graphdef, params, {}
+    model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
+    graphdef, params, summary = warm_start.train_or_load(
+        config, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
+    )
+    return model_cfg, graphdef, params, summary
+
+
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from its config (already validated by `checks.validate`)."""
     pipe = config.pipeline
@@ -228,29 +267,12 @@ def build(config, workdir: str) -> Setup:
     scfg = saved_policy.sampling_config(config, tokenizer, checks.samples_per_prompt(config))
     G = checks.samples_per_prompt(config)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
-    problems = checks.pack_problems(config, longest)
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
-    problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
-    problems += checks.learned_reward_tokenizer_problems(config, tokenizer)
-    preference_pairs, trouble = pairs.read_file(config, tokenizer, scfg)
-    problems += trouble
-    if problems:  # Before the warm start's training.
-        raise ValueError("; ".join(problems))
+    preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
     progs = programs.Programs(mesh)
     reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
-    pool = None
-    if config.reward.workers:  # Workers start with the verifiers' modules already imported.
-        modules = sorted({reward_fn.__module__, task.verify.__module__})
-        pool = isolation.verifier_pool(config.reward.workers, preload=modules)
-
-    if hf_init:  # Start from a Hugging Face checkpoint, placed directly on the mesh.
-        model_cfg, graphdef, params = hf.load_hf(hf_init, mesh, dtype=config.model.dtype)
-        summary = {}
-    else:  # Start from the SFT warm start (trained now, or cached in WORKDIR/sft).
-        model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
-        graphdef, params, summary = warm_start.train_or_load(
-            config, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
-        )
+    pool = _verifier_pool(config, reward_fn, task)
+    model_cfg, graphdef, params, summary = _policy(config, workdir, mesh, tokenizer, task, splits)
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
     generator = Generator(
         graphdef,
