@@ -6,9 +6,10 @@ import os
 
 from absl import flags
 
+from rlscale import cli, saved_policy
 from rlscale import model as model_lib
-from rlscale import saved_policy
 from rlscale import tokenizer as tokenizer_lib
+from rlscale.reward_models import scalar_head
 
 
 def define(fv: flags.FlagValues, defaults, ints: tuple, floats: tuple = ("lr", "weight_decay")):
@@ -58,6 +59,15 @@ def start(fv: flags.FlagValues):
         path = saved_policy.default_tokenizer_path(init, os.path.dirname(init))
     tok = tokenizer_lib.load(path)
     return tok, fv.init or model_lib.get(fv.model, vocab_size=tok.vocab_size)
+
+
+def train_and_save(fv: flags.FlagValues, head, rows, heldout, tok, cfg, model, **names) -> dict:
+    """`scalar_head.train_and_save` of `head`'s (a module's) `train` and `save` into `--out`,
+    for `--steps` steps; `names`: its `kind`, `rows_name` and `metric`."""
+    cli.make_dir(fv.out, "--out")
+    return scalar_head.train_and_save(
+        head.train, head.save, rows, heldout, tok, cfg, fv.steps, model, fv.out, **names
+    )
 
 
 def settings(fv: flags.FlagValues, names: tuple) -> dict:

@@ -14,7 +14,7 @@ from absl import flags
 
 from rlscale import cli
 from rlscale.main import head_flags
-from rlscale.reward_models import prm, scalar_head, step_labels
+from rlscale.reward_models import prm, step_labels
 
 _INTS = ("batch_rows", "max_steps", "eval_every", "seed", "warmup_steps")
 
@@ -58,17 +58,14 @@ def main(fv: flags.FlagValues) -> dict:
         seq_len=seq_len,
         **head_flags.settings(fv, (*_INTS, "lr", "weight_decay")),
     )
-    cli.make_dir(fv.out, "--out")
-    return scalar_head.train_and_save(
-        prm.train,
-        prm.save,
+    return head_flags.train_and_save(
+        fv,
+        prm,
         examples,
         heldout,
         tok,
         cfg,
-        fv.steps,
         model,
-        fv.out,
         kind="process reward model",
         rows_name="completions",
         metric="step accuracy",

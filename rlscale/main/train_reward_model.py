@@ -14,7 +14,7 @@ from absl import flags
 from rlscale import cli
 from rlscale.data import preferences
 from rlscale.main import head_flags
-from rlscale.reward_models import bradley_terry, scalar_head
+from rlscale.reward_models import bradley_terry
 
 _INTS = ("seq_len", "batch_pairs", "eval_every", "seed", "warmup_steps")
 _FIELDS = ("prompt_field", "chosen_field", "rejected_field")
@@ -40,17 +40,14 @@ def main(fv: flags.FlagValues) -> dict:
     fields = head_flags.settings(fv, _FIELDS)
     pairs = preferences.read_pairs(fv.pairs, **fields)
     heldout = preferences.read_pairs(fv.heldout, **fields) if fv.heldout else []
-    cli.make_dir(fv.out, "--out")
-    return scalar_head.train_and_save(
-        bradley_terry.train,
-        bradley_terry.save,
+    return head_flags.train_and_save(
+        fv,
+        bradley_terry,
         pairs,
         heldout,
         tok,
         cfg,
-        fv.steps,
         model,
-        fv.out,
         kind="reward model",
         rows_name="pairs",
         metric="accuracy",

@@ -358,7 +358,7 @@ def label_policy(
     Raises:
       ValueError: On n, k, rollouts or batch < 1, an empty delimiter, an empty split, a
         delimiter that occurs in no completion (`check_delimiter`, naming it), or as
-        `evaluate.load_policy` and `evaluate.load_problems`.
+        `saved_policy.load_policy` and `saved_policy.load_problems`.
     """
     delimiter = _label_delimiter(config, delimiter, n, k, rollouts, batch)
     checkpoint_dir = os.path.abspath(checkpoint_dir)
