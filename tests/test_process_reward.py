@@ -774,7 +774,9 @@ def test_cli_label_writes_each_completions_step_labels(labelled, warm):
     assert "  delimiter            '='\n" in printed
 
 
-def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_path, capsys):
+def test_cli_train_writes_a_prm_that_evaluate_scores_with(
+    labelled, warm, tmp_path, capsys, monkeypatch
+):
     """`train` from the warm start's params, its tokenizer found next to them (the run's
     WORKDIR/tokenizer.model): the PRM it writes loads, holds out one prompt's completions
     (--heldout_frac 0.1 of 3 prompts), prints the held-out step accuracy of the params it
@@ -808,9 +810,15 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_pa
         f"held-out step accuracy {accuracy:.4f} ({K} completions)",
         f"process reward model written to {out}",
     ]
-    scores = prm_lib.prm_scores(prm, prompt_ids, completion_ids, "min")
-    assert scores.shape == (N * K,) and np.all((scores > 0) & (scores < 1))
-    # The third command: evaluate ranks its samples with the PRM.
+    # The third command: evaluate ranks its samples with the PRM. Its calls are recorded to
+    # score the same samples here.
+    scored, prm_scores = [], prm_lib.prm_scores
+
+    def recording_prm_scores(model, prompt_ids, completion_ids, aggregation):
+        scored.append((prompt_ids, completion_ids))
+        return prm_scores(model, prompt_ids, completion_ids, aggregation)
+
+    monkeypatch.setattr(prm_lib, "prm_scores", recording_prm_scores)
     config = cli.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
     config.reward.workers = 0
     report = harness.run(
@@ -824,9 +832,20 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(labelled, warm, tmp_pa
         output=str(tmp_path / "eval.json"),
         plot=str(tmp_path / "curves.png"),
     )
-    prm_scores = np.array(report["per_prompt"]["scores"]["prm_min"])
-    assert prm_scores.shape == (2, 2) and np.all((prm_scores >= 0) & (prm_scores <= 1))
+    s = np.array(report["per_prompt"]["scores"]["prm_min"])
+    r = np.array(report["per_prompt"]["rewards"])
+    assert s.shape == r.shape == (2, 2)
+    # Each sample's score is the written PRM's least step probability (0 without a step).
+    ((prompt_ids, completion_ids),) = scored
+    longest = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    s_NS, mask_NS, _ = prm.with_bucket(longest).score_steps(prompt_ids, completion_ids)
+    p_NS = 1 / (1 + np.exp(-s_NS.astype(np.float64)))
+    least = [min(row[m], default=0.0) for row, m in zip(p_NS, mask_NS)]
+    np.testing.assert_allclose(s.reshape(-1), least, rtol=1e-6)
+    # Best of 1 is any sample; best of both is the one the PRM scores higher (a tie: either).
+    best = np.where(s[:, 0] == s[:, 1], r.mean(1), r[np.arange(2), s.argmax(1)])
     assert list(report["test_time"]["N"]) == [1, 2]
+    assert report["test_time"]["best_of/prm_min"] == pytest.approx([r.mean(), best.mean()])
 
 
 def test_cli_a_users_mistake_is_one_error_line(labelled, warm, tmp_path, capsys):

@@ -94,16 +94,12 @@ def test_recipe_runs(name, recipe_runs):
         assert all(abs(x["train/prob_pearson"] - 1.0) < 1e-5 for x in train)
         assert abs(train[0]["train/ratio_mean"] - 1.0) < 1e-5  # One minibatch: on policy.
     if name == "distill":  # Its teacher is its own warm start ("self"), frozen.
-        assert config.teacher.checkpoint == "self"
         assert all(np.isfinite(x["train/reverse_kl"]) for x in train)
         # The first batch is sampled by the teacher's own params: zero up to the numerics.
         assert abs(train[0]["train/reverse_kl"]) < 1e-5, train[0]["train/reverse_kl"]
         names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
         # One teacher program per shape of the batch, as the (unpacked) update.
         assert names.count("teacher_logp") == names.count("update_step")
-    if name == "scalerl":
-        assert config.sampling.think_budget > 0
-        assert all(0 <= x["train/interrupted_frac"] <= 1 for x in train)
 
 
 def _program(workdir):

@@ -125,7 +125,9 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, p
 def bench_train(cfg, params, graphdef, batch, seq_len, peak, repeats):
     optimizer = optax.adamw(1e-4)
     step = next_token.make_train_step(graphdef, optimizer)
-    state = next_token.init_state(params, optimizer)
+    # The step donates its state, as training does; a copy keeps the caller's `params` alive
+    # for the sections that run after this one.
+    state = next_token.init_state(jax.tree.map(jnp.copy, params), optimizer)
     tokens = jax.random.randint(jax.random.key(3), (batch, seq_len), 4, cfg.vocab_size)
     mask = jnp.ones((batch, seq_len), bool)
     holder = [state]

@@ -13,6 +13,7 @@ pipeline  the pipeline driver: a generator thread with in-flight weight updates
 dpo       the preference driver: offline and iterative DPO (`config.preference`)
 """
 
+from rlscale import workdir_lock
 from rlscale.preemption import PreemptedError
 from rlscale.rl import dpo, pairs, pipeline, sync
 from rlscale.rl.checks import RESUMABLE_CHANGES, validate
@@ -20,11 +21,14 @@ from rlscale.rl.checks import RESUMABLE_CHANGES, validate
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     """Runs (or resumes) RL in `workdir` with the driver `config.pipeline.mode` names, or a
-    preference run (`config.preference`) with the preference driver."""
+    preference run (`config.preference`) with the preference driver. The workdir is locked
+    for the run (`workdir_lock`): a workdir another live run holds raises `WorkdirBusyError`
+    before any work."""
     driver = sync if config.pipeline.mode == "sync" else pipeline
     if pairs.enabled(config):
         driver = dpo
-    return driver.run(config, workdir, allow_config_change=allow_config_change)
+    with workdir_lock.hold(workdir):
+        return driver.run(config, workdir, allow_config_change=allow_config_change)
 
 
 __all__ = ["RESUMABLE_CHANGES", "PreemptedError", "run", "validate"]
