@@ -174,3 +174,14 @@ def random_policy(path, model_cfg, tokenizer):
     checkpoint.save_params(str(path), model_cfg, random_decoder_params(model_cfg, 1))
     (path / "tokenizer.model").write_bytes(tokenizer.serialized)
     return path
+
+
+# Fixtures that make whole RL runs (the shared warm start, the golden and recipe runs): a test
+# that uses one is `slow`, out of the quick loop (`pytest -m "not slow"`).
+SLOW_FIXTURES = {"warm", "golden_runs", "recipe_runs"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
