@@ -87,7 +87,7 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
     P = rollouts.prompt_len
     attn = rollouts.attn_mask_NL.astype(bool)
     length_N = attn[:, : P + rollouts.mask_NM.shape[1]].sum(1)
-    N, O = len(length_N), len(step_rows)
+    N, steps = len(length_N), len(step_rows)  # O optimizer steps.
     trained_N = rollouts.mask_NM.any(1)
     longest = length_N[trained_N].max(initial=0)
     if longest > T:
@@ -96,8 +96,8 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
             f"({int(longest)} tokens: prompt and completion)"
         )
     shard_N = np.arange(N) // (N // shards)
-    place = {k: np.full((O, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
-    count = np.zeros(O, np.int32)
+    place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
+    count = np.zeros(steps, np.int32)
     for s, rows in enumerate(step_rows):
         groups = [[r for r in rows[i : i + G] if trained_N[r]] for i in range(0, len(rows), G)]
         groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))

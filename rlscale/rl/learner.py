@@ -427,7 +427,7 @@ class Learner:
         metrics of its layout (what the forward rows hold: a bucket per compiled program,
         and their padding)."""
         rows_OUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
-        O, U, n = rows_OUn.shape
+        steps, U, n = rows_OUn.shape  # O optimizer steps.
         divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
         M = batch_layout.trimmed_length(rollouts, self.max_len, self.length_buckets)
         P = rollouts.prompt_len
@@ -460,7 +460,7 @@ class Learner:
             host["attn"][:, W - M - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
             place, count = batch_layout.pack(
                 rollouts,
-                rows_OUn.reshape(O, U * n),
+                rows_OUn.reshape(steps, U * n),
                 pack_length=self.pack_length,
                 pack_rows=spec.forward.pack_rows,
                 shards=divisor,
@@ -478,13 +478,13 @@ class Learner:
         else:
             _, fwd = batch_layout.plan(
                 rollouts,
-                rows_OUn.reshape(O * U, n),
+                rows_OUn.reshape(steps * U, n),
                 max_len=self.max_len,
                 buckets=self.length_buckets,
                 shards=divisor,
             )
             shape = {"train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0))}
             # Forward rows sharded on their rows (dim 2); micro-batches' rows replicated.
-            fwd = put({k: v.reshape(O, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
+            fwd = put({k: v.reshape(steps, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
         args = (state, ref_params, put(host), fwd, sharding.replicate(rows_OUn, self.mesh))
         return args, {"spec": spec}, {"train/length_bucket": M, **shape}
