@@ -533,8 +533,8 @@ def test_encoding_drops_what_does_not_fit_and_refuses_mismatched_labels(tok, cap
     with caplog.at_level(logging.WARNING, logger="absl"):
         enc = prm_lib.encode_examples(examples, tok, CFG)
     assert enc.sources == [0] and enc.batch.tokens_NT.shape == (1, CFG.seq_len)
-    np.testing.assert_array_equal(enc.batch.labels_NS[0], [1.0, 1.0, 0.5, 0, 0, 0])
-    np.testing.assert_array_equal(enc.batch.positions_NS[0, :3], np.array([1, 3, 4]) + 5)
+    np.testing.assert_array_equal(enc.batch.labels_NJ[0], [1.0, 1.0, 0.5, 0, 0, 0])
+    np.testing.assert_array_equal(enc.batch.positions_NJ[0, :3], np.array([1, 3, 4]) + 5)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "1 of 4 completions have no step delimiter '=' (each is one step), e.g. 3",
         "dropped 1 of 4 labelled completions without steps (seq_len=20, max_steps=6): rows 3",

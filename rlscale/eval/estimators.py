@@ -8,7 +8,8 @@ each gives one value per prompt: average over prompts for a benchmark number.
   maj_at_n    the reward of the (weighted) majority-vote answer among N (self-consistency,
               Wang et al. 2023), averaged over the N-subsets of G
 
-Dimension letters: B problems, G samples per problem, R subsets of them, M distinct answers.
+Dimension letters: B problems, G samples per problem, N of them per subset, Z subsets, a distinct
+answers, W summed columns (`_subset_sums`).
 
 The N-sample metrics are unbiased estimates of the metric with N samples per problem from the
 G > N drawn: the mean over the C(G, N) ways of choosing N of them (a closed form for pass@N
@@ -138,36 +139,36 @@ class Vote(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _all_subsets(G: int, n: int) -> np.ndarray:
     """[C(G, n), n] the sample indices of every n-subset of G samples."""
-    idx_RN = np.array(list(itertools.combinations(range(G), n)), np.int64).reshape(-1, n)
-    idx_RN.flags.writeable = False
-    return idx_RN
+    idx_ZN = np.array(list(itertools.combinations(range(G), n)), np.int64).reshape(-1, n)
+    idx_ZN.flags.writeable = False
+    return idx_ZN
 
 
-def _subset_sums(table_GK: np.ndarray, idx_RN: np.ndarray) -> np.ndarray:
-    """[R, K] the sums of `table_GK`'s rows over each subset: one gathered add per member
+def _subset_sums(table_GW: np.ndarray, idx_ZN: np.ndarray) -> np.ndarray:
+    """[Z, W] the sums of `table_GW`'s rows over each subset: one gathered add per member
     (a BLAS product with an indicator matrix is as much work, and far slower when its threads
     share busy cores)."""
-    acc_RK = table_GK[idx_RN[:, 0]]
-    for j in range(1, idx_RN.shape[1]):
-        acc_RK += table_GK[idx_RN[:, j]]
-    return acc_RK
+    acc_ZW = table_GW[idx_ZN[:, 0]]
+    for j in range(1, idx_ZN.shape[1]):
+        acc_ZW += table_GW[idx_ZN[:, j]]
+    return acc_ZW
 
 
-def _subset_votes(id_G, M: int, weights_G, rewards_G, idx_RN) -> np.ndarray:
-    """One problem's vote in each subset `idx_RN`: the mean reward of its most-voted answers.
+def _subset_votes(id_G, a: int, weights_G, rewards_G, idx_ZN) -> np.ndarray:
+    """One problem's vote in each subset `idx_ZN`: the mean reward of its most-voted answers.
 
-    `id_G` is each sample's answer in [0, M) (-1: none); K = 3M summed columns, each answer's
+    `id_G` is each sample's answer in [0, a) (-1: none); W = 3a summed columns, each answer's
     count, votes and reward."""
-    onehot_GM = (id_G[:, None] == np.arange(M)).astype(np.float64)
-    table_GK = np.concatenate(
-        [onehot_GM, onehot_GM * weights_G[:, None], onehot_GM * rewards_G[:, None]],
+    onehot_Ga = (id_G[:, None] == np.arange(a)).astype(np.float64)
+    table_GW = np.concatenate(
+        [onehot_Ga, onehot_Ga * weights_G[:, None], onehot_Ga * rewards_G[:, None]],
         axis=1,
     )
-    count_RM, votes_RM, reward_RM = np.split(_subset_sums(table_GK, idx_RN), 3, axis=1)
-    reward_RM = reward_RM / np.maximum(count_RM, 1)
-    votes_RM = np.where(count_RM > 0, votes_RM, -np.inf)
-    top_RM = (count_RM > 0) & (votes_RM == votes_RM.max(1, keepdims=True))
-    return (top_RM * reward_RM).sum(1) / np.maximum(top_RM.sum(1), 1)
+    count_Za, votes_Za, reward_Za = np.split(_subset_sums(table_GW, idx_ZN), 3, axis=1)
+    reward_Za = reward_Za / np.maximum(count_Za, 1)
+    votes_Za = np.where(count_Za > 0, votes_Za, -np.inf)
+    top_Za = (count_Za > 0) & (votes_Za == votes_Za.max(1, keepdims=True))
+    return (top_Za * reward_Za).sum(1) / np.maximum(top_Za.sum(1), 1)
 
 
 def maj_at_n(
@@ -236,11 +237,11 @@ def maj_at_n(
         if not index:  # Nobody answers: every subset scores 0.
             continue
         if exact:
-            idx_RN = _all_subsets(G, n)
+            idx_ZN = _all_subsets(G, n)
         else:  # The first n of a random permutation: a uniform n-subset.
-            idx_RN = np.argsort(rng.random((max_subsets, G)), axis=1)[:, :n]
-        value_R = _subset_votes(id_G, len(index), weights_BG[p], rewards_BG[p], idx_RN)
-        value_B[p] = value_R.mean()
+            idx_ZN = np.argsort(rng.random((max_subsets, G)), axis=1)[:, :n]
+        value_Z = _subset_votes(id_G, len(index), weights_BG[p], rewards_BG[p], idx_ZN)
+        value_B[p] = value_Z.mean()
         if not exact:
-            stderr_B[p] = value_R.std(ddof=1) / np.sqrt(len(value_R)) if len(value_R) > 1 else 0
+            stderr_B[p] = value_Z.std(ddof=1) / np.sqrt(len(value_Z)) if len(value_Z) > 1 else 0
     return Vote(value_B, stderr_B, math.comb(G, n) if exact else max_subsets, exact)

@@ -7,7 +7,7 @@ curves (`best_of_n`); with `step_search`, a PRM-guided beam search over steps
 (`step_search`). The report is one JSON file (default WORKDIR/eval_{split}.json). Flags and
 figures: docs/evaluation.md.
 
-Dimension letters: B prompts, k (G) samples per prompt, N = B k rows.
+Dimension letters: B prompts, G = k samples per prompt (the k of pass@k), N = B * G rows.
 """
 
 import json

@@ -1,7 +1,7 @@
 """The held-out metrics a training run logs at each evaluation (the RL loop's, the warm
 start's): mean reward, pass@1 and, with n > 1 samples per prompt, the unbiased pass@n.
 
-Dimension letters: B prompts, n samples per prompt.
+Dimension letters: B prompts, G = n samples per prompt (the n of pass@n).
 """
 
 from rlscale.eval import estimators

@@ -4,7 +4,8 @@ The module tree is split once (`nnx.split`) into a static `GraphDef` and a param
 jitted function takes the params pytree explicitly (`forward(graphdef, params, ...)`).
 
 Dimension letters: B batch, T tokens of this call, S KV-cache slots, D model width, H query
-heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP width, V vocab.
+heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP width, V vocab,
+X = T * Q a kv head's queries, flattened (`attention`).
 
 Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
 (their RoPE positions). With a KV cache, the T new tokens are written at cache slots
@@ -194,19 +195,19 @@ def attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale: float):
     """Softmax attention with grouped query heads; scores and softmax in float32.
 
     Both contractions are written as 4-D batched matmuls over (B, K) with the T x Q queries of
-    a kv head folded into one dimension (R = T * Q): XLA:CPU runs the equivalent 5-D einsums
+    a kv head folded into one dimension (X = T * Q): XLA:CPU runs the equivalent 5-D einsums
     5x slower.
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKES.shape[1]
     Q = H // K
-    q_BKRE = q_BTHE.reshape(B, T, K, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * Q, E)
-    s = jnp.einsum("bkre,bkes->bkrs", q_BKRE, k_BKES, preferred_element_type=jnp.float32)
+    q_BKXE = q_BTHE.reshape(B, T, K, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * Q, E)
+    s = jnp.einsum("bkxe,bkes->bkxs", q_BKXE, k_BKES, preferred_element_type=jnp.float32)
     s = s.reshape(B, K, T, Q, -1)
     s = jnp.where(mask_BTS[:, None, :, None], s * scale, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v_BKSE.dtype).reshape(B, K, T * Q, -1)
-    o_BKRE = jnp.einsum("bkrs,bkse->bkre", p, v_BKSE)
-    return o_BKRE.reshape(B, K, T, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
+    o_BKXE = jnp.einsum("bkxs,bkse->bkxe", p, v_BKSE)
+    return o_BKXE.reshape(B, K, T, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
 
 
 def causal_attention(q_BTHE, k_BKET, v_BKTE, mask_BTT, scale: float, chunk: int = 128):

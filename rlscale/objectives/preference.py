@@ -1,7 +1,8 @@
 """Preference losses, each a whole loss stage: DPO, IPO and SimPO on pairs (rows 2p chosen, 2p + 1
 rejected), KTO on labelled rows. Formulas: docs/objectives.md.
 
-Arrays are [N, M]: N = B * G rows (prompt-major), M completion tokens; P = N / 2 pairs.
+Arrays are [N, M]: N = B * G rows (prompt-major), M completion tokens; B = N / 2 pairs
+(G = 2) in the pair losses.
 """
 
 import jax
@@ -33,8 +34,8 @@ def _pairs(x_N, by: str):
         raise ValueError(
             f"{by}: {n} rows are not whole preference pairs (groups of 2 rows: chosen, rejected)"
         )
-    x_P2 = x_N.reshape(n // 2, 2)
-    return x_P2[:, 0], x_P2[:, 1]
+    x_B2 = x_N.reshape(n // 2, 2)
+    return x_B2[:, 0], x_B2[:, 1]
 
 
 def _check_pairs(name: str, group_size: int):
@@ -51,25 +52,25 @@ def _positive(name: str, **values):
             raise ValueError(f"{name}: {k}={v} must be > 0")
 
 
-def _reduce_pairs(terms, loss_P, tokens_N, by: str, reward_c_P, reward_r_P):
+def _reduce_pairs(terms, loss_B, tokens_N, by: str, reward_c_B, reward_r_B):
     """`loss_sum` over the pairs with tokens on both sides, `denominator` their number, and
     the implicit-reward metrics over them."""
     tokens_c, tokens_r = _pairs(tokens_N, by)
-    valid_P = (tokens_c > 0) & (tokens_r > 0)
-    v = valid_P.astype(jnp.float32)
+    valid_B = (tokens_c > 0) & (tokens_r > 0)
+    v = valid_B.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(v), 1.0)
-    margin_P = reward_c_P - reward_r_P
+    margin_B = reward_c_B - reward_r_B
     terms = {
         **terms,
-        "loss_sum": jnp.sum(jnp.where(valid_P, loss_P, 0.0)),
+        "loss_sum": jnp.sum(jnp.where(valid_B, loss_B, 0.0)),
         "denominator": jnp.sum(v),
     }
     return add_metrics(
         terms,
-        implicit_reward_chosen=jnp.sum(v * reward_c_P) / n,
-        implicit_reward_rejected=jnp.sum(v * reward_r_P) / n,
-        implicit_reward_margin=jnp.sum(v * margin_P) / n,
-        implicit_reward_accuracy=jnp.sum(v * (margin_P > 0)) / n,
+        implicit_reward_chosen=jnp.sum(v * reward_c_B) / n,
+        implicit_reward_rejected=jnp.sum(v * reward_r_B) / n,
+        implicit_reward_margin=jnp.sum(v * margin_B) / n,
+        implicit_reward_accuracy=jnp.sum(v * (margin_B > 0)) / n,
     )
 
 
@@ -101,10 +102,10 @@ def dpo(beta: float = 0.1, label_smoothing: float = 0.0, group_size: int = 2) ->
         s_N, tokens_N = _log_ratio(terms, by="dpo")
         s_c, s_r = _pairs(s_N, by="dpo")
         z = beta * (s_c - s_r)
-        loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z)
+        loss_B = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z)
         if label_smoothing:
-            loss_P = loss_P - label_smoothing * jax.nn.log_sigmoid(-z)
-        return _reduce_pairs(terms, loss_P, tokens_N, "dpo", beta * s_c, beta * s_r)
+            loss_B = loss_B - label_smoothing * jax.nn.log_sigmoid(-z)
+        return _reduce_pairs(terms, loss_B, tokens_N, "dpo", beta * s_c, beta * s_r)
 
     return stateless(fn)
 
@@ -138,8 +139,8 @@ def ipo(tau: float = 0.1, group_size: int = 2) -> Transform:
     def fn(terms):
         s_N, tokens_N = _log_ratio(terms, by="ipo")
         s_bar_c, s_bar_r = _pairs(s_N / jnp.maximum(tokens_N, 1.0), by="ipo")
-        loss_P = jnp.square(s_bar_c - s_bar_r - 1.0 / (2.0 * tau))
-        return _reduce_pairs(terms, loss_P, tokens_N, "ipo", s_bar_c, s_bar_r)
+        loss_B = jnp.square(s_bar_c - s_bar_r - 1.0 / (2.0 * tau))
+        return _reduce_pairs(terms, loss_B, tokens_N, "ipo", s_bar_c, s_bar_r)
 
     return stateless(fn)
 
@@ -161,8 +162,8 @@ def simpo(beta: float = 2.0, gamma: float = 0.5, group_size: int = 2) -> Transfo
         require(terms, "logp", "mask", by="simpo")
         logp_N, tokens_N = _row_sums(terms["logp"], terms["mask"])
         r_c, r_r = _pairs(beta * logp_N / jnp.maximum(tokens_N, 1.0), by="simpo")
-        loss_P = -jax.nn.log_sigmoid(r_c - r_r - gamma)
-        return _reduce_pairs(terms, loss_P, tokens_N, "simpo", r_c, r_r)
+        loss_B = -jax.nn.log_sigmoid(r_c - r_r - gamma)
+        return _reduce_pairs(terms, loss_B, tokens_N, "simpo", r_c, r_r)
 
     return stateless(fn)
 

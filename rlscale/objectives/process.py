@@ -5,8 +5,10 @@ advantages.
 token and 0 elsewhere; `step_mask` [N, M] is 1 exactly at those positions (so a step whose
 reward is 0 still counts in the group's statistics). The rollout stage provides both, from a
 `process_reward.ProcessRewardModel` (`step_rewards`: the PRM's probability that the prefix
-through the step leads to a correct answer). Arrays are [N, M]: N = B * G sampled rows,
-prompt-major, M completion tokens.
+through the step leads to a correct answer). Arrays are [N, M].
+
+Dimension letters: B prompts, G samples per prompt, N = B * G sampled rows (prompt-major), M
+completion tokens, X = G * M a group's tokens, flattened.
 """
 
 import jax
@@ -87,14 +89,14 @@ def process_advantages(
         if N % group_size:
             raise ValueError(f"{N} rows are not whole groups of {group_size}")
         if normalize == "group":
-            r_BK, s_BK = r.reshape(-1, group_size * M), s.reshape(-1, group_size * M)
-            n_B = jnp.sum(s_BK, axis=1, keepdims=True)
-            mean_B = jnp.sum(r_BK, axis=1, keepdims=True) / jnp.maximum(n_B, 1.0)
-            centred_BK = (r_BK - mean_B) * s_BK
-            var_B = jnp.sum(jnp.square(centred_BK), axis=1, keepdims=True) / jnp.maximum(
+            r_BX, s_BX = r.reshape(-1, group_size * M), s.reshape(-1, group_size * M)
+            n_B = jnp.sum(s_BX, axis=1, keepdims=True)
+            mean_B = jnp.sum(r_BX, axis=1, keepdims=True) / jnp.maximum(n_B, 1.0)
+            centred_BX = (r_BX - mean_B) * s_BX
+            var_B = jnp.sum(jnp.square(centred_BX), axis=1, keepdims=True) / jnp.maximum(
                 n_B - 1.0, 1.0
             )
-            r = (centred_BK / (jnp.sqrt(var_B) + eps)).reshape(N, M)
+            r = (centred_BX / (jnp.sqrt(var_B) + eps)).reshape(N, M)
         process_NM = coef * reverse_cumsum(r) * m
         adv = process_NM
         if mix == "add":

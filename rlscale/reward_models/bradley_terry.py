@@ -9,7 +9,7 @@ ids and the EOS when `RMConfig.add_eos`, right-padded to one bucket of `seq_len`
 pair with a side longer than the bucket is dropped, with one warning counting them. The
 derivation and the saved directory's layout: docs/preference_and_reward_models.md.
 
-Dimension letters: P pairs, N rows (2P in a pair batch: row 2p chosen, 2p + 1 rejected, the
+Dimension letters: B pairs, N rows (2B in a pair batch: row 2p chosen, 2p + 1 rejected, the
 layout of `rlscale.objectives.preference`), T tokens (the bucket), D model width.
 """
 
@@ -94,17 +94,17 @@ def score(graphdef, params, tokens_NT, lengths_N):
     return rewards(graphdef, params, tokens_NT, lengths_N)
 
 
-def pair_loss(r_c_P, r_r_P):
-    """Bradley-Terry: (sum_p -log sigmoid(r_c - r_r), P), the sum and its denominator, so
+def pair_loss(r_c_B, r_r_B):
+    """Bradley-Terry: (sum_p -log sigmoid(r_c - r_r), B), the sum and its denominator, so
     accumulation over micro-batches is exact. d sum / d r_c_p = -sigmoid(r_r_p - r_c_p)."""
-    return jnp.sum(-jax.nn.log_sigmoid(r_c_P - r_r_P)), jnp.float32(r_c_P.shape[0])
+    return jnp.sum(-jax.nn.log_sigmoid(r_c_B - r_r_B)), jnp.float32(r_c_B.shape[0])
 
 
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("params", "opt_state")
 )
 def train_step(graphdef, cfg: RMConfig, params, opt_state, batch: Batch):
-    """One AdamW step on the mean pair loss of a batch of P pairs (rows 2p chosen, 2p + 1
+    """One AdamW step on the mean pair loss of a batch of B pairs (rows 2p chosen, 2p + 1
     rejected). Returns (params, opt_state, metrics): `loss`, `accuracy` (the fraction with
     r_c > r_r), `margin` (mean r_c - r_r) and `grad_norm`, before the update."""
     optimizer = scalar_head.make_optimizer(cfg)
@@ -133,8 +133,8 @@ def train_step(graphdef, cfg: RMConfig, params, opt_state, batch: Batch):
 
 
 class Encoded(NamedTuple):
-    """Pairs as padded rows: `tokens_NT` int32 [2P, T] (row 2p chosen, 2p + 1 rejected),
-    `lengths_N` int32 [2P], and each pair's `source`."""
+    """Pairs as padded rows: `tokens_NT` int32 [2B, T] (row 2p chosen, 2p + 1 rejected),
+    `lengths_N` int32 [2B], and each pair's `source`."""
 
     tokens_NT: np.ndarray
     lengths_N: np.ndarray

@@ -7,7 +7,7 @@ probabilities (`prm_min`, `prm_last`, `prm_product`); dense step rewards for RL
 A saved PRM is a reward-model directory (`head.save`: decoder/, head.npz, the tokenizer,
 reward_model.json) plus `process_reward.json` (the `PRMConfig`, the delimiter with it).
 
-Dimension letters: N rows, T tokens (the bucket), S steps (padded to the longest row, or to
+Dimension letters: N rows, T tokens (the bucket), J steps (padded to the longest row, or to
 `max_steps` in training), M completion tokens, D model width.
 """
 
@@ -87,14 +87,14 @@ class PRMConfig(scalar_head.TrainSettings):
 
 class StepBatch(NamedTuple):
     """Right-padded rows and their steps: ids [N, T], real tokens per row [N], each step's
-    last token's position in the row [N, S] (0 where padded), which steps are real [N, S],
-    and the labels [N, S] (0 where padded)."""
+    last token's position in the row [N, J] (0 where padded), which steps are real [N, J],
+    and the labels [N, J] (0 where padded)."""
 
     tokens_NT: jax.Array
     lengths_N: jax.Array
-    positions_NS: jax.Array
-    step_mask_NS: jax.Array
-    labels_NS: jax.Array
+    positions_NJ: jax.Array
+    step_mask_NJ: jax.Array
+    labels_NJ: jax.Array
 
 
 def token_scores(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
@@ -110,19 +110,19 @@ def token_scores(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
     return h_NTD.astype(jnp.float32) @ head["w"] + head["b"]
 
 
-def step_scores(graphdef, params, tokens_NT, lengths_N, positions_NS, remat: str = "none"):
-    """s [N, S]: `token_scores` at each step's last token."""
+def step_scores(graphdef, params, tokens_NT, lengths_N, positions_NJ, remat: str = "none"):
+    """s [N, J]: `token_scores` at each step's last token."""
     s_NT = token_scores(graphdef, params, tokens_NT, lengths_N, remat)
-    return jnp.take_along_axis(s_NT, positions_NS, axis=1)
+    return jnp.take_along_axis(s_NT, positions_NJ, axis=1)
 
 
-def step_loss(scores_NS, labels_NS, mask_NS):
+def step_loss(scores_NJ, labels_NJ, mask_NJ):
     """Binary cross-entropy against soft labels, as (sum over real steps, #real steps), so
     accumulation is exact: -[y log sigmoid(s) + (1 - y) log sigmoid(-s)] per step;
     d / d s = sigmoid(s) - y."""
-    m = mask_NS.astype(jnp.float32)
-    y = labels_NS.astype(jnp.float32)
-    bce = -(y * jax.nn.log_sigmoid(scores_NS) + (1.0 - y) * jax.nn.log_sigmoid(-scores_NS))
+    m = mask_NJ.astype(jnp.float32)
+    y = labels_NJ.astype(jnp.float32)
+    bce = -(y * jax.nn.log_sigmoid(scores_NJ) + (1.0 - y) * jax.nn.log_sigmoid(-scores_NJ))
     return jnp.sum(bce * m), jnp.sum(m)
 
 
@@ -136,17 +136,17 @@ def train_step(graphdef, cfg: PRMConfig, params, opt_state, batch: StepBatch):
     optimizer = scalar_head.make_optimizer(cfg)
 
     def loss_fn(p):
-        s_NS = step_scores(
-            graphdef, p, batch.tokens_NT, batch.lengths_N, batch.positions_NS, cfg.remat
+        s_NJ = step_scores(
+            graphdef, p, batch.tokens_NT, batch.lengths_N, batch.positions_NJ, cfg.remat
         )
-        total, n = step_loss(s_NS, batch.labels_NS, batch.step_mask_NS)
-        return total / jnp.maximum(n, 1.0), s_NS
+        total, n = step_loss(s_NJ, batch.labels_NJ, batch.step_mask_NJ)
+        return total / jnp.maximum(n, 1.0), s_NJ
 
-    (loss, s_NS), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, s_NJ), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    m = batch.step_mask_NS.astype(jnp.float32)
-    agree = ((s_NS > 0) == (batch.labels_NS > 0.5)).astype(jnp.float32)
+    m = batch.step_mask_NJ.astype(jnp.float32)
+    agree = ((s_NJ > 0) == (batch.labels_NJ > 0.5)).astype(jnp.float32)
     metrics = {
         "loss": loss,
         "accuracy": jnp.sum(agree * m) / jnp.maximum(jnp.sum(m), 1.0),
@@ -232,12 +232,12 @@ def encode_examples(
         raise ValueError(
             f"no labelled completion fits (seq_len={cfg.seq_len}, max_steps={cfg.max_steps})"
         )
-    N, S = len(rows), cfg.max_steps
+    N, J = len(rows), cfg.max_steps
     tokens = np.full((N, cfg.seq_len), max(tokenizer.padding_id, 0), np.int32)
     lengths = np.zeros(N, np.int32)
-    positions = np.zeros((N, S), np.int32)
-    mask = np.zeros((N, S), bool)
-    labels = np.zeros((N, S), np.float32)
+    positions = np.zeros((N, J), np.int32)
+    mask = np.zeros((N, J), bool)
+    labels = np.zeros((N, J), np.float32)
     for r, (_, ids, pos, lab) in enumerate(rows):
         tokens[r, : len(ids)], lengths[r] = ids, len(ids)
         positions[r, : len(pos)], mask[r, : len(pos)], labels[r, : len(pos)] = pos, True, lab
@@ -248,10 +248,10 @@ def heldout_metrics(graphdef, params, encoded: Encoded, chunk: int = 128) -> tup
     """(mean step loss, step accuracy) of `encoded` rows (accuracy as in `train_step`)."""
     b = encoded.batch
     s_NT = token_scores_of_rows(graphdef, params, b.tokens_NT, b.lengths_N, chunk)
-    s_NS = np.take_along_axis(s_NT, b.positions_NS, axis=1)
-    total, n = step_loss(s_NS, b.labels_NS, b.step_mask_NS)
-    agree = (s_NS > 0) == (b.labels_NS > 0.5)
-    return float(total) / max(float(n), 1.0), float(agree[b.step_mask_NS].mean())
+    s_NJ = np.take_along_axis(s_NT, b.positions_NJ, axis=1)
+    total, n = step_loss(s_NJ, b.labels_NJ, b.step_mask_NJ)
+    agree = (s_NJ > 0) == (b.labels_NJ > 0.5)
+    return float(total) / max(float(n), 1.0), float(agree[b.step_mask_NJ].mean())
 
 
 def train(
@@ -322,8 +322,8 @@ class ProcessRewardModel:
         completion_ids: Sequence[Sequence[int]],
         chunk: int = 64,
     ) -> tuple[np.ndarray, np.ndarray, list[step_labels.Steps]]:
-        """(s [N, S], mask [N, S], steps): each step's score (a logit; sigmoid(s) estimates
-        its prefix's value), S the most steps of any row, and each row's `Steps`. Rows are a
+        """(s [N, J], mask [N, J], steps): each step's score (a logit; sigmoid(s) estimates
+        its prefix's value), J the most steps of any row, and each row's `Steps`. Rows are a
         prompt's ids (with its BOS) and a completion's ids, as the RL loop holds them (an EOS
         at the end changes no score).
 
@@ -339,8 +339,8 @@ class ProcessRewardModel:
         rows = [[*p, *c] for p, c in zip(prompt_ids, completion_ids)]
         batch = rm.pad_rows(rows, self.config.seq_len, self.tokenizer.padding_id)
         s_NT = token_scores_of_rows(self.graphdef, self.params, *batch, chunk)
-        S = max([s.num_steps for s in steps], default=0)
-        scores, mask = np.zeros((len(rows), S), np.float32), np.zeros((len(rows), S), bool)
+        J = max([s.num_steps for s in steps], default=0)
+        scores, mask = np.zeros((len(rows), J), np.float32), np.zeros((len(rows), J), bool)
         for i, (p, s) in enumerate(zip(prompt_ids, steps)):
             pos = len(p) + np.asarray(s.last_tokens, np.int64)
             scores[i, : s.num_steps], mask[i, : s.num_steps] = s_NT[i, pos], True
@@ -369,8 +369,8 @@ class ProcessRewardModel:
                 f"completion {long[0]} has {len(completion_ids[long[0]])} tokens, more than "
                 f"max_len={max_len}"
             )
-        s_NS, mask_NS, steps = self.score_steps(prompt_ids, completion_ids, chunk)
-        p_NS = sigmoid(s_NS)
+        s_NJ, mask_NJ, steps = self.score_steps(prompt_ids, completion_ids, chunk)
+        p_NJ = sigmoid(s_NJ)
         reward = np.zeros((len(steps), max_len), np.float32)
         mask = np.zeros((len(steps), max_len), bool)
         for i, (c, s) in enumerate(zip(completion_ids, steps)):
@@ -378,7 +378,7 @@ class ProcessRewardModel:
                 continue
             pos = np.asarray(s.last_tokens, np.int64)
             pos[-1] = len(c) - 1
-            reward[i, pos], mask[i, pos] = p_NS[i, : s.num_steps], True
+            reward[i, pos], mask[i, pos] = p_NJ[i, : s.num_steps], True
         return reward, mask
 
 
@@ -428,38 +428,38 @@ def sigmoid(s) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -np.asarray(s, np.float64)))
 
 
-def _check_steps(p_NS, mask_NS):
-    p_NS, mask_NS = np.asarray(p_NS, np.float64), np.asarray(mask_NS, bool)
-    if p_NS.ndim != 2 or p_NS.shape != mask_NS.shape:
+def _check_steps(p_NJ, mask_NJ):
+    p_NJ, mask_NJ = np.asarray(p_NJ, np.float64), np.asarray(mask_NJ, bool)
+    if p_NJ.ndim != 2 or p_NJ.shape != mask_NJ.shape:
         raise ValueError(
-            f"step probabilities {p_NS.shape} and mask {mask_NS.shape} must be one [N, S] shape"
+            f"step probabilities {p_NJ.shape} and mask {mask_NJ.shape} must be one [N, S] shape"
         )
-    return p_NS, mask_NS
+    return p_NJ, mask_NJ
 
 
-def prm_min(p_NS, mask_NS) -> np.ndarray:
+def prm_min(p_NJ, mask_NJ) -> np.ndarray:
     """min_j p_j over each row's steps (Wang et al. 2024): a completion is as good as its
     weakest step. A row without steps scores 0."""
-    p_NS, mask_NS = _check_steps(p_NS, mask_NS)
-    out = np.where(mask_NS, p_NS, np.inf).min(axis=1, initial=np.inf)
-    return np.where(mask_NS.any(axis=1), out, 0.0)
+    p_NJ, mask_NJ = _check_steps(p_NJ, mask_NJ)
+    out = np.where(mask_NJ, p_NJ, np.inf).min(axis=1, initial=np.inf)
+    return np.where(mask_NJ.any(axis=1), out, 0.0)
 
 
-def prm_last(p_NS, mask_NS) -> np.ndarray:
+def prm_last(p_NJ, mask_NJ) -> np.ndarray:
     """p of each row's last step: the value of the whole completion. No steps: 0."""
-    p_NS, mask_NS = _check_steps(p_NS, mask_NS)
-    S = mask_NS.shape[1]
-    last = S - 1 - np.argmax(mask_NS[:, ::-1], axis=1) if S else np.zeros(len(p_NS), int)
-    out = p_NS[np.arange(len(p_NS)), last] if S else np.zeros(len(p_NS))
-    return np.where(mask_NS.any(axis=1), out, 0.0)
+    p_NJ, mask_NJ = _check_steps(p_NJ, mask_NJ)
+    J = mask_NJ.shape[1]
+    last = J - 1 - np.argmax(mask_NJ[:, ::-1], axis=1) if J else np.zeros(len(p_NJ), int)
+    out = p_NJ[np.arange(len(p_NJ)), last] if J else np.zeros(len(p_NJ))
+    return np.where(mask_NJ.any(axis=1), out, 0.0)
 
 
-def prm_product(p_NS, mask_NS) -> np.ndarray:
+def prm_product(p_NJ, mask_NJ) -> np.ndarray:
     """prod_j p_j over each row's steps (Lightman et al. 2023): the probability that every
     step is right, were they independent. No steps: 0."""
-    p_NS, mask_NS = _check_steps(p_NS, mask_NS)
-    out = np.prod(np.where(mask_NS, p_NS, 1.0), axis=1)
-    return np.where(mask_NS.any(axis=1), out, 0.0)
+    p_NJ, mask_NJ = _check_steps(p_NJ, mask_NJ)
+    out = np.prod(np.where(mask_NJ, p_NJ, 1.0), axis=1)
+    return np.where(mask_NJ.any(axis=1), out, 0.0)
 
 
 AGGREGATIONS = {"min": prm_min, "last": prm_last, "product": prm_product}
@@ -480,8 +480,8 @@ def prm_scores(
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is not one of {tuple(AGGREGATIONS)}")
-    s_NS, mask_NS, _ = prm.score_steps(prompt_ids, completion_ids)
-    return AGGREGATIONS[aggregation](sigmoid(s_NS), mask_NS)
+    s_NJ, mask_NJ, _ = prm.score_steps(prompt_ids, completion_ids)
+    return AGGREGATIONS[aggregation](sigmoid(s_NJ), mask_NJ)
 
 
 def row_bucket(

@@ -10,7 +10,8 @@ is a newline (`DEFAULT_DELIMITER`); the arithmetic task writes one operation per
 loop holds them (`token_char_ends`). The labels' estimator:
 docs/preference_and_reward_models.md.
 
-Dimension letters: N rows, S steps, K rollouts per prefix, M completion tokens.
+Dimension letters: N rows, J steps, I step prefixes (every completion's, flattened), A rollouts
+per prefix, M completion tokens.
 """
 
 from __future__ import annotations
@@ -210,8 +211,8 @@ class PrefixVerifier:
 
 
 class StepLabels(NamedTuple):
-    """One completion's Monte-Carlo labels: `soft` [S] (the fraction of the K continuations
-    from each step's prefix that are correct) and `hard` [S] (1 if any is), with its `steps`
+    """One completion's Monte-Carlo labels: `soft` [J] (the fraction of the A continuations
+    from each step's prefix that are correct) and `hard` [J] (1 if any is), with its `steps`
     (character offsets)."""
 
     steps: Steps
@@ -238,7 +239,7 @@ def mc_step_labels(
     """Math-Shepherd's Monte-Carlo labels of each step of each completion (module docstring).
 
     Every prefix but the last (the whole completion) of every completion is continued
-    `num_rollouts` (K) times with `sampler` and `params` at `cfg`'s settings, in one
+    `num_rollouts` (A) times with `sampler` and `params` at `cfg`'s settings, in one
     `scoring.sample_and_score` call (`chunk` prefixes per sampler call, all by default); each
     continuation is scored by `verifier(prefix ++ continuation, problem)`, in `pool` when
     given, and counts as correct when its reward is > 0 (as `scoring.evaluate` counts
@@ -251,8 +252,8 @@ def mc_step_labels(
       problems: one problem (with a `.prompt`) per completion.
       completions: the completions' texts.
       verifier: the task's `verify(text, problem) -> reward`.
-      num_rollouts: K continuations per prefix.
-      cfg: sampling settings; `num_samples` is replaced by K.
+      num_rollouts: A continuations per prefix.
+      cfg: sampling settings; `num_samples` is replaced by A.
       rng: the sampling key.
       delimiter: what ends a step (`split_steps`).
       pool, timeout: a verifier pool and its per-sample deadline (`scoring.Scorer`).
@@ -262,7 +263,7 @@ def mc_step_labels(
       One `StepLabels` per completion, in order.
 
     Raises:
-      ValueError: On mismatched lengths, K < 1, or a delimiter that occurs in no completion
+      ValueError: On mismatched lengths, A < 1, or a delimiter that occurs in no completion
         (`check_delimiter`).
     """
     if len(problems) != len(completions):
@@ -277,7 +278,7 @@ def mc_step_labels(
         for end in s.ends[:-1]
     ]
     outcome, _ = scoring.Scorer(verifier, pool, timeout)(list(completions), list(problems))
-    correct_IK = np.zeros((0, num_rollouts), bool)
+    correct_IA = np.zeros((0, num_rollouts), bool)
     if items:
         samples = scoring.sample_and_score(
             sampler,
@@ -289,17 +290,17 @@ def mc_step_labels(
             scoring.Scorer(PrefixVerifier(verifier), pool, timeout),
             chunk,
         )
-        correct_IK = samples.reward_N.reshape(len(items), num_rollouts) > 0
-    return _labels(steps, outcome, correct_IK)
+        correct_IA = samples.reward_N.reshape(len(items), num_rollouts) > 0
+    return _labels(steps, outcome, correct_IA)
 
 
-def _labels(steps: Sequence[Steps], outcome, correct_IK: np.ndarray) -> list[StepLabels]:
-    """Each completion's `StepLabels`: its prefixes' rows of `correct_IK` (completion-major,
-    S - 1 rows each) averaged (soft) or any-ed (hard), then its outcome's label."""
+def _labels(steps: Sequence[Steps], outcome, correct_IA: np.ndarray) -> list[StepLabels]:
+    """Each completion's `StepLabels`: its prefixes' rows of `correct_IA` (completion-major,
+    J - 1 rows each) averaged (soft) or any-ed (hard), then its outcome's label."""
     labels, at = [], 0
     for s, r in zip(steps, outcome):
         n = max(s.num_steps - 1, 0)
-        c = correct_IK[at : at + n]
+        c = correct_IA[at : at + n]
         at += n
         final = np.array([float(r > 0)] if s.num_steps else [])
         soft = np.concatenate([c.mean(axis=1), final])

@@ -4,7 +4,7 @@ each micro-batch's rows (`plan`), and where each trained sequence goes in packed
 (`pack`; the device builds them, `forward.packed_micro`).
 
 Dimension letters: N rows, P padded prompt length, M completion length (the batch's bucket),
-S optimizer steps per batch, K micro-batches, n rows per micro-batch, T tokens per forward
+O optimizer steps per batch, U micro-batches, n rows per micro-batch, T tokens per forward
 row.
 """
 
@@ -25,13 +25,13 @@ def plan(rollouts, micro_rows, *, max_len: int, buckets: int, shards: int):
 
     Args:
       rollouts: the batch (`rollouts.Rollouts`).
-      micro_rows: [K, n] int, the rows of each micro-batch.
+      micro_rows: [U, n] int, the rows of each micro-batch.
       max_len: the completion budget (`sampling.max_new_tokens`).
       buckets: `learner.length_buckets`.
       shards: the batch's shard count (`sharding.batch_divisor`).
 
     Returns:
-      (M, {"tokens", "positions", "segments": [K, n, P + M] int32, "gather": [K, n, M]
+      (M, {"tokens", "positions", "segments": [U, n, P + M] int32, "gather": [U, n, M]
       int32}): `segments` is the attention mask and `gather[k, i, m]` the flat index, within
       row i's batch shard of the micro-batch's rows ([n / shards * (P + M)]), of the hidden
       state that predicts completion token m of row `micro_rows[k, i]`.
@@ -39,7 +39,7 @@ def plan(rollouts, micro_rows, *, max_len: int, buckets: int, shards: int):
     P = rollouts.prompt_len
     attn_NL = rollouts.attn_mask_NL.astype(np.int32)
     M = trimmed_length(rollouts, max_len, buckets)
-    K, n = micro_rows.shape
+    U, n = micro_rows.shape
     T = P + M
     rows = micro_rows.reshape(-1)
     attn = attn_NL[rows, :T]
@@ -48,9 +48,9 @@ def plan(rollouts, micro_rows, *, max_len: int, buckets: int, shards: int):
         "positions": np.maximum(np.cumsum(attn, 1) - 1, 0),
         "segments": attn,
     }
-    out = {k: v.reshape(K, n, T).astype(np.int32) for k, v in out.items()}
+    out = {k: v.reshape(U, n, T).astype(np.int32) for k, v in out.items()}
     gather_nM = (np.arange(n) % (n // shards))[:, None] * T + P - 1 + np.arange(M)
-    out["gather"] = np.broadcast_to(gather_nM, (K, n, M)).astype(np.int32)
+    out["gather"] = np.broadcast_to(gather_nM, (U, n, M)).astype(np.int32)
     return M, out
 
 
@@ -73,21 +73,21 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
 
     Args:
       rollouts: the batch (`rollouts.Rollouts`), N rows.
-      step_rows: [S, n] int, each optimizer step's rows (whole groups).
+      step_rows: [O, n] int, each optimizer step's rows (whole groups).
       pack_length, pack_rows: `learner.pack_length`, `Learner.pack_rows`.
       shards: the batch's shard count (`sharding.batch_divisor`).
       group_size: samples per prompt (rows g * G ... g * G + G - 1 are group g).
 
     Returns:
-      (place, count): `place` holds [S, N] int32 arrays: `micro`, row r's micro-batch in step
+      (place, count): `place` holds [O, N] int32 arrays: `micro`, row r's micro-batch in step
       s (-1: not trained in it); `row`, its packed row within its shard's rows; `offset`, the
-      packed row's position of its first token. `count`: [S] int32, micro-batches per step.
+      packed row's position of its first token. `count`: [O] int32, micro-batches per step.
     """
     T, c, G = pack_length, pack_rows, group_size
     P = rollouts.prompt_len
     attn = rollouts.attn_mask_NL.astype(bool)
     length_N = attn[:, : P + rollouts.mask_NM.shape[1]].sum(1)
-    N, S = len(length_N), len(step_rows)
+    N, steps = len(length_N), len(step_rows)  # O optimizer steps.
     trained_N = rollouts.mask_NM.any(1)
     longest = length_N[trained_N].max(initial=0)
     if longest > T:
@@ -96,8 +96,8 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
             f"({int(longest)} tokens: prompt and completion)"
         )
     shard_N = np.arange(N) // (N // shards)
-    place = {k: np.full((S, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
-    count = np.zeros(S, np.int32)
+    place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
+    count = np.zeros(steps, np.int32)
     for s, rows in enumerate(step_rows):
         groups = [[r for r in rows[i : i + G] if trained_N[r]] for i in range(0, len(rows), G)]
         groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))

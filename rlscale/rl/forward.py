@@ -6,7 +6,8 @@ vocabulary-sized terms in chunks (`vocab_token_terms`). `ForwardSpec` is what su
 is compiled for.
 
 Dimension letters: N rows, M completion length, n rows per micro-batch, R forward rows and T
-tokens per forward row, d batch shards, X tokens per batch shard, V vocab, D model width.
+tokens per forward row, d batch shards, X tokens per batch shard, Y chunks of them and k tokens
+per chunk (`vocab_token_terms`), V vocab, D model width.
 """
 
 from typing import Any, NamedTuple
@@ -162,16 +163,16 @@ def vocab_token_terms(
     X = n // shards * M  # Tokens per batch shard.
     if not chunk or chunk >= X:
         return terms_of(h_nMD, targets_nM)
-    K = -(-X // chunk)
-    pad = K * chunk - X
+    Y = -(-X // chunk)
+    pad = Y * chunk - X
     h_dXD = jnp.pad(h_nMD.reshape(shards, X, D), ((0, 0), (0, pad), (0, 0)))
     t_dX = jnp.pad(targets_nM.reshape(shards, X), ((0, 0), (0, pad)))
-    h_KdCD = h_dXD.reshape(shards, K, chunk, D).swapaxes(0, 1)
-    t_KdC = t_dX.reshape(shards, K, chunk).swapaxes(0, 1)
-    out_KdC = jax.lax.map(lambda xs: jax.checkpoint(terms_of)(*xs), (h_KdCD, t_KdC))
+    h_YdkD = h_dXD.reshape(shards, Y, chunk, D).swapaxes(0, 1)
+    t_Ydk = t_dX.reshape(shards, Y, chunk).swapaxes(0, 1)
+    out_Ydk = jax.lax.map(lambda xs: jax.checkpoint(terms_of)(*xs), (h_YdkD, t_Ydk))
     return {
-        k: v.swapaxes(0, 1).reshape(shards, K * chunk)[:, :X].reshape(n, M)
-        for k, v in out_KdC.items()
+        k: v.swapaxes(0, 1).reshape(shards, Y * chunk)[:, :X].reshape(n, M)
+        for k, v in out_Ydk.items()
     }
 
 

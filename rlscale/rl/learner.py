@@ -2,7 +2,7 @@
 (trimmed to a length bucket, or packed: `batch_layout`), from the per-token terms of its
 forward passes (`forward`). See docs/learner.md.
 
-Dimension letters: N rows, G group size, M completion length, S optimizer steps per batch, U
+Dimension letters: N rows, G group size, M completion length, O optimizer steps per batch, U
 micro-batches per step, n rows per micro-batch, d batch shards, D model width.
 """
 
@@ -129,7 +129,7 @@ def _micro_loop(f, carry, count, length: int):
 
 def _scan_steps(f, carry, steps, count):
     """`lax.scan` of `f(carry, step_inputs, count) -> (carry, out)` over optimizer steps:
-    `count` is a step's micro-batches, [S] when packed, one int for all steps unpacked."""
+    `count` is a step's micro-batches, [O] when packed, one int for all steps unpacked."""
     if isinstance(count, int):
         return jax.lax.scan(lambda c, x: f(c, x, count), carry, steps)
     return jax.lax.scan(lambda c, x: f(c, *x), carry, (steps, count))
@@ -212,7 +212,7 @@ def _optimizer_step(spec: Spec, batch, terms, length, train: TrainState, step_in
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
-def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Spec):
+def update_step(state: TrainState, ref_params, batch, fwd, rows_OUn, *, spec: Spec):
     """One batch's whole update, compiled once per shape (packed: once per trimmed length,
     whatever the number of micro-batches the batch fills).
 
@@ -220,7 +220,7 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
        reference's `ref_logp`, with the params the update starts from, over the first epoch's
        micro-batches (which hold every row once).
     2. The batch-stage transforms (advantages) on the whole batch.
-    3. S optimizer steps (`lax.scan`), each accumulating the gradient sums of its
+    3. O optimizer steps (`lax.scan`), each accumulating the gradient sums of its
        micro-batches and dividing once by their summed denominator.
 
     Args:
@@ -231,14 +231,14 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
         `step_mask` where the chain reads them;
         packed, also `tokens` and `attn` [N, W] (prompts left-padded to W - M tokens).
       fwd: unpacked, the forward plan (`batch_layout.plan`), its arrays reshaped to
-        [S, U, ...]; packed, `place` ([S, N] arrays of `batch_layout.pack`) and `count` [S].
-      rows_SUn: the rows of each micro-batch (unpacked).
+        [O, U, ...]; packed, `place` ([O, N] arrays of `batch_layout.pack`) and `count` [O].
+      rows_OUn: the rows of each micro-batch (unpacked).
       spec: the static specialization.
 
     Returns:
-      (state, metrics): per micro-batch [S, U] `loss_sum`, `denominator`, the loss
+      (state, metrics): per micro-batch [O, U] `loss_sum`, `denominator`, the loss
       transforms' `metrics` and `match` (`logp_match_stats`), zeros past a step's count when
-      packed (U: `spec.max_micro`); per step [S] `grad_norm` and `ok` (False where a
+      packed (U: `spec.max_micro`); per step [O] `grad_norm` and `ok` (False where a
       non-finite loss or gradient skipped the step); `batch`, the batch-stage transforms'
       metrics (scalars); and with `old_logp`,
       `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's trained tokens).
@@ -248,8 +248,8 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_SUn, *, spec: Sp
     if spec.forward.pack_length:
         steps, count, length = {"place": fwd["place"]}, fwd["count"], spec.max_micro
     else:
-        U = rows_SUn.shape[1]
-        steps, count, length = {"fwd": fwd, "rows": rows_SUn}, U, U
+        U = rows_OUn.shape[1]
+        steps, count, length = {"fwd": fwd, "rows": rows_OUn}, U, U
     if spec.ref and spec.offload_ref:  # Into device memory for this update only.
         ref_params = jax.device_put(ref_params, jax.memory.Space.Device)
     if spec.old_terms or spec.ref:
@@ -373,7 +373,7 @@ class Learner:
         return jax.tree.unflatten(treedef, leaves)
 
     def micro_rows(self, num_rows: int, step: int) -> np.ndarray:
-        """[S, U, n]: the rows of each optimizer step's micro-batches. Each epoch shuffles the
+        """[O, U, n]: the rows of each optimizer step's micro-batches. Each epoch shuffles the
         groups (seeded by the step) and splits them into minibatches, then micro-batches."""
         G = self.group_size
         out = []
@@ -387,7 +387,7 @@ class Learner:
     def update(self, state: TrainState, ref_params, rollouts, step: int):
         """One batch's update (`update_step`) from host rollouts, dispatched without waiting.
 
-        Returns (state, metrics: device arrays, applied: [S] device bools, False where a
+        Returns (state, metrics: device arrays, applied: [O] device bools, False where a
         non-finite loss or gradient skipped that optimizer step). The metrics include
         `train/logp_match_stats`: the `logp_match_stats` of the first optimizer step's
         micro-batches, which `logp_match` merges on the host. Only there is `logp` computed
@@ -426,8 +426,8 @@ class Learner:
         """`update_step`'s arguments and static arguments for a batch, on the mesh, and the
         metrics of its layout (what the forward rows hold: a bucket per compiled program,
         and their padding)."""
-        rows_SUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
-        S, U, n = rows_SUn.shape
+        rows_OUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
+        steps, U, n = rows_OUn.shape  # O optimizer steps.
         divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
         M = batch_layout.trimmed_length(rollouts, self.max_len, self.length_buckets)
         P = rollouts.prompt_len
@@ -460,7 +460,7 @@ class Learner:
             host["attn"][:, W - M - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
             place, count = batch_layout.pack(
                 rollouts,
-                rows_SUn.reshape(S, U * n),
+                rows_OUn.reshape(steps, U * n),
                 pack_length=self.pack_length,
                 pack_rows=spec.forward.pack_rows,
                 shards=divisor,
@@ -478,13 +478,13 @@ class Learner:
         else:
             _, fwd = batch_layout.plan(
                 rollouts,
-                rows_SUn.reshape(S * U, n),
+                rows_OUn.reshape(steps * U, n),
                 max_len=self.max_len,
                 buckets=self.length_buckets,
                 shards=divisor,
             )
             shape = {"train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0))}
             # Forward rows sharded on their rows (dim 2); micro-batches' rows replicated.
-            fwd = put({k: v.reshape(S, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
-        args = (state, ref_params, put(host), fwd, sharding.replicate(rows_SUn, self.mesh))
+            fwd = put({k: v.reshape(steps, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
+        args = (state, ref_params, put(host), fwd, sharding.replicate(rows_OUn, self.mesh))
         return args, {"spec": spec}, {"train/length_bucket": M, **shape}

@@ -1,5 +1,9 @@
 """What a run reports: compute accounting (model FLOPs by the 2N-per-token forward convention,
-device-seconds), the per-step metrics record, and the files a finished run leaves."""
+device-seconds), the per-step metrics record, and the files a finished run leaves.
+
+Dimension letters: N rows, L = P + M tokens, M completion tokens, O optimizer steps per batch, U
+micro-batches per step.
+"""
 
 import json
 import os
@@ -60,10 +64,10 @@ def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
     """(The batch's loss, the learner's other metrics as means over its optimizer steps and
     micro-batches). With `match`, the sampler-vs-learner logprob match of the first step
     (`logp_match.logp_match`); without (rows no sampler wrote), none."""
-    mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [S] or micro-batch [S, U].
+    mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [O] or micro-batch [O, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
-    ran = mets.pop("train/micro_ran", None)  # Packed: [S, U], the micro-batches each step ran.
+    ran = mets.pop("train/micro_ran", None)  # Packed: [O, U], the micro-batches each step ran.
     stats = mets.pop("train/logp_match_stats", None)
     if match and stats is not None:  # The first step's micro-batches -> gap, Pearson r.
         first = len(stats["n"][0]) if ran is None else int(ran[0].sum())

@@ -6,7 +6,7 @@ per batch, in the rollout stage (on-policy distillation; `objectives.distill`).
 `forward.token_terms`) on the teacher's params. `setup.make_teacher` builds it from
 `config.teacher`; `checks` compares its tokenizer with the run's at start-up.
 
-Dimension letters: N rows, K micro-batches of n rows, P padded prompt length, M completion
+Dimension letters: N rows, U micro-batches of n rows, P padded prompt length, M completion
 tokens (the batch's length bucket).
 """
 
@@ -23,9 +23,9 @@ from rlscale.scaling import compute
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def teacher_logp(params, fwd, targets_KnM, *, spec: forward.ForwardSpec):
-    """[K, n, M]: the logprob under `params` of each completion token of K micro-batches of n
-    rows (`batch_layout.plan`'s forward rows `fwd`, [K, n, ...], and their completion tokens),
+def teacher_logp(params, fwd, targets_UnM, *, spec: forward.ForwardSpec):
+    """[U, n, M]: the logprob under `params` of each completion token of U micro-batches of n
+    rows (`batch_layout.plan`'s forward rows `fwd`, [U, n, ...], and their completion tokens),
     computed by the learner's own code (`forward.token_terms`) under `spec.logits_cfg`, one
     micro-batch at a time. No gradient: the teacher is data to the student."""
 
@@ -33,7 +33,7 @@ def teacher_logp(params, fwd, targets_KnM, *, spec: forward.ForwardSpec):
         fwd_k, targets_nM = x
         return None, forward.token_terms(spec, params, None, fwd_k, targets_nM, ("logp",))["logp"]
 
-    return jax.lax.scan(one, None, (fwd, targets_KnM))[1]
+    return jax.lax.scan(one, None, (fwd, targets_UnM))[1]
 
 
 class Teacher:
@@ -84,18 +84,18 @@ class Teacher:
     def __call__(self, rollouts: Rollouts) -> np.ndarray:
         mesh = self.spec.mesh
         N, P = rollouts.mask_NM.shape[0], rollouts.prompt_len
-        rows_Kn = np.arange(N).reshape(self.micro_batches, -1)
-        K, n = rows_Kn.shape
+        rows_Un = np.arange(N).reshape(self.micro_batches, -1)
+        U, n = rows_Un.shape
         shards = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
         M, fwd = batch_layout.plan(
-            rollouts, rows_Kn, max_len=self.max_len, buckets=self.length_buckets, shards=shards
+            rollouts, rows_Un, max_len=self.max_len, buckets=self.length_buckets, shards=shards
         )
-        targets_KnM = rollouts.tokens_NL[:, P : P + M].reshape(K, n, M).astype(np.int32)
-        fwd, targets_KnM = sharding.put_batch((fwd, targets_KnM), mesh, sharding.TRAIN_RULES, 1)
-        logp_KnM = self.programs.run(
-            "teacher_logp", teacher_logp, (self.params, fwd, targets_KnM), {"spec": self.spec}
+        targets_UnM = rollouts.tokens_NL[:, P : P + M].reshape(U, n, M).astype(np.int32)
+        fwd, targets_UnM = sharding.put_batch((fwd, targets_UnM), mesh, sharding.TRAIN_RULES, 1)
+        logp_UnM = self.programs.run(
+            "teacher_logp", teacher_logp, (self.params, fwd, targets_UnM), {"spec": self.spec}
         )
         out_NM = np.zeros(rollouts.mask_NM.shape, np.float32)
         completion_NM = rollouts.attn_mask_NL[:, P : P + M].astype(bool)
-        out_NM[:, :M] = np.where(completion_NM, sharding.fetch(logp_KnM).reshape(N, M), 0.0)
+        out_NM[:, :M] = np.where(completion_NM, sharding.fetch(logp_UnM).reshape(N, M), 0.0)
         return out_NM

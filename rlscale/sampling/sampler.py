@@ -8,7 +8,7 @@ actually drawn from (after temperature, top-k and top-p): what importance-sampli
 against the sampler need.
 
 Dimension letters: B prompts, G samples per prompt (`num_samples`), N = B * G rows, P padded
-prompt length, M max new tokens, S cache slots, V vocab (C, k: chunks of the vocab and ids
+prompt length, M max new tokens, S cache slots, V vocab (Y, k: chunks of the vocab and ids
 within a chunk, in `categorical`).
 """
 
@@ -199,14 +199,14 @@ def categorical(u_N, probs_NV, chunk: int = 128):
     id guards the top edge against rounding.
     """
     N, V = probs_NV.shape
-    C = -(-V // chunk)
-    p_NCk = jnp.pad(probs_NV, ((0, 0), (0, C * chunk - V))).reshape(N, C, chunk)
-    mass_NC = jnp.sum(p_NCk, axis=-1)
-    cum_NC = jnp.cumsum(mass_NC, axis=-1)
-    u_N = u_N * cum_NC[:, -1]
-    c_N = jnp.minimum(jnp.sum(cum_NC <= u_N[:, None], axis=-1), _last_positive(mass_NC))
-    before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NC, c_N[:, None] - 1, -1)[:, 0], 0.0)
-    p_Nk = jnp.take_along_axis(p_NCk, c_N[:, None, None], axis=1)[:, 0]
+    Y = -(-V // chunk)
+    p_NYk = jnp.pad(probs_NV, ((0, 0), (0, Y * chunk - V))).reshape(N, Y, chunk)
+    mass_NY = jnp.sum(p_NYk, axis=-1)
+    cum_NY = jnp.cumsum(mass_NY, axis=-1)
+    u_N = u_N * cum_NY[:, -1]
+    c_N = jnp.minimum(jnp.sum(cum_NY <= u_N[:, None], axis=-1), _last_positive(mass_NY))
+    before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NY, c_N[:, None] - 1, -1)[:, 0], 0.0)
+    p_Nk = jnp.take_along_axis(p_NYk, c_N[:, None, None], axis=1)[:, 0]
     cum_Nk = jnp.cumsum(p_Nk, axis=-1)
     j_N = jnp.sum(cum_Nk <= (u_N - before_N)[:, None], axis=-1)
     j_N = jnp.minimum(j_N, _last_positive(p_Nk))
