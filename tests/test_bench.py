@@ -5,6 +5,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from rlscale import model
 
@@ -18,6 +19,7 @@ def _bench():
     return module
 
 
+@pytest.mark.slow
 def test_train_section_leaves_the_params_to_the_sections_after_it():
     """The train step donates its state; the params the generator section reads after it
     must still hold their values (a deleted buffer raises on the read)."""

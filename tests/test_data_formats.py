@@ -375,6 +375,7 @@ def _toy_rows(n, seed):
     ]
 
 
+@pytest.mark.slow
 def test_files_task_from_scratch(tmp_path):
     """The quickstart's path on a user's file: tokenizer trained on its prompts, SFT on its
     golds, then two RL steps (`configs/files.py:smoke`)."""

@@ -194,6 +194,7 @@ def test_teacher_equal_to_the_student_gives_zero_advantage(tiny):
     assert abs(float(out["metrics"]["reverse_kl"])) < 1e-6  # A mean of signed gaps.
 
 
+@pytest.mark.slow
 def test_teacher_logprobs_equal_a_full_forward_pass(tiny):
     """Another model as the teacher (a student sampling with top-k): its logprobs equal a
     plain full forward pass at the temperature, without the sampler's top-k, so every

@@ -51,6 +51,7 @@ def _requests(rng, prompts=PROMPTS):
     return [Request(i, p, jax.random.fold_in(rng, i)) for i, p in enumerate(prompts)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, slots", [((4, 1, 1), 4), ((1, 2, 2), 8)])
 def test_engine_samples_what_the_static_sampler_samples(policy, shape, slots):
     """With fewer slots than rows (so finished samples hand their slot to queued requests),
@@ -97,6 +98,7 @@ def _full_logprobs(graphdef, params, prompts, prompt_index, tokens_NM, cfg=SCFG)
     return np.asarray(jnp.take_along_axis(logp, seq[:, P:, None], axis=-1)[..., 0])
 
 
+@pytest.mark.slow
 def test_weight_swap_keeps_the_cache(policy):
     """New weights between decode calls: the live rows keep the cache the old weights built,
     the last token is re-run under the new weights, and each later token's logprob is the new
@@ -151,6 +153,7 @@ def test_no_recompile_for_new_work_and_weights(policy, count_compiles):
     assert counter.count == 0, counter.count
 
 
+@pytest.mark.slow
 def test_prefill_work_and_memory_divide_over_the_batch_axes(policy):
     """A first admission that fills every slot, on 1 device and on 8 (slots and prefill rows
     split 8 ways), read from the compiled `insert` the generator runs: per device an eighth
@@ -195,6 +198,7 @@ def test_bad_generator_input_names_the_problem(policy):
         gen.step(1)
 
 
+@pytest.mark.slow
 def test_decode_compiles_ahead_from_abstract_weights(policy):
     """`Generator.precompile` with only the weights' shapes and shardings compiles the decode
     program the first step runs (a program compiled ahead leaves the pending ones when a

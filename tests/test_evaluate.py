@@ -225,6 +225,7 @@ class HashTask:
         return float(h[0] % 3 == 0)
 
 
+@pytest.mark.slow
 def test_sample_and_score_keeps_prompts_rewards_and_texts_together(run_dir, tok):
     # Two devices: the batch axis splits 2 ways, so the 5 prompts are topped up to 6.
     mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
@@ -308,6 +309,7 @@ def prm_dir(run_dir, tok, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "checkpoint, expected",
     [
@@ -329,6 +331,7 @@ def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
     one_error_line(r, expected.format(d=tmp_path))
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir, rm_dir, prm_dir):
     k, n = 4, 6
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
@@ -409,6 +412,7 @@ class AnswerTask:
         return float(hashlib.sha256(key.encode()).digest()[0] % 2)
 
 
+@pytest.mark.slow
 def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
     run_dir, rm_dir, tok, tmp_path, monkeypatch
 ):

@@ -92,6 +92,7 @@ def _our_logits(graphdef, params, tokens):
     return np.asarray(logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(case, tmp_path):
     m = _hf_model(case, tmp_path)
@@ -191,6 +192,7 @@ def test_convert_tool_round_trip(tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
 
 
+@pytest.mark.slow
 def test_export_serves_like_the_sampler(tmp_path):
     """A policy with a SentencePiece tokenizer and two stop tokens (the EOS and an end-of-turn
     stand-in), exported: transformers' tokenizer gives rlscale's ids, and transformers'

@@ -140,6 +140,7 @@ def setup():
     return graphdef, params, value_params, roll, noise
 
 
+@pytest.mark.slow
 def test_real_tokens_give_the_full_length_update(setup):
     """Trimmed to a bucket (12 -> 9 tokens), and also packed into rows of 24 tokens on 2 batch
     shards (the filtered group left out; micro-batches of 2 rows per shard, as many as the
@@ -162,6 +163,7 @@ def test_real_tokens_give_the_full_length_update(setup):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=f"{buckets=} {pack=}")
 
 
+@pytest.mark.slow
 def test_packed_logprobs_equal_unpacked(setup):
     """Each completion token's logprob and gradient, from packed rows built on the device
     (several sequences per row, positions restarting per segment; micro-batches of 2 rows of
@@ -212,6 +214,7 @@ def test_packed_logprobs_equal_unpacked(setup):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # Sums of 100+ terms reordered.
 
 
+@pytest.mark.slow
 def test_no_recompile_within_a_bucket(setup, count_compiles):
     """Completions of at most 7 and 8 tokens share the 9-token bucket: one program; 2 tokens
     is another bucket. Packed (one length bucket), the batches fill different numbers of
@@ -247,6 +250,7 @@ def test_no_recompile_within_a_bucket(setup, count_compiles):
     assert len(set(micro)) > 1, micro
 
 
+@pytest.mark.slow
 def test_packed_update_compiles_ahead_from_the_config(setup, count_compiles):
     """Packed with one completion length, the update's shapes follow the config alone: it
     compiles in the background (`precompile`) and the first batch compiles nothing more.
@@ -264,6 +268,7 @@ def test_packed_update_compiles_ahead_from_the_config(setup, count_compiles):
     assert c.count == 0 and [e["name"] for e in learn.programs.entries] == ["update_step"]
 
 
+@pytest.mark.slow
 def test_ratio_is_against_the_generator_and_match_is_the_first_minibatch(setup):
     """The generator's logprobs are the trainer's plus noise: the first micro-batch's CISPO
     ratio is exp(-noise), with no old_logp pass, and the logprob match is the noise over the
@@ -350,6 +355,7 @@ def test_chunking_bounds_the_vocabulary_temporaries():
     assert temp_bytes(64) < nMV_bytes / 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_remat_policies_give_the_same_gradients(setup, remat):
     """Rematerialized blocks recompute what the plain backward pass saved: the same logprobs
@@ -373,6 +379,7 @@ def test_remat_policies_give_the_same_gradients(setup, remat):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_bounds_the_compiled_activations(tiny_cfg):
     """The blocks' backward pass keeps less with each policy: compiled temporaries of an
     8-block gradient at 2 x 512 tokens (where the attention scores dominate)."""
@@ -397,6 +404,7 @@ def test_remat_bounds_the_compiled_activations(tiny_cfg):
     assert full < 2 * block
 
 
+@pytest.mark.slow
 def test_memory_options_give_the_plain_update(setup):
     """A KL chain with the reference in host memory, chunked logprobs (5 tokens per shard
     at a time) and fully
@@ -419,6 +427,7 @@ def test_memory_options_give_the_plain_update(setup):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bfloat16_params_keep_float32_master_weights(setup):
     """With bfloat16 params the optimizer keeps float32 masters and moments: the masters
     follow exactly the float32 AdamW run on the same gradients, and the params are the

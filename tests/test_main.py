@@ -35,6 +35,7 @@ def one_error_line(r, *expected: str):
     assert all(text in errors[0] for text in expected), errors
 
 
+@pytest.mark.slow
 def test_demo_run_with_override(tmp_path):
     r = _run(
         "--config",
@@ -52,6 +53,7 @@ def test_demo_run_with_override(tmp_path):
     assert summary["max_logprob_error_vs_forward"] < 1e-4
 
 
+@pytest.mark.slow
 def test_mistyped_key_fails_naming_it(tmp_path):
     r = _run(
         "--config",
@@ -138,6 +140,7 @@ def test_guard_tells_a_users_mistake_from_a_bug(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_unknown_variant_fails_naming_it(tmp_path):
     r = _run("--config", "configs/quickstart.py:smok", workdir=tmp_path)
     assert r.returncode != 0
@@ -159,6 +162,7 @@ def test_parse_arg_types_and_errors():
         config_lib.parse_arg("steps", steps=1)
 
 
+@pytest.mark.slow
 def test_rl_smoke_run_writes_metrics_and_summary_on_a_quiet_console(tmp_path):
     """The quickstart's `:smoke` from scratch (tokenizer, data, SFT, RL) as a user runs it."""
     r = _run("--config", "configs/quickstart.py:smoke", workdir=tmp_path)

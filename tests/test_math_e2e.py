@@ -90,6 +90,7 @@ def _math_config(arg):
     return module.get_config(arg)
 
 
+@pytest.mark.slow
 def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path):
     _, data, model_dir = inputs
     config = _math_config(f"checkpoint={model_dir},train={data},test={data},smoke")

@@ -155,6 +155,7 @@ def test_no_eval_exec_or_sympify_in_our_code():
 # -- the audit ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_audit(default_verifier):
     cases = math_audit_corpus.corpus()
     assert len(cases) >= 300

@@ -49,6 +49,7 @@ def _ragged_batch(cfg, lengths, T, seed=1):
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cached_decode_equals_full_forward(variant):
     cfg, graphdef, params = _model(**VARIANTS[variant])
@@ -78,6 +79,7 @@ def test_cached_decode_equals_full_forward(variant):
     assert int(cache.index) == T
 
 
+@pytest.mark.slow
 def test_left_padding_does_not_change_logits():
     cfg, graphdef, params = _model()
     tokens, mask = _ragged_batch(cfg, [7], 7)
@@ -161,6 +163,7 @@ def test_rope_scalings_against_hand_values():
     assert math.isclose(yarn_factor, 0.1 * math.log(4.0) + 1.0)
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_fp32_head():
     cfg32, graphdef32, params = _model()
     cfg16 = model.get("tiny", dtype="bfloat16")
@@ -211,6 +214,7 @@ def test_bad_model_config_names_the_field():
         model.get("tiny", hidden_size=3)
 
 
+@pytest.mark.slow
 def test_causal_block_skipping_equals_full_attention():
     rng = np.random.default_rng(0)
     B, T, H, K, E = 2, 300, 4, 2, 8

@@ -220,6 +220,7 @@ def test_token_mean_vs_prompt_mean_on_ragged_lengths():
     assert float(pm["loss_sum"] / pm["denominator"]) > float(tm["loss_sum"] / tm["denominator"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_sum", "prompt_mean"])
 def test_accumulation_over_micro_batches_gives_the_same_gradient(agg):
     theta, tokens = _toy(n_rows=8, seed=1)

@@ -118,6 +118,7 @@ def tiny_plan():
     return config, cfg, p
 
 
+@pytest.mark.slow
 def test_plan_json_and_terms(tiny_plan):
     config, cfg, p = tiny_plan
     h100 = plan_report.ACCELERATORS["h100"]
@@ -274,6 +275,7 @@ def test_temp_advice_names_each_knob_with_its_value():
     assert plan_report.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape,learner",
     [
@@ -338,6 +340,7 @@ def test_cli_bad_input_every_problem_at_once():
         assert text in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
     out = tmp_path / "plan.json"
     r = _cli(

@@ -381,6 +381,7 @@ def test_mc_labels_with_the_sampler_match_sampling_directly(tok, model_cfg):
 # ---- the PRM ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prm_learns_known_step_labels(prm, trained, tok):
     """Trained on noisy soft labels, the PRM labels held-out steps as the truth (no bad digit
     so far) has them: > 0.9; and > 0.9 in each class on the steps that only the prompt's

@@ -137,6 +137,7 @@ def test_bad_settings_are_named():
         checks.validate(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GENERATORS[:1])
 def test_smoke_run(name, tmp_path):
     """`configs/reasoning_gym.py:smoke` with `--config.task.dataset=NAME`: tokenizer, SFT on

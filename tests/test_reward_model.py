@@ -95,6 +95,7 @@ def _other_tokenizer(text: str, vocab: int):
     return train_sentencepiece([text] * 20, vocab, hard_vocab_limit=False)
 
 
+@pytest.mark.slow
 def test_learns_a_known_reward(trained, tok, policy):
     """Held-out accuracy > 0.9 after 80 steps; > 0.9 as well, from chance at init, on pairs
     that only the prompt's digit decides, so the reward reads the prompt."""

@@ -204,6 +204,7 @@ def _main_with_env(tmp_path, **env):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_process_count_mismatch_fails_naming_it(tmp_path):
     r = _main_with_env(
         tmp_path, JAX_COORDINATOR_ADDRESS="localhost:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="2"
@@ -212,6 +213,7 @@ def test_process_count_mismatch_fails_naming_it(tmp_path):
     assert "JAX_PROCESS_ID=2 is not below JAX_NUM_PROCESSES=2" in r.stderr
 
 
+@pytest.mark.slow
 def test_processes_that_never_join_fail_naming_the_count(tmp_path):
     r = _main_with_env(
         tmp_path,

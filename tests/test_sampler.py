@@ -29,6 +29,7 @@ def _full_logits(graphdef, params, smp, prompts, out, cfg):
     return logits[:, p_tok.shape[1] - 1 : -1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [
@@ -50,6 +51,7 @@ def test_logprobs_equal_forward_under_same_transform(setup, kw):
     assert np.all(np.asarray(out.logprobs)[np.asarray(out.mask)] < 0)
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_stay_in_allowed_set(setup):
     cfg, graphdef, params, smp = setup
     for kw in (dict(top_k=3), dict(top_p=0.3), dict(top_k=10, top_p=0.5)):
@@ -101,6 +103,7 @@ def test_categorical_matches_probabilities_and_never_draws_zero():
     assert chi2 < 16.3  # 3 dof, p = 0.001.
 
 
+@pytest.mark.slow
 def test_temperature_differs_from_greedy_and_greedy_is_argmax(setup):
     cfg, graphdef, params, smp = setup
     greedy = SamplingConfig(max_new_tokens=10, temperature=0.0, num_samples=2)
@@ -116,6 +119,7 @@ def test_temperature_differs_from_greedy_and_greedy_is_argmax(setup):
     assert not np.array_equal(t.tokens[0::2], t.tokens[1::2])
 
 
+@pytest.mark.slow
 def test_stop_tokens_mask_lengths_and_truncation(setup):
     cfg, graphdef, params, smp = setup
     # Stop on a common token so some rows stop and some do not.
@@ -137,6 +141,7 @@ def test_stop_tokens_mask_lengths_and_truncation(setup):
             assert hits.tolist() == [n - 1]  # Stops at, and includes, the first stop token.
 
 
+@pytest.mark.slow
 def test_no_recompile_within_bucket(setup, count_compiles):
     cfg, graphdef, params, smp = setup
     scfg = SamplingConfig(max_new_tokens=6, num_samples=2, buckets=(8, 16))
@@ -174,6 +179,7 @@ def test_bad_input_fails_before_compiling(setup, count_compiles):
         SamplingConfig(top_p=1.5)
 
 
+@pytest.mark.slow
 def test_sampler_on_mesh_matches_single_device(setup):
     cfg, graphdef, params, smp = setup
     mesh = sharding.make_mesh((2, 2, 2))
@@ -219,6 +225,7 @@ def test_decode_updates_cache_in_place(setup):
         assert not copies, copies[:2]
 
 
+@pytest.mark.slow
 def test_decode_phases_give_the_same_samples(setup):
     cfg, graphdef, params, smp = setup
     one = SamplingConfig(max_new_tokens=13, num_samples=2, top_k=50, stop_tokens=(3,))
@@ -232,6 +239,7 @@ def test_decode_phases_give_the_same_samples(setup):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_forced_interruption(setup):
     """Rows still thinking at the budget get the phrase written in (not sampled: flagged,
     logprob 0, stop tokens inside it ignored), then sampling resumes; rows that closed their

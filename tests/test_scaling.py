@@ -254,6 +254,7 @@ def test_samples_axis_counts_every_prompt_drawn_times_the_group(tmp_path):
     assert curve.compute.tolist() == [20.0, 36.0] and curve.reward.tolist() == [0.2, 0.3]
 
 
+@pytest.mark.slow
 def test_main_prints_the_fit_after_an_rl_run(tmp_path):
     """`python -m rlscale.main` with rl.run replaced by a fake that writes a metrics file."""
     code = f"""

@@ -46,6 +46,7 @@ def test_logical_to_spec_rules():
         sharding.logical_to_spec(("experts",), sharding.TRAIN_RULES, mesh)
 
 
+@pytest.mark.slow
 def test_sharded_init_equals_single_device_init():
     cfg = model.get("tiny")
     mesh = sharding.make_mesh((2, 2, 2))
@@ -78,6 +79,7 @@ def test_forward_on_2x2x2_mesh_equals_single_device(rules):
     np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_reshard_train_to_sample_layout_keeps_values():
     cfg = model.get("tiny")
     mesh = sharding.make_mesh((2, 2, 2))
