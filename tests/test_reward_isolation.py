@@ -75,15 +75,13 @@ def test_in_process_faults_cost_one_sample_each():
 
 def test_pool_faults_cost_one_sample_each(pool):
     texts, problems, expected = with_faults(["raise", "nan", "sleep", "exit", "kill", "string"])
-    start = time.monotonic()
     rewards, failures = isolation.score_isolated(
         flaky_verify, texts, problems, pool=pool, timeout=TIMEOUT
     )
-    elapsed = time.monotonic() - start
     assert rewards.tolist() == expected
+    # The hung call was cut at its deadline, not waited for: after its minute's sleep it would
+    # have scored, not timed out.
     assert failures == {"error": 2, "nonfinite": 1, "timeout": 1, "crash": 2}
-    # The hung call was cut at its deadline, not waited for.
-    assert elapsed < 20, elapsed
     stats = pool.stats()
     assert (stats.timeouts, stats.crashes) == (1, 2) and stats.restarts >= 3
     # The pool still works, with its full complement of workers.

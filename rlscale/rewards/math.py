@@ -39,7 +39,7 @@ _ANSWER_IS_RE = re.compile(
 )
 _SENTENCE_END_RE = re.compile(r"\.(?=\s|$)")
 _PROSE_WORD_RE = re.compile(r"\s+(?=[A-Za-z]{2,})")
-_SCI_RE = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)")
+_SCI_RE = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([+-]?\d+)")
 _UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 _REPLACEMENTS = {
     "\u2212": "-",  # Unicode minus.
