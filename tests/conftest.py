@@ -67,6 +67,22 @@ def count_compiles():
     return CompileCounter
 
 
+# float32's unit roundoff, and the confidence parameter of `rounding`'s probabilistic bound.
+U = 2.0**-24
+LAMBDA = 7.0
+
+
+def rounding(n_terms: int) -> float:
+    """How far a float32 sum of `n_terms` terms may move, as a fraction of the sum of their
+    magnitudes, when another machine (other vector instructions) or another layout adds them
+    in another order: LAMBDA sqrt(n) u. With rounding errors independent and zero-mean this
+    holds with probability at least 1 - 2 n exp(-LAMBDA^2 / 2), 1 - 3e-6 for n = 2^16 (Higham
+    and Mary 2019, "A new approach to probabilistic rounding error analysis", Theorem 3.1);
+    the worst case, n u, needs every error to have one sign. For tolerances between machines:
+    derived, not measured."""
+    return LAMBDA * n_terms**0.5 * U
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 # Wall-clock fields differ between any two runs; everything else in metrics.jsonl must not.
