@@ -167,17 +167,17 @@ def random_decoder_params(model_cfg, seed: int):
 
 def untrained_prm(warm, path: str, seq_len: int) -> str:
     """A process reward model directory at `path`: the warm start's decoder with a new head
-    (`reward_model.init`), steps at the arithmetic task's "=", untrained: its scores mean
+    (`scalar_head.init`), steps at the arithmetic task's "=", untrained: its scores mean
     nothing, its shapes and plumbing are what tests read. Returns `path`."""
     import jax
 
-    from rlscale import process_reward, reward_model
     from rlscale import tokenizer as tokenizer_lib
+    from rlscale.reward_models import prm, scalar_head, step_labels
 
     tok = tokenizer_lib.load(str(warm / "tokenizer.model"))
-    model_cfg, _, params = reward_model.init(str(warm / "sft"), jax.random.key(0))
-    cfg = process_reward.PRMConfig(delimiter=process_reward.ARITHMETIC_DELIMITER, seq_len=seq_len)
-    process_reward.save(path, model_cfg, params, tok, cfg)
+    model_cfg, _, params = scalar_head.init(str(warm / "sft"), jax.random.key(0))
+    cfg = prm.PRMConfig(delimiter=step_labels.ARITHMETIC_DELIMITER, seq_len=seq_len)
+    prm.save(path, model_cfg, params, tok, cfg)
     return path
 
 

@@ -118,7 +118,7 @@ class ScriptedPolicy:
 
 class ScriptedPRM:
     """A stand-in for `ProcessRewardModel`: step j of a row gets `logit(D, digits)`, the
-    digits of the completion's steps through j (`process_reward.completion_steps` at "=")."""
+    digits of the completion's steps through j (`step_labels.completion_steps` at "=")."""
 
     def __init__(self, tok, logit, delimiter="="):
         self.tokenizer, self.logit = tok, logit

@@ -322,7 +322,7 @@ def check_test_time_flags(
 
 
 def load_scoring_model(flag: str, path: str, load, tokenizer, longest: int):
-    """`load(path)` (`reward_model.load` or `prm_lib.load`), checked against the
+    """`load(path)` (`bradley_terry.load` or `prm_lib.load`), checked against the
     policy's tokenizer and the longest row it will score (`longest` tokens: the longest
     prompt, max_new_tokens and the EOS); errors name `--{flag}`."""
     if not os.path.isdir(path):

@@ -4,7 +4,7 @@ advantages.
 `step_reward` [N, M] holds each step's reward at the position of the step's last completion
 token and 0 elsewhere; `step_mask` [N, M] is 1 exactly at those positions (so a step whose
 reward is 0 still counts in the group's statistics). The rollout stage provides both, from a
-`process_reward.ProcessRewardModel` (`step_rewards`: the PRM's probability that the prefix
+`prm.ProcessRewardModel` (`step_rewards`: the PRM's probability that the prefix
 through the step leads to a correct answer). Arrays are [N, M].
 
 Dimension letters: B prompts, G samples per prompt, N = B * G sampled rows (prompt-major), M

@@ -73,7 +73,7 @@ class PRMConfig(scalar_head.TrainSettings):
 
     def rm_config(self) -> rm.RMConfig:
         """The `RMConfig` with the same settings and as many rows per step: what
-        `reward_model.save` records and `make_optimizer` reads."""
+        `bradley_terry.save` records and `make_optimizer` reads."""
         shared = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(scalar_head.TrainSettings)
         }
@@ -265,7 +265,7 @@ def train(
     log: Callable[[scalar_head.Record], None] | None = None,
 ) -> scalar_head.Trained:
     """Trains a PRM for `steps` steps of `cfg.batch_rows` rows (`train_step`), from a policy
-    checkpoint or a `ModelConfig` (`reward_model.init`). Every `cfg.eval_every` steps and at
+    checkpoint or a `ModelConfig` (`scalar_head.init`). Every `cfg.eval_every` steps and at
     the end it appends a `reward_model.Record` (mean training loss since the last one,
     held-out step accuracy) to the history and passes it to `log`.
 
@@ -390,7 +390,7 @@ def save(
     cfg: PRMConfig,
     history: Sequence[scalar_head.Record] = (),
 ) -> None:
-    """Writes a PRM directory: a reward-model directory (`reward_model.save`, with
+    """Writes a PRM directory: a reward-model directory (`bradley_terry.save`, with
     `cfg.rm_config()`) and `process_reward.json` (the `PRMConfig`)."""
     path = os.path.abspath(path)
     rm.save(path, model_cfg, params, tokenizer, cfg.rm_config(), history)
@@ -401,12 +401,12 @@ def save(
 
 
 def load(path: str, mesh=None) -> ProcessRewardModel:
-    """Reads a PRM directory written by `save` (`reward_model.load` checks the decoder, the
+    """Reads a PRM directory written by `save` (`bradley_terry.load` checks the decoder, the
     head and the tokenizer files).
 
     Raises:
       FileNotFoundError: If `path` has no process_reward.json (not a PRM directory).
-      ValueError: On an unknown format or config key, or as `reward_model.load`.
+      ValueError: On an unknown format or config key, or as `bradley_terry.load`.
     """
     path = os.path.abspath(path)
     meta_path, meta = scalar_head.read_meta(path, META_FILE, FORMAT, "process reward model")
@@ -472,7 +472,7 @@ def prm_scores(
     aggregation: str = "min",
 ) -> np.ndarray:
     """One score [N] per (prompt, completion) id row for best-of-N
-    (`eval_metrics.best_of_n`): the `aggregation` ("min", "last" or "product") of the
+    (`estimators.best_of_n`): the `aggregation` ("min", "last" or "product") of the
     step probabilities sigmoid(s_j) (`ProcessRewardModel.score_steps`).
 
     Raises:
