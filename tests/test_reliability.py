@@ -62,9 +62,14 @@ def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     return out
 
 
+def _written(path):
+    """The complete lines of a metrics file: a SIGKILL can cut the last one mid-write."""
+    with open(path) as f:
+        return [x for x in f if x.endswith("\n")]
+
+
 def _lines(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f]
+    return [json.loads(x) for x in _written(os.path.join(workdir, "metrics.jsonl"))]
 
 
 def _comparable(lines):
@@ -91,13 +96,13 @@ def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync"
     deadline = time.time() + 400
     while time.time() < deadline:
         ready = saved is None or os.path.isdir(os.path.join(workdir, "checkpoints", str(saved)))
-        if ready and os.path.exists(path) and len(open(path).read().splitlines()) > after_step:
+        if ready and os.path.exists(path) and len(_written(path)) > after_step:
             break
         if proc.poll() is not None:
             raise AssertionError(f"run ended before step {after_step}: {proc.communicate()[1]}")
         time.sleep(0.2)
     proc.send_signal(sig)
-    return proc, len(open(path).read().splitlines()) - 1
+    return proc, len(_written(path)) - 1
 
 
 @pytest.fixture(scope="module")
