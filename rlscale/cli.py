@@ -152,20 +152,24 @@ def flags_error(e: BaseException, argv) -> str:
     )
 
 
-def define_config(fv: flags.FlagValues, argv, name: str = "config", required: bool = True):
-    """A locked ml_collections config file flag on `fv` (a mistyped `--config.a.b` key is an
-    error naming it), reading its overrides from `argv` (None: `sys.argv`)."""
-    holder = config_flags.DEFINE_config_file(
-        name,
+def define_config(fv: flags.FlagValues, argv, default: str | None = None) -> None:
+    """A required, locked ml_collections config file flag `--config` on `fv` (a mistyped
+    `--config.a.b` key is an error naming it), reading its overrides from `argv` (None:
+    `sys.argv`). A `default` file goes into the arguments when they name none (in place: they
+    are what is parsed next), not into the flag: ml_collections would apply the overrides
+    while defining the flag, before a bad key could be reported as a flag error."""
+    args = sys.argv if argv is None else argv
+    if default and not any(a == "--config" or a.startswith("--config=") for a in args[1:]):
+        args[1:1] = ["--config", default]
+    config_flags.DEFINE_config_file(
+        "config",
         None,
         "Config file, optionally with a :variant suffix; --config.a.b=value overrides a field.",
         flag_values=fv,
         lock_config=True,
         sys_argv=argv,
     )
-    if required:
-        flags.mark_flag_as_required(name, flag_values=fv)
-    return holder
+    flags.mark_flag_as_required("config", flag_values=fv)
 
 
 def _positional(main) -> bool:
@@ -210,7 +214,7 @@ def load_config(spec: str, overrides=()):
 
 def run_command(define_flags, main, status: int = 1):
     """A command's `if __name__ == "__main__":` body: `define_flags` on absl's flags, then
-    `run`; `main`'s return value is discarded."""
+    `app.run` with `parse_flags` and `guard`; `main`'s return value is discarded."""
     define_flags(flags.FLAGS, None)
 
     def absl_main(argv):
@@ -239,11 +243,6 @@ def parse_flags(argv, status: int = 1):
     verbosity = flags.FLAGS["verbosity"]
     console.configure(verbosity.value if verbosity.present else 0)
     return rest
-
-
-def run(main, status: int = 1):
-    """`app.run(main)` with `parse_flags` and `guard`: the entry point of an absl command."""
-    app.run(guard(main, status), flags_parser=functools.partial(parse_flags, status=status))
 
 
 def print_summary(title: str, summary: dict, width: int = 20, quoted: tuple = ()) -> None:

@@ -38,13 +38,7 @@ def define_flags(fv, argv) -> None:
 
     from rlscale import cli
 
-    # The default config goes into the arguments (in place: they are what is parsed next), not
-    # into the flag: a flag default would have ml_collections apply the `--config.a.b=v`
-    # overrides while defining the flag, before a bad key can be reported as a flag error.
-    args = sys.argv if argv is None else argv
-    if not any(a == "--config" or a.startswith("--config=") for a in args[1:]):
-        args[1:1] = ["--config", os.path.join(ROOT, "configs", "quickstart.py")]
-    cli.define_config(fv, argv)
+    cli.define_config(fv, argv, default=os.path.join(ROOT, "configs", "quickstart.py"))
     flags.DEFINE_string("workdir", None, "Directory for the run's outputs.", flag_values=fv)
     flags.DEFINE_string(
         "warm_from",
