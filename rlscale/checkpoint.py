@@ -9,6 +9,7 @@ as the same run: the device state (params, optimizer state, RNG key data) and th
 resumed run's config differs from the saved one.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -24,9 +25,24 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from rlscale import sharding
+from rlscale import sections, sharding
 from rlscale.model import config as model_config
 from rlscale.model import decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(sections.Section):
+    """`config.checkpoint`: a run checkpoint every `every` steps and at the end; the last
+    `keep` are kept, and every `keep_every`-th step (0: none)."""
+
+    every: int = 20
+    keep: int = 3
+    keep_every: int = 0
+
+    def problems(self) -> list[str]:
+        return sections.at_least("checkpoint.every", self.every, 1) + sections.at_least(
+            "checkpoint.keep", self.keep, 1
+        )
 
 
 def save_params(path: str, cfg: model_config.ModelConfig, params) -> None:

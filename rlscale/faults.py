@@ -6,13 +6,26 @@ and the global gradient norm are finite, and otherwise returns the state unchang
 on the host, `SkipCounter` stops the run with a clear error when steps keep being skipped.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
+from rlscale import sections
+
 State = TypeVar("State")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultConfig(sections.Section):
+    """`config.faults`: non-finite updates in a row before the run stops."""
+
+    max_consecutive_skips: int = 3
+
+    def problems(self) -> list[str]:
+        return sections.at_least("faults.max_consecutive_skips", self.max_consecutive_skips, 1)
 
 
 def global_norm(tree) -> jax.Array:

@@ -2,17 +2,46 @@
 a constant or cosine schedule and global-norm clipping, and float32 master weights under
 low-precision params."""
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from rlscale import sections
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(sections.Section):
+    """`config.optim`: AdamW's settings, its warmup and schedule, and the clipping norm."""
+
+    lr: float = 1e-4
+    warmup_steps: int = 5
+    schedule: str = "constant"
+    decay_steps: int = 1000
+    final_lr_frac: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.lr, (int, float)) or self.lr < 0:
+            problems.append(f"optim.lr={self.lr!r} must be a number >= 0")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"optim.schedule={self.schedule!r} is not 'constant' or 'cosine'")
+        return problems
+
 
 def make_optimizer(c, params=None) -> optax.GradientTransformation:
     """AdamW with warmup, a constant or cosine schedule and global-norm clipping
-    (`config.optim`). With low-precision `params` (bfloat16), it keeps float32 master weights
-    and float32 moments (`master_weights`)."""
+    (an `OptimConfig`, or any object with its fields). With low-precision `params`
+    (bfloat16), it keeps float32 master weights and float32 moments (`master_weights`)."""
     warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
     if c.schedule == "cosine":
         main = optax.cosine_decay_schedule(c.lr, max(c.decay_steps, 1), alpha=c.final_lr_frac)

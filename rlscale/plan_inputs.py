@@ -8,10 +8,12 @@ import dataclasses
 import difflib
 
 import jax
+import ml_collections
 
-from rlscale import plan_report, planner
+from rlscale import plan_report, planner, rl, sections
 from rlscale.model.config import NAMES
 from rlscale.rl import checks
+from rlscale.rl import run_config as resolve_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,19 +93,27 @@ def check_target(
     return problems, Target(sizes, devices, accelerator, hbm, longest)
 
 
-def config_problems(config) -> list[str]:
-    """The run's own start-up checks (`rl.checks.validate`), less those about its data,
-    checkpoint and reward function: the planner needs only shapes."""
+def resolve_shapes(config) -> tuple[list[str], "rl.RunConfig | None"]:
+    """(problems, run): the run's own start-up checks (`rl.resolve`), less those about its
+    data, checkpoint and reward function, for the planner needs only shapes; `run` (None
+    with problems) keeps the config's task, `init` and `reward` as they are."""
     shapes = config.copy_and_resolve_references()
     with shapes.unlocked():
         shapes.task.name = "arithmetic"
         shapes.init.hf_checkpoint = ""
         shapes.reward.fn = ""
     try:
-        checks.validate(shapes)
-    except ValueError as e:  # "Invalid config:\n  a\n  b": one problem a line.
-        return [line.strip() for line in str(e).splitlines()[1:]]
-    return []
+        run = rl.resolve(shapes)
+    except sections.InvalidConfigError as e:
+        return e.problems, None
+    with sections.deferred():  # The keys set aside above, unchecked as they were.
+        kept = {k: resolve_lib.SECTIONS[k](**dict(config[k])) for k in ("init", "reward")}
+    return [], dataclasses.replace(
+        run,
+        task=ml_collections.FrozenConfigDict(config.task),
+        raw=ml_collections.FrozenConfigDict(config),
+        **kept,
+    )
 
 
 def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
@@ -120,7 +130,7 @@ def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
             f"prompt bucket {P} + sampling.max_new_tokens={M} = {P + M} tokens exceeds the "
             f"model's max_seq_len={model_cfg.max_seq_len}"
         )
-    return problems + checks.pack_problems(config, P)
+    return problems + checks.pack_problems(config.learner, config.batch, config.sampling, P)
 
 
 def resolve(config, model: str, **flag_values):
@@ -129,9 +139,9 @@ def resolve(config, model: str, **flag_values):
     (`check_target`'s keywords, less the config's); or every problem at once.
 
     Returns:
-      (problems, config, target, model_cfg): `config` a copy of `config` whose mesh is the
-      target's (1,1,1 when a flag is bad, so that its own checks still run), `model_cfg` None
-      when `model` is unknown or the prompt length bad.
+      (problems, run, target, model_cfg): `run` the resolved config (`rl.RunConfig`; None
+      with problems) at the target's mesh (1,1,1 when a flag is bad, so that its own checks
+      still run), `model_cfg` None when `model` is unknown or the prompt length bad.
     """
     problems, target = check_target(
         model=model,
@@ -142,14 +152,19 @@ def resolve(config, model: str, **flag_values):
     config = config.copy_and_resolve_references()
     with config.unlocked():  # The checks below see the planned mesh when it is a valid one.
         config.mesh.shape = target.mesh if not problems else (1, 1, 1)
-    problems += config_problems(config)
+    config_problems, run = resolve_shapes(config)
+    problems += config_problems
     model_cfg = None
-    if model in NAMES and not any(x.startswith("--prompt_len") for x in problems):
-        model_cfg = planner.model_config(config, model)
+    if (
+        run is not None
+        and model in NAMES
+        and not any(x.startswith("--prompt_len") for x in problems)
+    ):
+        model_cfg = planner.model_config(run, model)
         problems += [
-            f"--model={model}: {e}" for e in shape_problems(config, model_cfg, target.prompt_len)
+            f"--model={model}: {e}" for e in shape_problems(run, model_cfg, target.prompt_len)
         ]
-    return problems, config, target, model_cfg
+    return problems, run, target, model_cfg
 
 
 def missing_devices(platform: str, n: int) -> str | None:

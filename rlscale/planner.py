@@ -54,7 +54,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder
-from rlscale.rl import checks
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine
@@ -237,7 +236,7 @@ def sampling_config(config) -> SamplingConfig:
     them."""
     think = config.sampling.think_budget
     return SamplingConfig(
-        **saved_policy.sampling_settings(config, checks.samples_per_prompt(config)),
+        **saved_policy.sampling_settings(config, config.batch.samples_per_prompt),
         interrupt_ids=(1,) if think else (),
         think_end_tokens=(2,) if think else (),
         stop_tokens=(0,),
@@ -280,7 +279,7 @@ def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len,
     prefill rows: `engine.take_slots`, `engine.prefill_rows`) and one `decode` call.
     Returns the abstract engine state, the admission's request count and its rows R."""
     B, G = config.batch.prompts, config.batch.group_size
-    slots = config.pipeline.slots or B * G
+    slots = config.pipeline.slots
     P = scfg.bucket(prompt_len)
     layout = _Layout(mesh, sharding.SAMPLE_RULES)
     state = abstract_engine_state(model_cfg, scfg, slots, P, layout)
@@ -375,7 +374,7 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
     accounts its memory and work per device (`Plan`).
 
     Args:
-      config: the run's (validated) config.
+      config: the resolved run (`rl.resolve`, `plan_inputs.resolve`).
       model_cfg: the policy's architecture and numerics (`model_config`).
       train_mesh, gen_mesh: `sharding.role_meshes(config.mesh.shape, generator_devices)`.
       prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
@@ -403,7 +402,7 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
         roles = {"trainer": _with_total(trainer), "generator": _with_total(generator)}
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
     table = work_per_step(config, entries, admitted)
-    slots = config.pipeline.slots or B * G
+    slots = config.pipeline.slots
     return Plan(
         per_device_bytes=max(roles.values(), key=lambda r: r["total"]),
         roles=roles,
@@ -467,7 +466,7 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
     (`admitted` requests each); max_new_tokens decode steps per wave of requests through the
     slots (every completion max_new_tokens long)."""
     B, G = config.batch.prompts, config.batch.group_size
-    slots = config.pipeline.slots or B * G
+    slots = config.pipeline.slots
     waves = -(-B * G // slots)
     calls = {
         "update_step": 1,
@@ -485,17 +484,16 @@ def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
     """The run's values of the knobs `plan_report.advice` names, and the next values of
     those the run's checks constrain, on the trainer `mesh`."""
     learner = config.learner
-    G = config.batch.group_size
     return {
         "mesh": tuple(config.mesh.shape),
         "param_dtype": model_cfg.param_dtype,
         "micro_batches": learner.micro_batches,
         "next_micro_batches": next_micro_batches(config, mesh),
-        "pack_rows": learner.pack_rows or G if learner.pack_length else 0,
+        "pack_rows": learner.pack_rows if learner.pack_length else 0,
         "next_pack_rows": next_pack_rows(config, mesh, prompt_bucket),
         "remat": learner.remat,
         "logprob_chunk": learner.logprob_chunk,
-        "slots": config.pipeline.slots or config.batch.prompts * G,
+        "slots": config.pipeline.slots,
         "max_new_tokens": config.sampling.max_new_tokens,
     }
 
@@ -525,7 +523,7 @@ def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
     on_shard = min(
         b.group_size, b.prompts * b.group_size // sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
     )
-    half = (u.pack_rows or b.group_size) // 2
+    half = u.pack_rows // 2
     return half if half >= -(-on_shard // per_row) else 0
 
 

@@ -5,15 +5,48 @@ its verifier pool. The RL run builds its sampling settings here too (`rl.setup`)
 """
 
 import contextlib
+import dataclasses
 import os
 from typing import NamedTuple
 
-from rlscale import chat, checkpoint, sharding
+from rlscale import chat, checkpoint, sections, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.model.config import ModelConfig
 from rlscale.rewards import isolation
 from rlscale.sampling import Sampler, SamplingConfig
+from rlscale.sampling.sampler import think_budget_problems
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings(sections.Section):
+    """`config.sampling`: a run's `SamplingConfig` before a tokenizer gives its token ids.
+    Forced interruption (ScaleRL): after `think_budget` tokens without `think_end` (one token),
+    `interrupt_phrase` is written in and the model answers (0: off)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    buckets: tuple = (16, 32, 64)
+    think_budget: int = 0
+    interrupt_phrase: str = " Answer:"
+    think_end: str = " Answer"
+
+    def problems(self) -> list[str]:
+        problems = sections.at_least("sampling.max_new_tokens", self.max_new_tokens, 1)
+        t = self.temperature
+        if not isinstance(t, (int, float)) or t < 0:
+            problems.append(f"sampling.temperature={t!r} must be a number >= 0")
+        # The phrase is at least one token; the exact count is checked once it is encoded.
+        return problems + think_budget_problems(
+            self.think_budget, 1, self.max_new_tokens, prefix="sampling."
+        )
+
+
+# The functions below read `config.sampling`, `config.task`, `config.mesh` and
+# `config.reward` of a resolved run (`rl.resolve.RunConfig`) or, for the commands that sample
+# a saved policy, of the raw ConfigDict: both name them alike.
 
 
 def sampling_settings(config, num_samples: int) -> dict:
@@ -126,7 +159,7 @@ def load_policy(
 def load_problems(config, workdir: str, split: str, n: int):
     """(task, problems): the config's task (`data.load.load_task`, materialized in `workdir`)
     and the first `n` problems of its `split`; ValueError naming `--split` when it has none."""
-    task, splits = data_load.load_task(config, workdir)
+    task, splits = data_load.load_task(config.task, workdir)
     if split not in splits:
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
     return task, splits[split][:n]

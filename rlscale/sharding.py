@@ -7,6 +7,7 @@ A rule table maps each logical axis to mesh axes; there is one table for trainin
 and `fsdp`). Moving params between the two is `reshard`.
 """
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -16,6 +17,8 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlscale import sections
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -41,6 +44,14 @@ SAMPLE_RULES: Rules = tuple(
 )
 
 RULES = {"train": TRAIN_RULES, "sample": SAMPLE_RULES}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(sections.Section):
+    """`config.mesh`: the sizes of (data, fsdp, tensor); -1 takes the remaining devices (the
+    mesh builder's rules are checked against the devices by `rl.checks`)."""
+
+    shape: tuple = (-1, 1, 1)
 
 
 def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:

@@ -130,14 +130,14 @@ def warm(tmp_path_factory, worker_id):
 
     if worker_id == "master":
         workdir = tmp_path_factory.mktemp("warm")
-        rl.run(golden_config("quickstart"), str(workdir))
+        rl.run(rl.resolve(golden_config("quickstart")), str(workdir))
         return workdir
     root = tmp_path_factory.getbasetemp().parent  # Shared by the workers of this session.
     workdir = root / "warm"
     with filelock.FileLock(str(root / "warm.lock")):
         if not (workdir / "summary.json").exists():  # The run's last file.
             shutil.rmtree(workdir, ignore_errors=True)
-            rl.run(golden_config("quickstart"), str(workdir))
+            rl.run(rl.resolve(golden_config("quickstart")), str(workdir))
     return workdir
 
 

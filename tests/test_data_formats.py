@@ -321,13 +321,16 @@ def test_chat_prompts_from_scratch_tokenizer_and_stop_tokens(tmp_path):
     path = write_verl_parquet(tmp_path / "v.parquet", verl_gsm8k(gsm8k_rows(40), "train"))
     config = _files_config(path, path, chat_template="qwen2.5")
     problems = math_data.load(str(path), "auto", str(tmp_path / "data"), chat.get("qwen2.5"))
-    tok = setup._tokenizer(config, str(tmp_path), problems["train"])
+    tok = setup._tokenizer(config.tokenizer, config.task, str(tmp_path), problems["train"])
     end = tok.encode("<|im_end|>")
     assert len(end) == 1 and tok.decode(end) == "<|im_end|>"
     assert problems["train"][0].prompt.count("<|im_end|>") == 2  # System and user turns.
     assert saved_policy.sampling_config(config, tok, 1).stop_tokens == (end[0], tok.eos_id)
     (tmp_path / "plain").mkdir()
-    plain = setup._tokenizer(_files_config(path, path), str(tmp_path / "plain"), problems["train"])
+    plain_config = _files_config(path, path)
+    plain_dir = str(tmp_path / "plain")
+    train = problems["train"]
+    plain = setup._tokenizer(plain_config.tokenizer, plain_config.task, plain_dir, train)
     assert len(plain.encode("<|im_end|>")) > 1  # Without a template it is ordinary text.
     # A model whose tokenizer lacks the template's end-of-turn token does not use that template.
     with pytest.raises(ValueError, match=re.escape("task.chat_template='qwen2.5': the tokenizer")):
@@ -346,7 +349,7 @@ def test_bad_files_task_config_lists_every_problem(tmp_path):
     )
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ValueError) as e:
-        rl.validate(config)
+        rl.resolve(config)
     message = str(e.value)
     assert "task.files.train=" in message and "missing.jsonl': no such file" in message
     assert "x.csv': unsupported file type" in message
@@ -357,13 +360,13 @@ def test_bad_files_task_config_lists_every_problem(tmp_path):
     assert "task.chat_template='qwen9' is not one of" in message
     config = _files_config("", tmp_path, fields={"answer": "answer"})
     with pytest.raises(ValueError) as e:
-        rl.validate(config)
+        rl.resolve(config)
     assert "task.files.train is not set" in str(e.value)
     assert f"task.files.test={str(tmp_path)!r}: {tmp_path} is a directory but not a" in str(e.value)
     config = _files_config(ok, ok, fields={"answer": "answer"})
     with pytest.raises(ValueError, match="task.fields.prompt and task.fields.answer must both"):
-        rl.validate(config)
-    rl.validate(_files_config(ok, ok))  # From scratch: no checkpoint needed.
+        rl.resolve(config)
+    rl.resolve(_files_config(ok, ok))  # From scratch: no checkpoint needed.
     with pytest.raises(ValueError, match="unknown verifier 'regex'; verifiers: auto, math"):
         math_data.load(str(ok), "auto", str(tmp_path / "data"), verifier="regex")
 
@@ -392,7 +395,7 @@ def test_files_task_from_scratch(tmp_path):
     config.eval.prompts, config.sampling.max_new_tokens = 8, 16
     config.reward.workers = 0
     workdir = tmp_path / "run"
-    summary = rl.run(config, str(workdir))
+    summary = rl.run(rl.resolve(config), str(workdir))
     lines = metric_lines(workdir)
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(np.isfinite(x["train/loss"]) for x in lines[1:])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from rlscale import checkpoint, config_lib, model, programs, sharding
+from rlscale import checkpoint, config_lib, model, programs, rl, sharding
 from rlscale import objectives as obj
 from rlscale.objectives import registry
 from rlscale.rl import checks, rollouts, setup
@@ -231,7 +231,8 @@ def test_teacher_from_an_rlscale_checkpoint(tiny, tmp_path):
     config.teacher.checkpoint = str(tmp_path / "final")
     config.sampling.temperature, config.sampling.max_new_tokens = TEMPERATURE, M
     config.learner.length_buckets = 2
-    teacher = setup.make_teacher(config, mesh, None, None, None, programs.Programs(mesh))
+    progs = programs.Programs(mesh)
+    teacher = setup.make_teacher(rl.resolve(config), mesh, None, None, None, progs)
     roll = _sample(tiny, temperature=TEMPERATURE)
     expected = _full_forward_logp(graphdef, other, roll)
     np.testing.assert_allclose(teacher(roll), expected, rtol=1e-6, atol=1e-6)
@@ -243,13 +244,13 @@ def test_teacher_from_an_rlscale_checkpoint(tiny, tmp_path):
 
 def _validate(config) -> str:
     with pytest.raises(ValueError) as e:
-        checks.validate(config)
+        rl.resolve(config)
     return str(e.value)
 
 
 def test_bad_teacher_configs_are_named(tmp_path):
     config = load_config("distill", "smoke")
-    checks.validate(config)  # "self": no other run needed.
+    rl.resolve(config)  # "self": no other run needed.
     config.teacher.checkpoint = ""
     assert (
         "objective.chain reads teacher_logp (distill_advantage) but teacher.checkpoint is empty: "

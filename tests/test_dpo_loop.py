@@ -23,7 +23,7 @@ from conftest import load_config, metric_lines
 from rlscale import checkpoint, config_lib, objectives, rl
 from rlscale.data import tasks
 from rlscale.data.preferences import Pair
-from rlscale.rl import checks, learner, pairs
+from rlscale.rl import learner, pairs
 from rlscale.sampling import SamplingConfig
 from rlscale.sampling.scoring import Samples
 from rlscale.scaling import compute
@@ -196,7 +196,7 @@ def test_text_pairs_are_encoded_as_sampled_rows():
 
 def _problems(config) -> str:
     with pytest.raises(ValueError) as e:
-        checks.validate(config)
+        rl.resolve(config)
     return str(e.value)
 
 
@@ -227,7 +227,7 @@ def test_bad_preference_configs_fail_naming_the_key(tmp_path):
     for chain in ("ipo", "simpo", "kto"):  # Every preference loss is one.
         c = load_config("dpo", "smoke")
         c.objective.chain = chain
-        checks.validate(c)
+        rl.resolve(c)
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def iterative(warm, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pairs, "sample_pairs", recording_sample_pairs)
         mp.setattr(learner.Learner, "update", recording_update)
-        rl.run(config, str(workdir))
+        rl.run(rl.resolve(config), str(workdir))
     return config, workdir, rounds, updates
 
 
@@ -341,7 +341,7 @@ def test_resume_mid_round_is_the_same_run(iterative, tmp_path):
     resumed = tmp_path / "run"
     shutil.copytree(workdir, resumed)
     shutil.rmtree(resumed / "checkpoints" / "5")
-    rl.run(config, str(resumed))
+    rl.run(rl.resolve(config), str(resumed))
     assert metric_lines(resumed) == metric_lines(workdir)
     host = json.load(open(resumed / "checkpoints" / "5" / "host" / "metadata"))
     assert host["pairs"]["round"] == 2 and host["pairs"]["saved"]
@@ -357,7 +357,7 @@ def test_offline_run_trains_on_the_file_pairs(warm, tmp_path, caplog):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = _config("dpo", warm, f"smoke,file={path}", steps=2)
     with caplog.at_level(logging.WARNING):
-        summary = rl.run(config, str(tmp_path / "run"))
+        summary = rl.run(rl.resolve(config), str(tmp_path / "run"))
     ties = [r for r in caplog.records if "chosen equals rejected" in r.getMessage()]
     assert len(ties) == 1 and "dropped 1 of 3 pairs" in ties[0].getMessage()
     lines = metric_lines(tmp_path / "run")
@@ -374,7 +374,7 @@ def test_bad_pair_file_fails_naming_file_and_line(warm, tmp_path):
                     '{"prompt": "Q: 1+3=", "chosen": "4"}\n')  # fmt: skip
     config = _config("dpo", warm, f"smoke,file={path}")
     with pytest.raises(ValueError) as e:
-        rl.run(config, str(tmp_path / "run"))
+        rl.run(rl.resolve(config), str(tmp_path / "run"))
     assert (
         f"preference.file={str(path)!r}: {path}: 1 malformed row: {path}, line 2: has no 'rejected'"
         in str(e.value)

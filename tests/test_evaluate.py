@@ -595,7 +595,7 @@ def test_load_task_reads_a_math_dataset_with_its_chat_template(tmp_path):
         chat_template="qwen2.5",
         instruction="Box it.",
     )
-    task, splits = data_load.load_task(config, str(tmp_path))
+    task, splits = data_load.load_task(config.task, str(tmp_path))
     assert isinstance(task, math_data.MathTask) and sorted(splits) == ["test", "train"]
     assert splits["test"][3].prompt == chat.qwen2_5([{"role": "user", "content": "3+3?\nBox it."}])
     assert splits["test"][3].answer == "6"

@@ -29,7 +29,7 @@ def rm_run(warm, prm_dir, tmp_path_factory):
     config.sft.reuse_from = str(warm)
     config.mesh.shape = (1, 1, 1)
     workdir = tmp_path_factory.mktemp("rm_rl")
-    return config, rl.run(config, str(workdir)), workdir
+    return config, rl.run(rl.resolve(config), str(workdir)), workdir
 
 
 def test_rm_rl_smoke_run(rm_run):
@@ -106,7 +106,7 @@ def test_config_problems_name_the_keys(tmp_path):
         "token_ratio", "process_advantages(mix=add) | token_ratio"
     )
     with pytest.raises(ValueError) as e:
-        checks.validate(c)
+        rl.resolve(c)
     msg = str(e.value)
     assert f"reward.model={str(tmp_path)!r} is not a reward model directory" in msg
     assert "reward.model=" in msg and "reward.fn='m:f' both replace the verifier's reward" in msg
@@ -117,7 +117,7 @@ def test_config_problems_name_the_keys(tmp_path):
     c.reward.prm = str(tmp_path)
     c.init.hf_checkpoint = str(tmp_path)
     with pytest.raises(ValueError) as e:
-        checks.validate(c)
+        rl.resolve(c)
     msg = str(e.value)
     assert "is not a process reward model directory (no process_reward.json)" in msg
     assert "reward.prm=" in msg and "objective.chain reads no step_reward" in msg
@@ -126,16 +126,16 @@ def test_config_problems_name_the_keys(tmp_path):
     c = load_config("dpo", "smoke")
     c.reward.model = "warm_start"
     with pytest.raises(ValueError, match="a preference run trains on pairs labelled by the"):
-        checks.validate(c)
+        rl.resolve(c)
 
 
 def test_tokenizer_mismatch_names_both(prm_dir, warm):
     c = load_config("rm_rl", f"smoke,prm={prm_dir}")
     own = tokenizer_lib.load(str(warm / "tokenizer.model"))
-    assert checks.learned_reward_tokenizer_problems(c, own) == []
+    assert checks.learned_reward_tokenizer_problems(c.reward, own) == []
     other = train_sentencepiece(
         ["hello world, the policy's words"] * 20, 290, hard_vocab_limit=False
     )
-    (problem,) = checks.learned_reward_tokenizer_problems(c, other)
+    (problem,) = checks.learned_reward_tokenizer_problems(c.reward, other)
     assert problem.startswith(f"reward.prm={prm_dir!r}: tokenizer mismatch: the reward model")
     assert "is not the policy's tokenizer" in problem

@@ -98,7 +98,7 @@ def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path):
     # A random model never answers right: an easy reward (any digit) gives the update signal.
     config.reward.fn = "reward_fixtures:digits"
     config.optim.lr = 1e-3
-    summary = rl.run(config, str(tmp_path))
+    summary = rl.run(rl.resolve(config), str(tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(np.isfinite(x["train/loss"]) for x in lines[1:])
@@ -137,6 +137,6 @@ def test_bad_math_config_names_the_problem(inputs, tmp_path):
     _, data, _ = inputs
     config = _math_config(f"checkpoint={tmp_path},train={data},test={tmp_path / 'nope.jsonl'}")
     with pytest.raises(ValueError) as e:
-        rl.validate(config)
+        rl.resolve(config)
     assert "task.files.test=" in str(e.value) and "no such file" in str(e.value)
     assert "has no config.json" in str(e.value)

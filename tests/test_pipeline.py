@@ -24,7 +24,7 @@ def _config(warm, **pipeline):
 def test_k0_pipeline_is_the_sync_loop(warm, tmp_path):
     """The golden quickstart run (`warm`, synchronous) again in pipeline mode with k = 0: a
     generator thread, admission control and hand-over, and every metric the same."""
-    rl.run(_config(warm, mode="pipeline", max_staleness=0), str(tmp_path))
+    rl.run(rl.resolve(_config(warm, mode="pipeline", max_staleness=0)), str(tmp_path))
     assert metric_lines(tmp_path) == metric_lines(warm)
 
 
@@ -63,7 +63,7 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
     # One update program: a compile for a new length bucket would stall the trainer for
     # seconds, long enough for the slow generator to finish every batch on one version.
     config.learner.length_buckets = 1
-    rl.run(config, str(tmp_path))
+    rl.run(rl.resolve(config), str(tmp_path))
     assert len(seen) == 4
     lags = np.concatenate([version - v for version, v, _ in seen])
     assert lags.min() >= 0 and lags.max() <= k
@@ -104,7 +104,7 @@ def test_bad_pipeline_settings_fail_at_start_up(overrides, message):
     config.batch.prompts = 8 if overrides.get("generator_devices") != 3 else 5
     config.pipeline.update(overrides)
     with pytest.raises(ValueError, match=message):
-        rl.validate(config)
+        rl.resolve(config)
 
 
 def _pipeline_sim():

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import ROOT, load_config
 
-from rlscale import model, plan_inputs, plan_report, planner, sharding
-from rlscale.rl import checks
+from rlscale import model, plan_inputs, plan_report, planner, rl, sharding
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import generator
 from rlscale.sampling.sampler import _Layout
@@ -64,7 +63,7 @@ def test_abstract_train_state_is_learner_init():
     mesh = sharding.make_mesh((2, 2, 2))
     config = _learner_config()
     graphdef, params = model.init_sharded(cfg, jax.random.key(0), mesh)
-    learn = rl_setup.make_learner(config, graphdef, params, mesh, None)
+    learn = rl_setup.make_learner(rl.resolve(config), graphdef, params, mesh, None)
     value = sharding.replicate({"w": jnp.zeros((cfg.d_model,)), "b": jnp.zeros(())}, mesh)
     real = learn.init(params, value)
 
@@ -94,7 +93,7 @@ def test_kv_cache_bytes_are_the_engines():
     config = load_config("quickstart")
     cfg = model.get("tiny")
     mesh = sharding.make_mesh((2, 2, 2))
-    scfg = planner.sampling_config(config)
+    scfg = planner.sampling_config(rl.resolve(config))
     slots, P = config.batch.prompts * config.batch.group_size, scfg.buckets[-1]
     graphdef, _ = model.abstract_model(cfg)
     real = generator.Generator(graphdef, cfg, scfg, slots, P, mesh)
@@ -113,8 +112,8 @@ def tiny_plan():
     config = load_config("quickstart")
     config.mesh.shape = (1, 2, 1)
     train, gen = sharding.role_meshes((1, 2, 1), 0)
-    cfg = dataclasses.replace(planner.model_config(config, "tiny"), **WIDE)
-    p = planner.plan_run(config, cfg, train, gen, 64)
+    cfg = dataclasses.replace(planner.model_config(rl.resolve(config), "tiny"), **WIDE)
+    p = planner.plan_run(rl.resolve(config), cfg, train, gen, 64)
     return config, cfg, p
 
 
@@ -214,7 +213,7 @@ def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
 
 def _accepted(config) -> bool:
     try:
-        checks.validate(config)
+        rl.resolve(config)
     except ValueError:
         return False
     return True
@@ -229,20 +228,20 @@ def test_next_micro_batches_is_the_next_the_checks_accept():
     config = load_config("quickstart")
     config.mesh.shape = (2, 4, 1)
     mesh = sharding.make_mesh((2, 4, 1))
-    assert planner.next_pack_rows(config, mesh, 16) == 0  # Unpacked.
+    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 0  # Unpacked.
     packed = config.copy_and_resolve_references()
     packed.learner.pack_length = 96
-    assert planner.next_micro_batches(packed, mesh) == 0
-    assert planner.next_pack_rows(packed, mesh, 16) == 2  # From group_size (4) rows.
+    assert planner.next_micro_batches(rl.resolve(packed), mesh) == 0
+    assert planner.next_pack_rows(rl.resolve(packed), mesh, 16) == 2  # From group_size (4) rows.
     packed.learner.pack_rows = 2
-    assert planner.next_pack_rows(packed, mesh, 16) == 0
+    assert planner.next_pack_rows(rl.resolve(packed), mesh, 16) == 0
     mesh = sharding.make_mesh((2, 4, 1))
     counts = range(1, config.batch.prompts + 1)
     accepted = [k for k in counts if _accepted(_with_micro_batches(config, k))]
     assert accepted == [1, 2, 4]
     for k in accepted:  # Unpacked.
         later = [a for a in accepted if a > k]
-        assert planner.next_micro_batches(_with_micro_batches(config, k), mesh) == (
+        assert planner.next_micro_batches(rl.resolve(_with_micro_batches(config, k)), mesh) == (
             later[0] if later else 0
         )
 
@@ -297,7 +296,7 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     cfg = model.get("tiny", **WIDE)
     mesh = sharding.make_mesh(shape)
     P = 64
-    entry = planner.compile_update(config, cfg, mesh, P)[-1]
+    entry = planner.compile_update(rl.resolve(config), cfg, mesh, P)[-1]
     rows, T = config.batch.prompts * config.batch.group_size, P + config.sampling.max_new_tokens
     forward = compute.forward_flops(cfg, rows * T, T)
     expected = 3 * forward

@@ -716,7 +716,7 @@ class EvenLengthTask:
 
 def _problems(warm):
     """The first N problems of the train split, as `label` reads them."""
-    _, splits = data_load.load_task(cli.load_config(f"{QUICKSTART}:smoke"), str(warm))
+    _, splits = data_load.load_task(cli.load_config(f"{QUICKSTART}:smoke").task, str(warm))
     return splits["train"][:N]
 
 

@@ -121,20 +121,20 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="'coin_flip' .* fewer than 20 distinct train problems"):
         rgt.generate("coin_flip", rgt.generator_kwargs("coin_flip", 1), 0, 20, 5)
     # At start-up, with the run's other problems.
-    from rlscale.rl import checks
+    from rlscale import rl
 
     config = load_config("reasoning_gym")
     config.task.dataset = "letter_countin"
     config.task.n_test = 0
     with pytest.raises(ValueError) as e:
-        checks.validate(config)
+        rl.resolve(config)
     assert "did you mean letter_counting" in str(e.value)
     assert "task.n_test=0 must be an integer >= 1" in str(e.value)
     # Another recipe's task switched over from the command line: the keys it lacks.
     config = load_config("quickstart")
     config.task.name = "reasoning_gym"
     with pytest.raises(ValueError, match=r"'reasoning_gym' needs task.dataset, task.config, "):
-        checks.validate(config)
+        rl.resolve(config)
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_smoke_run(name, tmp_path):
     config.task.dataset = name
     config.mesh.shape = (1, 1, 1)
     config.reward.workers = 1 if name == GENERATORS[0] else 0
-    summary = rl.run(config, str(tmp_path))
+    summary = rl.run(rl.resolve(config), str(tmp_path))
     lines = metric_lines(tmp_path)
     assert [x["step"] for x in lines if "eval/pass@1" in x] == [0, 2, 3]
     train = [x for x in lines if "reward/failures_error" in x]

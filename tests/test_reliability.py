@@ -254,7 +254,7 @@ def _nan_on(monkeypatch, steps):
 
 def test_nan_loss_skips_the_update_and_the_run_goes_on(straight, tmp_path, monkeypatch):
     _nan_on(monkeypatch, {2})
-    rl.run(_config(sft__reuse_from=str(straight), reward__workers=0), str(tmp_path))
+    rl.run(rl.resolve(_config(sft__reuse_from=str(straight), reward__workers=0)), str(tmp_path))
     skipped = [x.get("train/skipped_updates") for x in _lines(tmp_path)[1:]]
     assert skipped == [0, 1, 0, 0]
 
@@ -268,7 +268,7 @@ def test_consecutive_nan_losses_stop_the_run(straight, tmp_path, monkeypatch):
         match="3 consecutive non-finite updates .last at step 5.; "
         "the last good checkpoint is step 4",
     ):
-        rl.run(config, str(tmp_path))
+        rl.run(rl.resolve(config), str(tmp_path))
     assert os.path.isdir(tmp_path / "checkpoints" / "2")
 
 
@@ -292,7 +292,7 @@ def test_misbehaving_verifiers_cost_their_samples(straight, tmp_path, monkeypatc
     with open(reward_fixtures.FAULTS_PATH, "w") as f:
         json.dump(faults, f)
     try:
-        rl.run(config, str(tmp_path / "run"))
+        rl.run(rl.resolve(config), str(tmp_path / "run"))
     finally:
         os.remove(reward_fixtures.FAULTS_PATH)
     line = _lines(tmp_path / "run")[1]
@@ -312,7 +312,7 @@ def test_config_validation_lists_every_problem():
     c.reward.fn = "no_such_module:f"
     c.sampling.think_budget = 31
     with pytest.raises(ValueError) as e:
-        rl.validate(c)
+        rl.resolve(c)
     text = str(e.value)
     for expected in (
         "steps=0 must be an integer >= 1",

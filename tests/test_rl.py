@@ -1,6 +1,7 @@
 """The RL loop: golden metrics, every recipe on the 8-device mesh, data-parallel work read from
 the compiled programs, 2 processes == 1 process, rollouts, the defect fixes, bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,7 +70,7 @@ def golden_runs(warm, tmp_path_factory):
             config = golden_config(name)
             config.sft.reuse_from = str(warm)
             workdir = tmp_path_factory.mktemp(f"golden_{name}")
-            rl.run(config, str(workdir))
+            rl.run(rl.resolve(config), str(workdir))
             cache[name] = workdir
         return cache[name]
 
@@ -123,7 +124,7 @@ def recipe_runs(warm, tmp_path_factory):
             config.sampling.update(SAMPLING.get(name, {}))
             config.sft.reuse_from = str(warm)
             workdir = tmp_path_factory.mktemp(name.replace(":", "_").replace("=", "_"))
-            cache[name] = (config, rl.run(config, str(workdir)), workdir)
+            cache[name] = (config, rl.run(rl.resolve(config), str(workdir)), workdir)
         return cache[name]
 
     return get
@@ -313,7 +314,8 @@ class _Source(rollouts.RolloutSource):
         from rlscale.data import filters
 
         super().__init__(
-            config, None, scoring_cfg(), None, list(range(100)), None,
+            config.batch, config.filters, config.pipeline.decode_chunk, None, scoring_cfg(), None,
+            list(range(100)), None,
             filters.PromptStream(100), filters.PassRateHistory(),
         )  # fmt: skip
         self._samples = list(samples)
@@ -425,13 +427,13 @@ def test_bad_config_lists_every_problem():
     config.learner.pack_rows = -1
     config.batch.prompt_pool = 5
     with pytest.raises(ValueError) as e:
-        rl.validate(config)
+        rl.resolve(config)
     text = str(e.value)
     assert "learner.pack_rows=-1 must be an integer >= 0" in text
     config = load_config("grpo")
     config.objective.chain = "process_advantages | token_ratio | cispo | aggregate(mode=token_mean)"
     with pytest.raises(ValueError, match=r"reads step_reward \(process_advantages\) but reward"):
-        rl.validate(config)
+        rl.resolve(config)
     assert "batch.prompt_pool=5 must be 0 (every training prompt) or at least batch.prompts" in text
     assert "objective.chain: unknown transform 'cispoo'" in text and "cispo" in text
     assert "batch.prompts=6 is not divisible by learner.minibatches=4" in text
@@ -440,22 +442,24 @@ def test_bad_config_lists_every_problem():
     config = load_config("grpo")
     config.objective.chain = "group_advantages | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
     with pytest.raises(ValueError, match="cispo needs term 'ratio'"):
-        rl.validate(config)
+        rl.resolve(config)
 
 
 def test_packing_that_cannot_hold_the_data_fails_at_start_up():
     """Checked against the longest training prompt before the warm start: rows of 96 tokens
     hold two 16 + 32-token sequences, so a group of 8 needs 4 rows."""
     config = load_config("quickstart", "")
-    assert checks.pack_problems(config, 16) == []
-    assert "its prompt has 70 tokens" in checks.pack_problems(config, 70)[0]
-    config.learner.pack_rows = 3
-    assert (
-        "learner.pack_rows=3 rows of learner.pack_length=96" in checks.pack_problems(config, 16)[0]
-    )
-    assert "it needs 4" in checks.pack_problems(config, 16)[0]
-    config.learner.pack_rows = 4
-    assert checks.pack_problems(config, 16) == []
+    run = rl.resolve(config)
+
+    def problems(longest, **learner):
+        u = dataclasses.replace(run.learner, **learner)
+        return checks.pack_problems(u, run.batch, run.sampling, longest)
+
+    assert problems(16) == []
+    assert "its prompt has 70 tokens" in problems(70)[0]
+    assert "learner.pack_rows=3 rows of learner.pack_length=96" in problems(16, pack_rows=3)[0]
+    assert "it needs 4" in problems(16, pack_rows=3)[0]
+    assert problems(16, pack_rows=4) == []
 
 
 def test_mesh_that_does_not_divide_the_batch_fails_naming_it():
@@ -464,17 +468,17 @@ def test_mesh_that_does_not_divide_the_batch_fails_naming_it():
     config.batch.prompts = 12  # 12 prompts over 8 data shards.
     config.learner.minibatches = 1
     with pytest.raises(ValueError) as e:
-        rl.validate(config)
+        rl.resolve(config)
     assert "batch.prompts=12 is not divisible by the mesh's batch axes" in str(e.value)
     assert "mesh.shape=(8, 1, 1)" in str(e.value)
     config.mesh.shape = (3, 1, 1)
     with pytest.raises(ValueError, match=r"mesh.shape=\(3, 1, 1\) does not fit 8 devices"):
-        rl.validate(config)
+        rl.resolve(config)
 
 
 def test_prompt_pool_larger_than_the_training_set_fails_before_the_warm_start(tmp_path):
     config = load_config("quickstart", "smoke")
     config.batch.prompt_pool = config.task.n_train + 1
     with pytest.raises(ValueError, match=r"batch.prompt_pool=201 is more than the task's 200"):
-        rl.setup.build(config, str(tmp_path))
+        rl.setup.build(rl.resolve(config), str(tmp_path))
     assert not os.path.exists(tmp_path / "sft")  # Nothing trained.

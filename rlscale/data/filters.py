@@ -11,6 +11,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rlscale import sections
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig(sections.Section):
+    """`config.filters`: zero-variance filtering, DAPO's dynamic sampling (at most
+    `dynamic_max_rounds` rounds a batch), retiring prompts solved at `retire_threshold`, and
+    the overlong penalty over the last `overlong_cache` tokens (0: off)."""
+
+    zero_variance: bool = False
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 4
+    retire: bool = False
+    retire_threshold: float = 0.9
+    overlong_cache: int = 0
+
 
 def zero_variance_keep(reward_BG: np.ndarray) -> np.ndarray:
     """[B] True for prompts whose G rewards are not all equal: the others carry no

@@ -4,8 +4,24 @@ start's): mean reward, pass@1 and, with n > 1 samples per prompt, the unbiased p
 Dimension letters: B prompts, G = n samples per prompt (the n of pass@n).
 """
 
+import dataclasses
+
+from rlscale import sections
 from rlscale.eval import estimators
 from rlscale.sampling import SamplingConfig, scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(sections.Section):
+    """`config.eval`: every `every` steps, the first `prompts` held-out problems, `samples`
+    completions each."""
+
+    every: int = 10
+    prompts: int = 200
+    samples: int = 4
+
+    def problems(self) -> list[str]:
+        return sections.at_least("eval.every", self.every, 1)
 
 
 def pass_rates(sampler, params, tokenizer, problems, rng, cfg: SamplingConfig, scorer) -> dict:

@@ -52,8 +52,9 @@ def main(fv: flags.FlagValues) -> dict | None:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         demo.run(config, workdir)
         return None
+    run = rl.resolve(config)  # The ConfigDict stops here: typed sections, every problem at once.
     try:
-        summary = rl.run(config, workdir, allow_config_change=fv.allow_config_change)
+        summary = rl.run(run, workdir, allow_config_change=fv.allow_config_change)
     except rl.PreemptedError as e:
         print(f"\n{e}", file=sys.stderr)
         sys.exit(143)

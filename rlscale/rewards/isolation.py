@@ -7,12 +7,15 @@ a `rewards.sandbox.WorkerPool` of worker processes (`verifier_pool`) with a dead
 a sample past its deadline, or whose worker dies, also scores 0, and the pool replaces the worker.
 """
 
+import dataclasses
+import importlib
 import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from absl import logging
 
+from rlscale import sections
 from rlscale.rewards import sandbox
 
 # The kinds of failure `score_isolated` counts.
@@ -27,6 +30,52 @@ _POOL_FAILURES = {sandbox.ERROR: ERROR, sandbox.TIMEOUT: TIMEOUT, sandbox.CRASH:
 DEFAULT_TIMEOUT = 10.0
 # Failures logged per call (the counts cover all of them).
 _MAX_LOGGED = 3
+
+
+def import_function(spec: str):
+    """The object named by "module:function"."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(sections.Section):
+    """`config.reward`: how samples are rewarded. `fn` ("module:function", fn(completion,
+    problem) -> float) in place of the task's verifier; `workers` processes with a
+    per-sample `timeout` (s) (0: in-process); a learned outcome reward `model` (a directory,
+    or "warm_start": one trained at set-up for `model_steps` steps of `model_batch_pairs`
+    pairs at `model_lr`) and a process reward model `prm` (`rl.learned_rewards`)."""
+
+    fn: str = ""
+    workers: int = 2
+    timeout: float = 10.0
+    model: str = ""
+    model_steps: int = 200
+    model_batch_pairs: int = 16
+    model_lr: float = 1e-4
+    prm: str = ""
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.fn:
+            try:
+                if not callable(import_function(self.fn)):
+                    raise TypeError("not callable")
+            except (ImportError, AttributeError, TypeError, ValueError) as e:
+                problems.append(f"reward.fn={self.fn!r} ('module:function') fails: {e}")
+        if self.workers and self.timeout <= 0:
+            problems.append(f"reward.timeout={self.timeout} must be > 0 with worker processes")
+        problems += sections.at_least("reward.workers", self.workers, 0)
+        if self.model and self.fn:
+            problems.append(
+                f"reward.model={self.model!r} and reward.fn={self.fn!r} both replace the "
+                "verifier's reward: set one"
+            )
+        for key in ("model_steps", "model_batch_pairs"):
+            problems += sections.at_least(f"reward.{key}", getattr(self, key), 1)
+        if not self.model_lr > 0:
+            problems.append(f"reward.model_lr={self.model_lr!r} must be > 0")
+        return problems
 
 
 def call(fn: Callable, *args):

@@ -1,6 +1,7 @@
 """RL for LLMs as parts with thin drivers.
 
-checks    start-up validation of a config, every problem at once
+run_config the ConfigDict -> `RunConfig`: typed sections, derived defaults, every problem at once
+checks    the start-up rules that span sections
 setup     meshes and layouts, tokenizer, task, models, generator, learner, verifier pool
 rollouts  `RolloutSource`: prompts -> generator requests -> scored, filtered `Rollouts`
 learner   `TrainState`, the forward plan of real tokens, one compiled update (`Learner.update`)
@@ -15,20 +16,21 @@ dpo       the preference driver: offline and iterative DPO (`config.preference`)
 
 from rlscale import workdir_lock
 from rlscale.preemption import PreemptedError
-from rlscale.rl import dpo, pairs, pipeline, sync
-from rlscale.rl.checks import RESUMABLE_CHANGES, validate
+from rlscale.rl import dpo, pipeline, sync
+from rlscale.rl.checks import RESUMABLE_CHANGES
+from rlscale.rl.run_config import RunConfig, resolve
 
 
-def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+def run(config: RunConfig, workdir: str, *, allow_config_change: bool = False) -> dict:
     """Runs (or resumes) RL in `workdir` with the driver `config.pipeline.mode` names, or a
-    preference run (`config.preference`) with the preference driver. The workdir is locked
-    for the run (`workdir_lock`): a workdir another live run holds raises `WorkdirBusyError`
-    before any work."""
+    preference run (`config.preference`) with the preference driver; `config` is the
+    resolved run (`resolve`). The workdir is locked for the run (`workdir_lock`): a workdir
+    another live run holds raises `WorkdirBusyError` before any work."""
     driver = sync if config.pipeline.mode == "sync" else pipeline
-    if pairs.enabled(config):
+    if config.preference.enabled:
         driver = dpo
     with workdir_lock.hold(workdir):
         return driver.run(config, workdir, allow_config_change=allow_config_change)
 
 
-__all__ = ["RESUMABLE_CHANGES", "PreemptedError", "run", "validate"]
+__all__ = ["RESUMABLE_CHANGES", "PreemptedError", "RunConfig", "resolve", "run"]

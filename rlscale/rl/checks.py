@@ -1,22 +1,20 @@
-"""Start-up checks of an RL config: every problem at once, each naming its key, before any
-work (data, tokenizer, compilation) is done."""
+"""The start-up rules that span sections of a resolved run (`rl.resolve.RunConfig`; each
+section checks its own keys): the chain against the batch, the sampler, a teacher, preference
+pairs and learned rewards; the batch against the learner and the meshes; and, once the data
+and the tokenizer are read, packing and the tokenizers of a teacher and of learned rewards.
+Every problem names its keys."""
 
-import importlib
 import json
 import os
 
 import jax
 
-from rlscale import chat, objectives, sharding
+from rlscale import objectives, sharding
 from rlscale import tokenizer as tokenizer_lib
-from rlscale.data import formats, math_data, preferences, tasks
-from rlscale.data import load as data_load
-from rlscale.model import decoder
 from rlscale.objectives import preference as preference_losses
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib
-from rlscale.rl import learned_rewards, pairs
-from rlscale.sampling.sampler import think_budget_problems
+from rlscale.rl import learned_rewards
 
 # Config keys that may change between a run and its resumption: they do not change what the
 # run computes up to the checkpoint.
@@ -32,19 +30,12 @@ RESUMABLE_CHANGES = (
 )
 
 
-def import_function(spec: str):
-    """The object named by "module:function"."""
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-MODES = ("sync", "pipeline", "async_ppo")
-
-
 def _mesh_problems(config) -> list[str]:
+    """The meshes the devices make (`sharding.role_meshes`), and how the batch and the
+    generator's slots divide over them."""
     g = config.pipeline.generator_devices
     if not isinstance(g, int) or g < 0:
-        return [f"pipeline.generator_devices={g!r} must be an integer >= 0 (0: share)"]
+        return []  # The pipeline section's own problem.
     if g and g >= jax.device_count():
         return [
             f"pipeline.generator_devices={g} leaves no device to train on: there are "
@@ -74,20 +65,13 @@ def _mesh_problems(config) -> list[str]:
 
 
 def _pipeline_problems(config, gen_div: int) -> list[str]:
+    """The generator's slots against the batch and its devices, and what the pipeline modes
+    cannot do (dynamic sampling, several processes)."""
     p, b = config.pipeline, config.batch
     problems = []
-    if p.mode not in MODES:
-        return [f"pipeline.mode={p.mode!r} is not one of {MODES}"]
-    if not isinstance(p.max_staleness, int) or p.max_staleness < 0:
-        problems.append(f"pipeline.max_staleness={p.max_staleness!r} must be an integer >= 0")
-    if not isinstance(p.decode_chunk, int) or p.decode_chunk < 1:
-        problems.append(f"pipeline.decode_chunk={p.decode_chunk!r} must be an integer >= 1")
-    if p.mode == "sync" and (p.max_staleness or p.generator_devices):
-        problems.append(
-            "pipeline.mode='sync' generates each batch with the current policy on the "
-            "trainer's devices: pipeline.max_staleness and pipeline.generator_devices must be 0"
-        )
-    G = samples_per_prompt(config)
+    if p.mode not in p.MODES:
+        return []  # Reported by the section.
+    G = b.samples_per_prompt
     slots = p.slots or b.prompts * G
     if not isinstance(slots, int) or slots < 0 or slots % G:
         what = "preference.samples" if G != b.group_size else "batch.group_size"
@@ -113,51 +97,6 @@ def _pipeline_problems(config, gen_div: int) -> list[str]:
                 f"pipeline.mode={p.mode!r} runs in one process (its generator thread decides "
                 f"when to take new weights); {jax.process_count()} processes were started"
             )
-    return problems
-
-
-def _files_task_problems(t) -> list[str]:
-    """The files task's keys (`config_lib.files_task`); the rows are checked when read."""
-    problems = []
-    for split in ("train", "test"):
-        path = t.files.get(split, "")
-        if not path:
-            problems.append(
-                f"task.files.{split} is not set (a .jsonl, .json or .parquet file, or a "
-                "Hugging Face datasets directory)"
-            )
-            continue
-        trouble = formats.check_path(path)
-        if not trouble and os.path.isdir(path):
-            try:
-                formats.dataset_dir(path, split)
-            except ValueError as e:
-                trouble = str(e)
-        if trouble:
-            problems.append(f"task.files.{split}={path!r}: {trouble}")
-    if t.format not in ("auto", *formats.FORMATS):
-        problems.append(f"task.format={t.format!r} is not one of {('auto', *formats.FORMATS)}")
-    named = [k for k in ("prompt", "answer", "demo") if t.fields[k]]
-    if named and t.format not in ("auto", "fields"):
-        problems.append(
-            f"task.fields.{named[0]} is only read with task.format='fields' or 'auto' "
-            f"(task.format={t.format!r})"
-        )
-    elif (named or t.format == "fields") and not (t.fields.prompt and t.fields.answer):
-        problems.append(
-            "task.fields.prompt and task.fields.answer must both name a column "
-            f"(prompt={t.fields.prompt!r}, answer={t.fields.answer!r})"
-        )
-    if t.verifier not in math_data.VERIFIER_NAMES:
-        problems.append(
-            f"task.verifier={t.verifier!r} is not a verifier: one of {math_data.VERIFIER_NAMES} "
-            "(any other reward: reward.fn='module:function')"
-        )
-    if t.chat_template and t.chat_template not in chat.TEMPLATES:
-        problems.append(
-            f"task.chat_template={t.chat_template!r} is not one of {tuple(chat.TEMPLATES)} "
-            "(or '' for text prompts)"
-        )
     return problems
 
 
@@ -223,16 +162,6 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
             "from init.hf_checkpoint has not: train one with python -m "
             "rlscale.main.train_reward_model --init DIR and name its directory"
         )
-    if r.model and r.fn:
-        problems.append(
-            f"reward.model={r.model!r} and reward.fn={r.fn!r} both replace the verifier's "
-            "reward: set one"
-        )
-    for key in ("model_steps", "model_batch_pairs"):
-        if not isinstance(r[key], int) or r[key] < 1:
-            problems.append(f"reward.{key}={r[key]!r} must be an integer >= 1")
-    if not r.model_lr > 0:
-        problems.append(f"reward.model_lr={r.model_lr!r} must be > 0")
     if r.prm and not os.path.isfile(os.path.join(r.prm, prm_lib.META_FILE)):
         problems.append(
             f"reward.prm={r.prm!r} is not a process reward model directory (no "
@@ -248,7 +177,7 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
             f"reward.prm={r.prm!r} is set but objective.chain reads no step_reward: add "
             "process_advantages to the chain, or set reward.prm='' (no PRM)"
         )
-    if (r.model or r.prm) and pairs.enabled(config):
+    if (r.model or r.prm) and config.preference.enabled:
         problems.append(
             "reward.model and reward.prm reward sampled RL batches; a preference run trains on "
             "pairs labelled by the verifier: unset them"
@@ -256,12 +185,13 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
     return problems
 
 
-def learned_reward_tokenizer_problems(config, tokenizer) -> list[str]:
-    """A reward model or PRM directory whose tokenizer is not the run's: it would score the
-    policy's token ids as other text (`scalar_head.check_tokenizer`)."""
+def learned_reward_tokenizer_problems(reward, tokenizer) -> list[str]:
+    """A reward model or PRM directory (of the reward section `reward`) whose tokenizer is not
+    the run's: it would score the policy's token ids as other text
+    (`scalar_head.check_tokenizer`)."""
     problems = []
     for key in ("model", "prm"):
-        path = config.reward[key]
+        path = getattr(reward, key)
         if path and path != learned_rewards.MADE:
             try:
                 scalar_head.check_tokenizer(path, tokenizer)
@@ -339,38 +269,17 @@ def _pieces(tokenizer) -> dict[int, str]:
     return {i: piece for piece, i in vocab.items()}
 
 
-def samples_per_prompt(config) -> int:
-    """Completions the generator samples per prompt: `batch.group_size`, or in a preference
-    run that forms its pairs from samples (iterative rounds, pairs made from the warm start)
-    `preference.samples`; its learner batches are then pairs (groups of 2 rows)."""
-    return config.preference.samples if pairs.samples_pairs(config) else config.batch.group_size
-
-
 def _preference_problems(config, resolved) -> list[str]:
-    """A preference run (`preference.file` or `preference.iterations_every`): a chain that
-    ends in a preference loss (a transform of `objectives.preference`; `resolved`: the
-    chain's transforms, None when it has problems of its own), batches of pairs
-    (`batch.group_size` = 2), the keys' values, and none of what only RL batches have
-    (filters, pipeline modes)."""
+    """A preference run (`preference.file` or `preference.iterations_every`; the section
+    checks its own keys): a chain that ends in a preference loss (a transform of
+    `objectives.preference`; `resolved`: the chain's transforms, None when it has problems of
+    its own), batches of pairs (`batch.group_size` = 2), samples that can differ, and none of
+    what only RL batches have (filters, pipeline modes)."""
     p, b = config.preference, config.batch
-    problems = []
-    if not isinstance(p.iterations_every, int) or p.iterations_every < 0:
-        problems.append(
-            f"preference.iterations_every={p.iterations_every!r} must be an integer >= 0 (0: "
-            "no rounds)"
-        )
-        return problems
-    if not isinstance(p.file, str):
-        return problems + [f"preference.file={p.file!r} must be a path or ''"]
-    if not (p.file or p.iterations_every):
-        return problems
-    which = "preference.file" if p.file else "preference.iterations_every"
-    if p.file and p.iterations_every:
-        problems.append(
-            f"preference.file={p.file!r} and preference.iterations_every={p.iterations_every} "
-            "are exclusive: offline DPO trains on a file's pairs, iterative DPO on pairs it "
-            "samples each round; set one"
-        )
+    well_typed = isinstance(p.iterations_every, int) and p.iterations_every >= 0
+    if not (well_typed and isinstance(p.file, str) and p.enabled):
+        return []  # Not a preference run, or the section's own problem.
+    problems, which = [], p.key
     losses = [
         e.name for e in objectives.entries() if e.factory.__module__ == preference_losses.__name__
     ]
@@ -386,29 +295,12 @@ def _preference_problems(config, resolved) -> list[str]:
             "(groups of 2 rows: chosen, rejected); set batch.group_size=2 (batch.prompts "
             "counts pairs)"
         )
-    if p.pairs not in preferences.MODES:
-        problems.append(f"preference.pairs={p.pairs!r} is not one of {preferences.MODES}")
-    if not isinstance(p.prompts, int) or p.prompts < 0:
-        problems.append(f"preference.prompts={p.prompts!r} must be an integer >= 0 (0: default)")
-    if pairs.samples_pairs(config):
-        if not isinstance(p.samples, int) or p.samples < 2:
-            problems.append(
-                f"preference.samples={p.samples!r} must be an integer >= 2: pairs are formed "
-                "from a prompt's samples"
-            )
-        if config.sampling.temperature == 0:
-            problems.append(
-                f"sampling.temperature=0 (greedy) gives every one of a prompt's "
-                f"preference.samples={p.samples} completions the same text: no pair; set it > 0"
-            )
-    elif p.file:
-        trouble = formats.check_path(p.file)
-        if trouble:
-            problems.append(
-                f"preference.file={p.file!r}: {trouble} (or {pairs.MADE!r}: pairs made "
-                "from the warm start's samples)"
-            )
-    on = [k for k in ("zero_variance", "dynamic_sampling", "retire") if config.filters[k]]
+    if p.samples_pairs and config.sampling.temperature == 0:
+        problems.append(
+            f"sampling.temperature=0 (greedy) gives every one of a prompt's "
+            f"preference.samples={p.samples} completions the same text: no pair; set it > 0"
+        )
+    on = [k for k in ("zero_variance", "dynamic_sampling", "retire") if getattr(config.filters, k)]
     on += ["overlong_cache"] * bool(config.filters.overlong_cache)
     if on:
         problems.append(
@@ -423,24 +315,17 @@ def _preference_problems(config, resolved) -> list[str]:
     return problems
 
 
-def validate(config) -> None:
-    """Raises ValueError listing every problem with the config."""
-    problems = _objective_problems(config)
-    problems += _batch_problems(config)
-    problems += _mesh_problems(config)
-    problems += _task_problems(config)
-    if (
-        config.filters.overlong_cache
-        and config.filters.overlong_cache > config.sampling.max_new_tokens
-    ):
-        problems.append(
-            f"filters.overlong_cache={config.filters.overlong_cache} exceeds "
-            f"sampling.max_new_tokens={config.sampling.max_new_tokens}"
+def problems(config) -> list[str]:
+    """Every problem between the sections of the resolved run `config`."""
+    found = _objective_problems(config)
+    found += _batch_problems(config)
+    found += _mesh_problems(config)
+    f, M = config.filters, config.sampling.max_new_tokens
+    if f.overlong_cache and isinstance(M, int) and f.overlong_cache > M:
+        found.append(
+            f"filters.overlong_cache={f.overlong_cache} exceeds sampling.max_new_tokens={M}"
         )
-    problems += _reward_problems(config)
-    problems += _value_problems(config)
-    if problems:
-        raise ValueError("Invalid config:\n  " + "\n  ".join(problems))
+    return found
 
 
 def _objective_problems(config) -> list[str]:
@@ -467,19 +352,10 @@ def _objective_problems(config) -> list[str]:
 
 
 def _batch_problems(config) -> list[str]:
-    """How `batch` divides into the learner's minibatches and micro-batches, and the
-    learner's own settings (length buckets, logprob chunks, remat, packing)."""
+    """How `batch` divides into the learner's minibatches and micro-batches, and packed rows
+    against the completion budget."""
     b, u, M = config.batch, config.learner, config.sampling.max_new_tokens
     problems = []
-    if b.prompts < 1:
-        problems.append(f"batch.prompts={b.prompts} must be >= 1")
-    if b.group_size < 1:
-        problems.append(f"batch.group_size={b.group_size} must be >= 1")
-    if not isinstance(b.prompt_pool, int) or not (b.prompt_pool == 0 or b.prompt_pool >= b.prompts):
-        problems.append(
-            f"batch.prompt_pool={b.prompt_pool!r} must be 0 (every training prompt) or at least "
-            f"batch.prompts={b.prompts}"
-        )
     if u.minibatches < 1 or b.prompts % u.minibatches:
         problems.append(
             f"batch.prompts={b.prompts} is not divisible by learner.minibatches={u.minibatches}"
@@ -489,92 +365,19 @@ def _batch_problems(config) -> list[str]:
             f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
             f"by learner.micro_batches={u.micro_batches}"
         )
-    if not isinstance(u.length_buckets, int) or u.length_buckets < 1:
-        problems.append(f"learner.length_buckets={u.length_buckets!r} must be an integer >= 1")
-    if not isinstance(u.logprob_chunk, int) or u.logprob_chunk < 1:
-        problems.append(f"learner.logprob_chunk={u.logprob_chunk!r} must be an integer >= 1")
-    if u.remat not in decoder.REMAT_POLICIES:
-        problems.append(f"learner.remat={u.remat!r} is not one of {tuple(decoder.REMAT_POLICIES)}")
-    if not isinstance(u.offload_ref, bool):
-        problems.append(f"learner.offload_ref={u.offload_ref!r} must be True or False")
     if not isinstance(u.pack_length, int) or not (u.pack_length == 0 or u.pack_length > M):
         problems.append(
             f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "
             f"sampling.max_new_tokens={M}"
         )
-    if not isinstance(u.pack_rows, int) or u.pack_rows < 0:
-        problems.append(
-            f"learner.pack_rows={u.pack_rows!r} must be an integer >= 0 (0: batch.group_size)"
-        )
     return problems
 
 
-def _task_problems(config) -> list[str]:
-    """The task's name and settings, and the Hugging Face checkpoint the policy starts from."""
-    problems = []
-    if config.task.name not in (*tasks.TASKS, *data_load.FILE_TASKS, "reasoning_gym"):
-        problems.append(
-            f"task.name={config.task.name!r} is not one of {sorted(tasks.TASKS)}, 'files' or "
-            "'reasoning_gym'"
-        )
-    if config.task.name in data_load.FILE_TASKS:
-        problems += _files_task_problems(config.task)
-    if config.task.name == "reasoning_gym":
-        from rlscale.data import reasoning_gym_tasks  # Imports reasoning-gym: about 2 s.
-
-        problems += reasoning_gym_tasks.config_problems(config.task)
-    if config.init.hf_checkpoint and not os.path.isfile(
-        os.path.join(config.init.hf_checkpoint, "config.json")
-    ):
-        problems.append(
-            f"init.hf_checkpoint={config.init.hf_checkpoint!r} has no config.json: not a "
-            "Hugging Face model directory"
-        )
-    return problems
-
-
-def _reward_problems(config) -> list[str]:
-    """A custom reward function that does not import, and worker processes without a timeout."""
-    problems = []
-    if config.reward.fn:
-        try:
-            if not callable(import_function(config.reward.fn)):
-                raise TypeError("not callable")
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
-            problems.append(f"reward.fn={config.reward.fn!r} ('module:function') fails: {e}")
-    if config.reward.workers and config.reward.timeout <= 0:
-        problems.append(f"reward.timeout={config.reward.timeout} must be > 0 with worker processes")
-    return problems
-
-
-def _value_problems(config) -> list[str]:
-    """Counts, rates and the sampler's think budget out of range."""
-    problems = []
-    for key, value, low in (
-        ("steps", config.steps, 1),
-        ("eval.every", config.eval.every, 1),
-        ("checkpoint.every", config.checkpoint.every, 1),
-        ("checkpoint.keep", config.checkpoint.keep, 1),
-        ("faults.max_consecutive_skips", config.faults.max_consecutive_skips, 1),
-        ("reward.workers", config.reward.workers, 0),
-        ("sampling.max_new_tokens", config.sampling.max_new_tokens, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            problems.append(f"{key}={value!r} must be an integer >= {low}")
-    numbers = (("optim.lr", config.optim.lr), ("sampling.temperature", config.sampling.temperature))
-    for key, value in numbers:
-        if not isinstance(value, (int, float)) or value < 0:
-            problems.append(f"{key}={value!r} must be a number >= 0")
-    # The phrase is at least one token; the exact count is checked once it is encoded.
-    s = config.sampling
-    return problems + think_budget_problems(s.think_budget, 1, s.max_new_tokens, prefix="sampling.")
-
-
-def pack_problems(config, longest_prompt: int) -> list[str]:
+def pack_problems(learner, batch, sampling, longest_prompt: int) -> list[str]:
     """What packing cannot hold, given the longest training prompt (in tokens): a sequence
     longer than `learner.pack_length`, or a group of full-length samples that
     `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups)."""
-    u, G, M = config.learner, config.batch.group_size, config.sampling.max_new_tokens
+    u, G, M = learner, batch.group_size, sampling.max_new_tokens
     if not u.pack_length:
         return []
     longest = longest_prompt + M

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlscale import faults, metrics, preemption
-from rlscale.rl import checks, learned_rewards, report, setup, state
+from rlscale.rl import learned_rewards, report, setup, state
 
 
 class Loop:
@@ -25,11 +25,11 @@ class Loop:
     """
 
     def __init__(self, config, workdir: str, allow_config_change: bool):
-        checks.validate(config)
+        """`config`: the resolved run (`rl.resolve`)."""
         self.t_start = time.time()
         os.makedirs(workdir, exist_ok=True)
-        self.config, self.workdir = config, workdir
         self.s = s = setup.build(config, workdir)
+        self.config, self.workdir = s.config, workdir
         self.ckpt, self.run, self.start = state.open_checkpoints(s, workdir, allow_config_change)
         self.comp = report.Compute(
             self.run.counters,
@@ -39,7 +39,7 @@ class Loop:
         self.source = s.rollout_source(self.run.stream, self.run.history)
         if config.reward.model == learned_rewards.MADE:  # Trained now, from the warm start.
             self.source.outcome_model = learned_rewards.made_outcome(
-                config, s, self.source, self.run, self.comp, workdir, fresh=self.start == 0
+                config.raw, s, self.source, self.run, self.comp, workdir, fresh=self.start == 0
             )
         is_main = jax.process_index() == 0
         self.writer = metrics.MetricWriter(workdir, config.steps, is_main, self.run.metrics_offset)

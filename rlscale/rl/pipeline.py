@@ -6,12 +6,49 @@ updates, with staleness bounded by admission control (no token trained more than
 import dataclasses
 import threading
 import time
+from typing import ClassVar
 
 import jax
 
-from rlscale import sharding
+from rlscale import sections, sharding
 from rlscale.data import filters
 from rlscale.rl import loop, report
+
+MODES = ("sync", "pipeline", "async_ppo")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(sections.Section):
+    """`config.pipeline`: "sync" samples each batch with the current policy, then trains on
+    it; "pipeline" generates continuously with in-flight weight updates; "async_ppo"
+    generates each batch with one policy version. No token is trained more than
+    `max_staleness` updates after the version that sampled it. The generator gets the first
+    `generator_devices` devices (0: it time-slices the trainer's), `slots` decode slots
+    (resolved: 0 becomes batch.prompts x the completions per prompt) and runs `decode_chunk`
+    tokens per call between weight and admission checks."""
+
+    MODES: ClassVar[tuple] = MODES
+    mode: str = "sync"
+    max_staleness: int = 0
+    generator_devices: int = 0
+    slots: int = 0
+    decode_chunk: int = 8
+
+    def problems(self) -> list[str]:
+        if self.mode not in MODES:
+            return [f"pipeline.mode={self.mode!r} is not one of {MODES}"]
+        problems = sections.at_least("pipeline.max_staleness", self.max_staleness, 0)
+        problems += sections.at_least("pipeline.decode_chunk", self.decode_chunk, 1)
+        if self.mode == "sync" and (self.max_staleness or self.generator_devices):
+            problems.append(
+                "pipeline.mode='sync' generates each batch with the current policy on the "
+                "trainer's devices: pipeline.max_staleness and pipeline.generator_devices "
+                "must be 0"
+            )
+        g = self.generator_devices
+        if not isinstance(g, int) or g < 0:
+            problems.append(f"pipeline.generator_devices={g!r} must be an integer >= 0 (0: share)")
+        return problems
 
 
 class Feed(threading.Thread):
@@ -125,7 +162,8 @@ class Feed(threading.Thread):
 
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
-    """Runs (or resumes) the RL loop in pipeline or async_ppo mode; returns the summary."""
+    """Runs (or resumes) the RL loop in pipeline or async_ppo mode (`config`: the resolved
+    run, `rl.resolve.RunConfig`); returns the summary."""
     lp = loop.Loop(config, workdir, allow_config_change)
     s, run, source, comp = lp.s, lp.run, lp.source, lp.comp
     trainer_devices, generator_devices = s.mesh.devices.size, s.generator_mesh.devices.size

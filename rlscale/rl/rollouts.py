@@ -12,9 +12,48 @@ import dataclasses
 import jax
 import numpy as np
 
+from rlscale import sections
 from rlscale.data import filters
 from rlscale.sampling.generator import Request
 from rlscale.sampling.scoring import Samples, concat, encode_prompts, score_completed
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig(sections.Section):
+    """`config.batch`: `prompts` prompts a step, `group_size` rows each, drawn from the first
+    `prompt_pool` training problems (0: all of them; `with_pool` fills it once the data is
+    read). `samples_per_prompt` is derived (`rl.resolve` fills it): the completions the
+    generator samples per prompt, `group_size` or, in a preference run that forms its pairs
+    from samples, `preference.samples`."""
+
+    prompts: int = 32
+    group_size: int = 8
+    prompt_pool: int = 0
+    samples_per_prompt: int = 0
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.prompts < 1:
+            problems.append(f"batch.prompts={self.prompts} must be >= 1")
+        if self.group_size < 1:
+            problems.append(f"batch.group_size={self.group_size} must be >= 1")
+        pool = self.prompt_pool
+        if not isinstance(pool, int) or not (pool == 0 or pool >= self.prompts):
+            problems.append(
+                f"batch.prompt_pool={pool!r} must be 0 (every training prompt) or at least "
+                f"batch.prompts={self.prompts}"
+            )
+        return problems
+
+    def with_pool(self, n_train: int) -> "BatchConfig":
+        """The section with `prompt_pool` resolved against the task's `n_train` training
+        problems (0: all of them)."""
+        if self.prompt_pool > n_train:
+            raise ValueError(
+                f"batch.prompt_pool={self.prompt_pool} is more than the task's {n_train} "
+                "training problems"
+            )
+        return dataclasses.replace(self, prompt_pool=self.prompt_pool or n_train)
 
 
 @dataclasses.dataclass
@@ -74,7 +113,9 @@ class RolloutSource:
 
     def __init__(
         self,
-        config,
+        batch: BatchConfig,
+        filter_cfg: filters.FilterConfig,
+        decode_chunk: int,
         generator,
         scfg,
         tokenizer,
@@ -93,10 +134,10 @@ class RolloutSource:
         # `learned_rewards.OutcomeReward` (`reward.model`): the reward, in place of the
         # verifier's (which still decides `correct`); `StepRewards` (`reward.prm`).
         self.outcome_model, self.step_rewards = outcome_model, step_rewards
-        self.B, self.G = config.batch.prompts, config.batch.group_size
-        self.filters = config.filters
-        self.max_new_tokens = config.sampling.max_new_tokens
-        self.decode_chunk = config.pipeline.decode_chunk
+        self.B, self.G = batch.prompts, batch.group_size
+        self.filters = filter_cfg
+        self.max_new_tokens = scfg.max_new_tokens
+        self.decode_chunk = decode_chunk
         self._encoded: dict[int, list[int]] = {}  # Prompt ids, by problem.
         # Scoring runs beside decoding in one process; with several, it stays in order on the
         # main thread (it gathers rewards across processes, as decoding does).

@@ -10,6 +10,10 @@ to the sampling layout (`sharding.SAMPLE_RULES`: whole weights on each data repl
 own mesh: the first `pipeline.generator_devices` devices, or the trainer's mesh when that is
 0. Evaluation samples on the trainer's mesh. A teacher (`config.teacher`) lives on the
 trainer's mesh in the training layout, as the reference does.
+
+Everything here reads the resolved run (`rl.resolve.RunConfig`); the sections this module
+owns are those of what it builds: the learner, the policy's start, its tokenizer, the
+objective and the teacher.
 """
 
 import dataclasses
@@ -22,11 +26,11 @@ import jax.numpy as jnp
 
 from rlscale import (
     checkpoint,
-    model,
     objectives,
     optim,
     programs,
     saved_policy,
+    sections,
     sharding,
     warm_start,
 )
@@ -34,7 +38,7 @@ from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.eval import heldout
-from rlscale.model import hf
+from rlscale.model import decoder, hf
 from rlscale.rewards import isolation
 from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
@@ -42,9 +46,86 @@ from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.generator import Generator
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig(sections.Section):
+    """`config.learner` (docs/learner.md): `epochs` x `minibatches` optimizer steps per batch,
+    each accumulating `micro_batches`; completions trimmed to one of `length_buckets`
+    lengths; with `pack_length` > 0, sequences packed into rows of that many tokens,
+    `pack_rows` rows per batch shard a micro-batch (resolved: 0 becomes batch.group_size);
+    logprobs `logprob_chunk` tokens at a time; `remat` what each block's backward pass
+    recomputes; `offload_ref` keeps the KL reference in host memory."""
+
+    epochs: int = 1
+    minibatches: int = 1
+    micro_batches: int = 1
+    length_buckets: int = 4
+    pack_length: int = 0
+    pack_rows: int = 0
+    logprob_chunk: int = 1024
+    remat: str = "none"
+    offload_ref: bool = False
+
+    def problems(self) -> list[str]:
+        problems = sections.at_least("learner.length_buckets", self.length_buckets, 1)
+        problems += sections.at_least("learner.logprob_chunk", self.logprob_chunk, 1)
+        if self.remat not in decoder.REMAT_POLICIES:
+            problems.append(
+                f"learner.remat={self.remat!r} is not one of {tuple(decoder.REMAT_POLICIES)}"
+            )
+        if not isinstance(self.offload_ref, bool):
+            problems.append(f"learner.offload_ref={self.offload_ref!r} must be True or False")
+        if not isinstance(self.pack_rows, int) or self.pack_rows < 0:
+            problems.append(
+                f"learner.pack_rows={self.pack_rows!r} must be an integer >= 0 (0: "
+                "batch.group_size)"
+            )
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig(sections.Section):
+    """`config.objective`: the loss as a chain of registered transforms (`objectives`; its
+    problems depend on the batch and sampling sections: `rl.checks`)."""
+
+    chain: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig(sections.Section):
+    """`config.teacher`: the distillation teacher's directory, "self" (the policy the run
+    starts from) or "" (none); checked against the chain by `rl.checks`."""
+
+    checkpoint: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig(sections.Section):
+    """`config.init`: a Hugging Face model directory to start from instead of the SFT warm
+    start ("": the warm start)."""
+
+    hf_checkpoint: str = ""
+
+    def problems(self) -> list[str]:
+        path = self.hf_checkpoint
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            return [
+                f"init.hf_checkpoint={path!r} has no config.json: not a Hugging Face model "
+                "directory"
+            ]
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig(sections.Section):
+    """`config.tokenizer`: the pieces of the SentencePiece model trained on the task's corpus
+    (a run from a Hugging Face checkpoint uses its own)."""
+
+    vocab_size: int = 320
+
+
 @dataclasses.dataclass
 class Setup:
-    config: Any
+    config: Any  # The resolved run (`rl.resolve.RunConfig`), its prompt pool filled.
     mesh: Any  # The trainer's.
     generator_mesh: Any  # The trainer's mesh unless the generator has its own devices.
     tokenizer: Any
@@ -90,8 +171,11 @@ class Setup:
         return _timed_reshard(params, self.generator_shardings, copy=copy)
 
     def rollout_source(self, stream, history) -> rollouts.RolloutSource:
+        c = self.config
         return rollouts.RolloutSource(
-            self.config,
+            c.batch,
+            c.filters,
+            c.pipeline.decode_chunk,
             self.generator,
             self.scfg,
             self.tokenizer,
@@ -122,7 +206,7 @@ class Setup:
         c = self.config
         return (
             self.learner.init(self.params, value_params),
-            filters.PromptStream(c.batch.prompt_pool or len(self.train_problems), seed=c.seed),
+            filters.PromptStream(c.batch.prompt_pool, seed=c.seed),
             filters.PassRateHistory(c.filters.retire_threshold),
         )
 
@@ -133,18 +217,18 @@ def _timed_reshard(params, shardings, copy=False):
     return out, time.time() - t
 
 
-def _tokenizer(config, workdir, problems):
+def _tokenizer(tok: TokenizerConfig, task, workdir, problems):
     path = os.path.join(workdir, "tokenizer.model")
     if os.path.exists(path):
         return tokenizer_lib.SentencePieceTokenizer(path)
     corpus = [p.prompt + p.demo for p in problems]
     # Chat-formatted prompts: the end-of-turn marker is one token, a stop token when sampling.
-    template = data_load.chat_template(config.task)
+    template = data_load.chat_template(task)
     symbols = (template.end_of_turn,) if template is not None else ()
     # A small task corpus may support fewer pieces than asked: accept the smaller vocabulary.
     return tokenizer_lib.train_sentencepiece(
         corpus,
-        config.tokenizer.vocab_size,
+        tok.vocab_size,
         model_type="bpe",
         user_defined_symbols=symbols,
         path=path,
@@ -153,7 +237,8 @@ def _tokenizer(config, workdir, problems):
 
 
 def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
-    """The run's learner from its config (`build`, and `rlscale.planner` for the same program)."""
+    """The run's learner from the resolved run's objective, batch, sampling, learner and optim
+    sections (`build`, and `rlscale.planner` for the same program)."""
     G, M, u = config.batch.group_size, config.sampling.max_new_tokens, config.learner
     return learner.Learner(
         graphdef=graphdef,
@@ -182,7 +267,8 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
 
 
 def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_lib.Teacher:
-    """The run's distillation teacher (`config.teacher.checkpoint`, which `checks` has
+    """The run's distillation teacher (`config.teacher.checkpoint` of the resolved run, which
+    `checks` has
     compared with the run's tokenizer), on the trainer's mesh in the training layout: an
     rlscale params checkpoint (`model_config.json`), a Hugging Face model directory (in
     `model.dtype`, as the policy would be), or 'self', a copy of the policy the run starts
@@ -213,72 +299,67 @@ def _check_with_data(config, tokenizer, tokenizer_source: str, scfg, longest: in
     """`preference.file`'s pairs (empty without one), once the checks that need the data and
     the tokenizer pass: packing the longest prompt (`longest` tokens), the teacher's and the
     learned rewards' tokenizers, the pair file. Raises ValueError listing every problem."""
-    problems = checks.pack_problems(config, longest)
+    problems = checks.pack_problems(config.learner, config.batch, config.sampling, longest)
     problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
-    problems += checks.learned_reward_tokenizer_problems(config, tokenizer)
-    preference_pairs, trouble = pairs.read_file(config, tokenizer, scfg)
+    problems += checks.learned_reward_tokenizer_problems(config.reward, tokenizer)
+    preference_pairs, trouble = pairs.read_file(config.raw, tokenizer, scfg)
     problems += trouble
     if problems:  # Before the warm start's training.
         raise ValueError("; ".join(problems))
     return preference_pairs
 
 
-def _verifier_pool(config, reward_fn, task):
+def _verifier_pool(reward: isolation.RewardConfig, reward_fn, task):
     """The run's one verifier pool (`reward.workers` processes), or None (in-process)."""
-    if not config.reward.workers:
+    if not reward.workers:
         return None
     # Workers start with the verifiers' modules already imported.
     modules = sorted({reward_fn.__module__, task.verify.__module__})
-    return isolation.verifier_pool(config.reward.workers, preload=modules)
+    return isolation.verifier_pool(reward.workers, preload=modules)
 
 
 def _policy(config, workdir: str, mesh, tokenizer, task, splits) -> tuple[Any, Any, Any, dict]:
     """(model_cfg, graphdef, params, warm-start summary) of the policy the run starts from:
     `init.hf_checkpoint` (placed directly on the mesh; no summary), else the SFT warm start
-    (trained now, or cached in WORKDIR/sft)."""
+    (trained now, or cached in WORKDIR/sft, by `warm_start`, which reads the raw ConfigDict)."""
     if config.init.hf_checkpoint:
         model_cfg, graphdef, params = hf.load_hf(
             config.init.hf_checkpoint, mesh, dtype=config.model.dtype
         )
         return model_cfg, graphdef, params, {}
-    model_cfg = model.from_dict({**config.model, "vocab_size": tokenizer.vocab_size})
+    model_cfg = dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size)
     graphdef, params, summary = warm_start.train_or_load(
-        config, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
+        config.raw, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
     )
     return model_cfg, graphdef, params, summary
 
 
 def build(config, workdir: str) -> Setup:
-    """Every part of the run, from its config (already validated by `checks.validate`)."""
+    """Every part of the run, from the resolved run (`rl.resolve.resolve`)."""
     pipe = config.pipeline
-    mesh, gen_mesh = sharding.role_meshes(tuple(config.mesh.shape), pipe.generator_devices)
-    warm_start.reuse(config, workdir)
-    task, splits = data_load.load_task(config, workdir)
-    if config.batch.prompt_pool > len(splits["train"]):
-        raise ValueError(
-            f"batch.prompt_pool={config.batch.prompt_pool} is more than the task's "
-            f"{len(splits['train'])} training problems"
-        )
+    mesh, gen_mesh = sharding.role_meshes(config.mesh.shape, pipe.generator_devices)
+    warm_start.reuse(config.raw, workdir)
+    task, splits = data_load.load_task(config.task, workdir)
+    config = dataclasses.replace(config, batch=config.batch.with_pool(len(splits["train"])))
     hf_init = config.init.hf_checkpoint
     if hf_init:  # A pretrained policy brings its own tokenizer.
         tokenizer = tokenizer_lib.load(hf_init)
     else:
-        tokenizer = _tokenizer(config, workdir, splits["train"])
-    scfg = saved_policy.sampling_config(config, tokenizer, checks.samples_per_prompt(config))
-    G = checks.samples_per_prompt(config)
+        tokenizer = _tokenizer(config.tokenizer, config.task, workdir, splits["train"])
+    scfg = saved_policy.sampling_config(config, tokenizer, config.batch.samples_per_prompt)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
     progs = programs.Programs(mesh)
-    reward_fn = checks.import_function(config.reward.fn) if config.reward.fn else task.verify
-    pool = _verifier_pool(config, reward_fn, task)
+    reward_fn = isolation.import_function(config.reward.fn) if config.reward.fn else task.verify
+    pool = _verifier_pool(config.reward, reward_fn, task)
     model_cfg, graphdef, params, summary = _policy(config, workdir, mesh, tokenizer, task, splits)
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
     generator = Generator(
         graphdef,
         model_cfg,
         scfg,
-        slots=pipe.slots or config.batch.prompts * G,
+        slots=pipe.slots,
         max_prompt_len=longest,
         mesh=gen_mesh,
         programs=progs.on(gen_mesh),
@@ -302,8 +383,8 @@ def build(config, workdir: str) -> Setup:
         params=params,
         ref_params=ref,
         teacher=teacher,
-        outcome_model=learned_rewards.load_outcome(config, mesh),
-        step_rewards=learned_rewards.load_steps(config, mesh),
+        outcome_model=learned_rewards.load_outcome(config.raw, mesh),
+        step_rewards=learned_rewards.load_steps(config.raw, mesh),
         warm_start_summary=summary,
         scfg=scfg,
         eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),

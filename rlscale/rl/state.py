@@ -89,7 +89,7 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
     `WORKDIR/checkpoints`, or a fresh state at step 0. A checkpoint made with a different
     config (beyond `checks.RESUMABLE_CHANGES`) is refused unless `allow_config_change`."""
     config = setup.config
-    config_dict = json.loads(config.to_json_best_effort())
+    config_dict = config.to_dict()
     ckpt = checkpoint.RunCheckpointer(
         os.path.join(workdir, "checkpoints"),
         keep=config.checkpoint.keep,
@@ -99,7 +99,7 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
     # Replicated over the mesh: every host checkpoints (and restores) the same key.
     rng = sharding.replicate(jax.random.key(config.seed), setup.mesh)
     fresh = RunState(train, rng, stream, history, report.Compute().counters, [], config_dict)
-    if pairs_lib.enabled(config):
+    if config.preference.enabled:
         fresh.pairs = pairs_lib.PairSet()
         if config.preference.iterations_every:  # Refreshed each round (None: no reference).
             fresh.ref = setup.ref_params

@@ -18,7 +18,8 @@ from rlscale.rl import loop, report
 
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
-    """Runs (or resumes) the RL loop in `workdir`; returns the summary."""
+    """Runs (or resumes) the RL loop in `workdir` (`config`: the resolved run,
+    `rl.resolve`); returns the summary."""
     lp = loop.Loop(config, workdir, allow_config_change)
     s, run, source, comp = lp.s, lp.run, lp.source, lp.comp
     devices = s.mesh.devices.size

@@ -1,0 +1,153 @@
+"""The ConfigDict stops here: `resolve` turns a run's config into `RunConfig`, frozen typed
+sections owned by the modules that read them, with every derived default filled once
+(`batch.samples_per_prompt`, `pipeline.slots`, `learner.pack_rows`; `batch.prompt_pool`
+once the data is read, `BatchConfig.with_pool`), and lists every problem of every section
+and between sections (`rl.checks`) at once, each naming its key.
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from rlscale import checkpoint, faults, model, optim, sections, sharding
+from rlscale.data import filters
+from rlscale.data import load as data_load
+from rlscale.eval import heldout
+from rlscale.rewards import isolation
+from rlscale.rl import checks, dpo, pipeline, rollouts, setup
+from rlscale.saved_policy import SamplingSettings
+
+# The sections: config key -> the dataclass that owns it.
+SECTIONS = {
+    "mesh": sharding.MeshConfig,
+    "tokenizer": setup.TokenizerConfig,
+    "init": setup.InitConfig,
+    "batch": rollouts.BatchConfig,
+    "sampling": SamplingSettings,
+    "learner": setup.LearnerConfig,
+    "pipeline": pipeline.PipelineConfig,
+    "optim": optim.OptimConfig,
+    "objective": setup.ObjectiveConfig,
+    "teacher": setup.TeacherConfig,
+    "preference": dpo.PreferenceConfig,
+    "filters": filters.FilterConfig,
+    "eval": heldout.EvalConfig,
+    "checkpoint": checkpoint.CheckpointConfig,
+    "faults": faults.FaultConfig,
+    "reward": isolation.RewardConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A resolved RL run: one attribute per config section, named as the ConfigDict names
+    them. `task` and `sft` stay frozen ConfigDicts (the task's keys depend on its kind; the
+    warm start reads its own); `model` is the policy's `ModelConfig` (its vocabulary set
+    from the tokenizer at set-up). `raw`: the whole config, frozen, for what a checkpoint
+    records and for the stage modules that still read it (`warm_start`, `rl.pairs`,
+    `rl.learned_rewards`)."""
+
+    seed: int
+    steps: int
+    recipe: str
+    mesh: sharding.MeshConfig
+    tokenizer: setup.TokenizerConfig
+    init: setup.InitConfig
+    task: Any
+    sft: Any
+    model: model.ModelConfig | None
+    batch: rollouts.BatchConfig
+    sampling: SamplingSettings
+    learner: setup.LearnerConfig
+    pipeline: pipeline.PipelineConfig
+    optim: optim.OptimConfig
+    objective: setup.ObjectiveConfig
+    teacher: setup.TeacherConfig
+    preference: dpo.PreferenceConfig
+    filters: filters.FilterConfig
+    eval: heldout.EvalConfig
+    checkpoint: checkpoint.CheckpointConfig
+    faults: faults.FaultConfig
+    reward: isolation.RewardConfig
+    raw: Any
+
+    def to_dict(self) -> dict:
+        """The config as it was given (JSON values): what a checkpoint records."""
+        return json.loads(self.raw.to_json_best_effort())
+
+
+def _values(node) -> dict:
+    """A section's values, tuples for lists (a ConfigDict may hold either)."""
+    d = node.to_dict() if hasattr(node, "to_dict") else dict(node)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def _sections(config, problems: list[str]) -> dict:
+    """Every section built from its keys (its checks deferred), and each one's problems added
+    to `problems`. A key the dataclass does not know is a problem too."""
+    built = {}
+    with sections.deferred():
+        for key, cls in SECTIONS.items():
+            values = _values(config[key])
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(values) - names)
+            if unknown:
+                problems.append(f"{key}: unknown keys {unknown}; keys: {', '.join(sorted(names))}")
+            built[key] = cls(**{k: v for k, v in values.items() if k in names})
+            problems += built[key].problems()
+    return built
+
+
+def _model(config, problems: list[str]) -> model.ModelConfig | None:
+    try:
+        return model.from_dict(config.model)
+    except (TypeError, ValueError) as e:
+        problems.append(f"model: {e}")
+        return None
+
+
+def _samples_per_prompt(built: dict) -> rollouts.BatchConfig:
+    """The batch section with the completions the generator samples per prompt:
+    `batch.group_size`, or `preference.samples` in a preference run that forms its pairs from
+    samples (its learner batches are then pairs, groups of 2 rows)."""
+    b, pref = built["batch"], built["preference"]
+    G = pref.samples if pref.samples_pairs else b.group_size
+    return dataclasses.replace(b, samples_per_prompt=G)
+
+
+def _derived(run: RunConfig) -> dict:
+    """The defaults that "0" stands for, filled once: decode slots, packed rows."""
+    b, p, u = run.batch, run.pipeline, run.learner
+    return {
+        "pipeline": dataclasses.replace(p, slots=p.slots or b.prompts * b.samples_per_prompt),
+        "learner": dataclasses.replace(u, pack_rows=u.pack_rows or b.group_size),
+    }
+
+
+def resolve(config: ml_collections.ConfigDict) -> RunConfig:
+    """The run's typed sections, every derived default filled.
+
+    Raises:
+      sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
+    """
+    problems = []
+    built = _sections(config, problems)
+    with sections.deferred():
+        built["batch"] = _samples_per_prompt(built)
+    problems += sections.at_least("steps", config.steps, 1)
+    run = RunConfig(
+        seed=config.seed,
+        steps=config.steps,
+        recipe=config.get("recipe", ""),
+        task=ml_collections.FrozenConfigDict(config.task),
+        sft=ml_collections.FrozenConfigDict(config.sft),
+        model=_model(config, problems),
+        raw=ml_collections.FrozenConfigDict(config),
+        **built,
+    )
+    problems += data_load.task_problems(run.task)
+    problems += checks.problems(run)
+    sections.raise_if(problems)
+    return dataclasses.replace(run, **_derived(run))
