@@ -69,9 +69,9 @@ def _pipeline_problems(config, gen_div: int) -> list[str]:
     cannot do (dynamic sampling, several processes)."""
     p, b = config.pipeline, config.batch
     problems = []
-    if p.mode not in p.MODES:
-        return []  # Reported by the section.
     G = b.samples_per_prompt
+    if p.mode not in p.MODES or not isinstance(G, int) or G < 1:
+        return []  # Reported by the sections.
     slots = p.slots or b.prompts * G
     if not isinstance(slots, int) or slots < 0 or slots % G:
         what = "preference.samples" if G != b.group_size else "batch.group_size"
