@@ -131,9 +131,8 @@ def warm_start(config, workdir: str):
     from rlscale.model import hf
     from rlscale.rl import setup
 
-    rl.validate(config)
     warm = os.path.join(workdir, "warm")
-    s = setup.build(config, warm)
+    s = setup.build(rl.resolve(config), warm)
     hf_dir = os.path.join(warm, "hf")
     hf.save_hf(hf_dir, s.model_cfg, s.params, tokenizer=s.tokenizer, stop_tokens=s.scfg.stop_tokens)
     print(f"warm start {s.warm_start_summary}, exported to {hf_dir}", flush=True)

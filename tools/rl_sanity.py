@@ -64,7 +64,7 @@ def main(fv) -> None:
             src, dst = os.path.join(fv.warm_from, name), os.path.join(fv.workdir, name)
             if not os.path.exists(dst):
                 (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
-    summary = rl.run(cfg, fv.workdir)
+    summary = rl.run(rl.resolve(cfg), fv.workdir)
     print(json.dumps({"start": summary["start/eval_pass@1"], "end": summary["end/eval_pass@1"]}))
 
 
