@@ -3,14 +3,12 @@ bound holds on every trained token under a slow trainer and under a slow generat
 generator + 4 trainer devices; bad pipeline settings fail at start-up naming the key. (Its
 SIGKILL resume is in test_reliability.py.)"""
 
-import time
-
 import numpy as np
 import pytest
 from conftest import golden_config, metric_lines
 
 from rlscale import rl
-from rlscale.rl import learner
+from rlscale.rl import learner, pipeline
 from rlscale.sampling import generator
 
 
@@ -28,6 +26,17 @@ def test_k0_pipeline_is_the_sync_loop(warm, tmp_path):
     assert metric_lines(tmp_path) == metric_lines(warm)
 
 
+# How long a hand-off below may wait before the test fails: far longer than any step takes.
+HANDOFF_S = 300.0
+
+
+def _wait(feed, done, what):
+    """Blocks (on the feed's condition variable) until `done()`, failing after HANDOFF_S."""
+    with feed.cv:
+        if not feed.cv.wait_for(lambda: done() or feed.error is not None, HANDOFF_S):
+            raise AssertionError(f"waited {HANDOFF_S} s for {what}")
+
+
 @pytest.mark.parametrize(
     "mode, slow",
     [("pipeline", "trainer"), ("pipeline", "generator"), ("async_ppo", "trainer")],
@@ -36,32 +45,43 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
     """k = 2 with one update per batch. A slow trainer lets the generator run the full k
     ahead (the bound is reached, never passed); a slow generator gets new weights mid-sequence
     (in-flight updates: versions change within a row). async_ppo samples each batch with one
-    version. Checked on the learner's own inputs, not on the driver's metrics."""
+    version. Checked on the learner's own inputs, not on the driver's metrics.
+
+    "Slow" is a hand-off, not a sleep, so the schedule is the same on any machine: the slow
+    trainer starts update s only once the generator has finished batch s + k (as far ahead
+    as admission allows); the slow generator, once it has finished batch 1, decodes no
+    further until the trainer has published the weights trained on it."""
     k = 2
     seen = []  # (trainer version, versions of the trained tokens, their rows' spread)
-    update = learner.Learner.update
+    feeds = []
+    init, update, step = pipeline.Feed.__init__, learner.Learner.update, generator.Generator.step
 
-    def recording(self, state, ref_params, rollouts, step):
+    def capture(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        feeds.append(self)
+
+    def recording(self, state, ref_params, rollouts, s):
         v, m = rollouts.version_NM, rollouts.mask_NM
         spread = [np.ptp(row[mask]) for row, mask in zip(v, m) if mask.any()]
         seen.append((int(state.step), v[m], max(spread)))
-        if slow == "trainer":
-            time.sleep(0.4)
-        return update(self, state, ref_params, rollouts, step)
+        target = min(s + k, feeds[0].last)
+        if slow == "trainer" and target > s:
+            _wait(feeds[0], lambda: target in feeds[0].ready, f"batch {target}")
+        return update(self, state, ref_params, rollouts, s)
 
+    def slow_step(self, max_steps):
+        feed = feeds[0]
+        if feed.taken == 0 and feed.next_batch > 1 and 1 not in feed.pending:
+            _wait(feed, lambda: feed.published[3] > 0, "the weights trained on batch 1")
+            return []  # The feed takes the new weights before it decodes again.
+        return step(self, max_steps)
+
+    monkeypatch.setattr(pipeline.Feed, "__init__", capture)
     monkeypatch.setattr(learner.Learner, "update", recording)
     if slow == "generator":
-        step = generator.Generator.step
-
-        def slow_step(self, max_steps):
-            time.sleep(0.05)
-            return step(self, max_steps)
-
         monkeypatch.setattr(generator.Generator, "step", slow_step)
     config = _config(warm, mode=mode, max_staleness=k, generator_devices=4, decode_chunk=2)
     config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 4, 4
-    # One update program: a compile for a new length bucket would stall the trainer for
-    # seconds, long enough for the slow generator to finish every batch on one version.
     config.learner.length_buckets = 1
     rl.run(rl.resolve(config), str(tmp_path))
     assert len(seen) == 4
