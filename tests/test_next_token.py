@@ -1,11 +1,11 @@
-"""Next-token training tests: the loss against NumPy, learning, and no recompilation."""
+"""Next-token training tests: the loss against NumPy, learning through the one supervised
+step (`supervised.train_step`), and no recompilation."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from rlscale import model, next_token
+from rlscale import model, next_token, optim, supervised
 
 
 def _setup():
@@ -38,13 +38,13 @@ def test_loss_matches_numpy():
 
 def test_train_step_learns_and_does_not_recompile(count_compiles):
     cfg, graphdef, params, tokens, mask = _setup()
-    optimizer = optax.adamw(3e-3)
-    step = next_token.make_train_step(graphdef, optimizer)
-    state = next_token.init_state(params, optimizer)
-    state, first = step(state, tokens, mask)
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.Settings(lr=3e-3))
+    state = supervised.init_state(fit, params)
+    batch = next_token.Batch(tokens, mask)
+    state, first = supervised.train_step(fit, state, batch)
     with count_compiles() as c:
         for _ in range(30):
-            state, metrics = step(state, tokens, mask)
+            state, metrics = supervised.train_step(fit, state, batch)
         jax.block_until_ready(metrics)
     assert c.count == 0
     assert int(state.step) == 31
