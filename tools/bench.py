@@ -122,7 +122,9 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, p
 
 
 def bench_train(cfg, params, graphdef, batch, seq_len, peak, repeats):
-    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.Settings(lr=1e-4, weight_decay=1e-4))
+    fit = supervised.Fit(
+        next_token.batch_loss, graphdef, optim.Settings(lr=1e-4, weight_decay=1e-4)
+    )
     # The step donates its state, as training does; a copy keeps the caller's `params` alive
     # for the sections that run after this one.
     state = supervised.init_state(fit, jax.tree.map(jnp.copy, params))
