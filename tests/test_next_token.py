@@ -49,3 +49,21 @@ def test_train_step_learns_and_does_not_recompile(count_compiles):
     assert c.count == 0
     assert int(state.step) == 31
     assert float(metrics["loss"]) < 0.5 * float(first["loss"])
+
+
+def test_fit_calls_back_and_stops_early():
+    """`supervised.fit` calls back every `every` steps and at the last, with the mean loss
+    since the previous call, and stops where the callback says."""
+    cfg, graphdef, params, tokens, mask = _setup()
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.Settings(lr=3e-3))
+    batch = next_token.Batch(tokens, mask)
+    seen = []
+
+    def callback(params, progress):
+        seen.append(progress)
+        return progress.step >= 6
+
+    _, last = supervised.fit(fit, params, lambda: batch, 10, every=3, callback=callback)
+    assert [p.step for p in seen] == [3, 6] and last == seen[-1]
+    assert int(last.metrics["tokens"]) == 15 + 11 + 8 + 4
+    assert seen[1].mean_loss < seen[0].mean_loss

@@ -39,9 +39,6 @@ def import_function(spec: str):
 
 
 MODES = ("sync", "pipeline", "async_ppo")
-# The value `preference.file` and `reward.model` once shared for what the run makes at set-up
-# (now `pairs.SAMPLE_AT_SETUP` and `learned_rewards.TRAIN_AT_SETUP`): refused, naming the new.
-RENAMED_SENTINEL = "warm_start"
 
 
 def _mesh_problems(config) -> list[str]:
@@ -213,18 +210,12 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
     the chain has problems of its own), neither beside what they would contradict."""
     r, problems = config.reward, []
     meta = bradley_terry.META_FILE
-    if r.model == RENAMED_SENTINEL:
-        problems.append(
-            f"reward.model={r.model!r} is renamed {learned_rewards.TRAIN_AT_SETUP!r} (a reward "
-            "model trained at set-up from the warm start's samples)"
-        )
-    elif r.model and r.model != learned_rewards.TRAIN_AT_SETUP:
+    if r.model and r.model != learned_rewards.TRAIN_AT_SETUP:
         if not os.path.isfile(os.path.join(r.model, meta)):
             problems.append(
                 f"reward.model={r.model!r} is not a reward model directory (no {meta}): write "
                 "one with python -m rlscale.main.train_reward_model, or set "
-                f"{learned_rewards.TRAIN_AT_SETUP!r} to train one at set-up from the warm start's "
-                "samples"
+                f"{learned_rewards.TRAIN_AT_SETUP!r} (once 'warm_start') to train one at set-up"
             )
     if r.model == learned_rewards.TRAIN_AT_SETUP and config.init.hf_checkpoint:
         problems.append(
@@ -271,7 +262,7 @@ def learned_reward_tokenizer_problems(config, tokenizer) -> list[str]:
     problems = []
     for key in ("model", "prm"):
         path = config.reward[key]
-        if path and path not in (learned_rewards.TRAIN_AT_SETUP, RENAMED_SENTINEL):
+        if path and path != learned_rewards.TRAIN_AT_SETUP:
             try:
                 scalar_head.check_tokenizer(path, tokenizer)
             except ValueError as e:
@@ -410,17 +401,12 @@ def _preference_problems(config, resolved) -> list[str]:
                 f"sampling.temperature=0 (greedy) gives every one of a prompt's "
                 f"preference.samples={p.samples} completions the same text: no pair; set it > 0"
             )
-    elif p.file == RENAMED_SENTINEL:
-        problems.append(
-            f"preference.file={p.file!r} is renamed {pairs.SAMPLE_AT_SETUP!r} (pairs sampled "
-            "at set-up from the warm start)"
-        )
     elif p.file:
         trouble = formats.check_path(p.file)
         if trouble:
             problems.append(
-                f"preference.file={p.file!r}: {trouble} (or {pairs.SAMPLE_AT_SETUP!r}: pairs "
-                "sampled at set-up from the warm start)"
+                f"preference.file={p.file!r}: {trouble} (or {pairs.SAMPLE_AT_SETUP!r}, once "
+                "'warm_start': pairs sampled at set-up from the warm start)"
             )
     on = [k for k in ("zero_variance", "dynamic_sampling", "retire") if config.filters[k]]
     on += ["overlong_cache"] * bool(config.filters.overlong_cache)
