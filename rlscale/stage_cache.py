@@ -101,12 +101,15 @@ def complete(workdir: str, stage: str, settings: dict, stage_record: dict) -> No
     os.replace(marker + ".tmp", marker)
 
 
-def copy(source: str, workdir: str, stage: str, settings: dict, key: str) -> None:
-    """Copies the complete `stage` of another workdir `source` into `workdir`.
+def copy(source: str, workdir: str, stage: str, settings: dict, key: str, with_files=()) -> None:
+    """Copies the complete `stage` of another workdir `source` into `workdir`, after the
+    workdir-level files and directories `with_files` it was made from (the warm start's data
+    and tokenizer); the marker last, so an interrupted copy is an incomplete stage.
 
     Raises:
       ValueError: Naming `key` (the config key that names `source`), if `source` holds no
-        complete `stage`, or one made with other settings (listing the differences).
+        complete `stage`, or one made with other settings (listing the differences); nothing
+        is copied then.
     """
     marker = _read_marker(source, stage)
     if marker is None:
@@ -116,4 +119,13 @@ def copy(source: str, workdir: str, stage: str, settings: dict, key: str) -> Non
     check_settings(
         marker["settings"], settings, f"{key}={source!r} was made with different settings"
     )
-    shutil.copytree(path(source, stage), path(workdir, stage), dirs_exist_ok=True)
+    os.makedirs(workdir, exist_ok=True)
+    for name in with_files:
+        src, dst = os.path.join(source, name), os.path.join(workdir, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+        elif os.path.exists(src):
+            shutil.copy2(src, dst)
+    ignore = shutil.ignore_patterns(MARKER)
+    shutil.copytree(path(source, stage), path(workdir, stage), ignore=ignore, dirs_exist_ok=True)
+    complete(workdir, stage, marker["settings"], marker["record"])

@@ -7,8 +7,6 @@ a minority of held-out problems, so RL has something to improve. A stage of the 
 """
 
 import dataclasses
-import os
-import shutil
 
 import jax
 import numpy as np
@@ -65,14 +63,14 @@ def reuse(config, workdir) -> None:
     src = config.sft.reuse_from
     if not src or stage_cache.record(workdir, stage_cache.WARM_START) is not None:
         return
-    os.makedirs(workdir, exist_ok=True)
-    for name in ("data", "tokenizer.model"):
-        from_path, to_path = os.path.join(src, name), os.path.join(workdir, name)
-        if os.path.isdir(from_path):
-            shutil.copytree(from_path, to_path, dirs_exist_ok=True)
-        elif os.path.exists(from_path):
-            shutil.copy2(from_path, to_path)
-    stage_cache.copy(src, workdir, stage_cache.WARM_START, settings(config), "sft.reuse_from")
+    stage_cache.copy(
+        src,
+        workdir,
+        stage_cache.WARM_START,
+        settings(config),
+        "sft.reuse_from",
+        with_files=("data", "tokenizer.model"),
+    )
     logging.info("copied the warm start, data and tokenizer of %s", src)
 
 

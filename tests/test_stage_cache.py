@@ -53,11 +53,15 @@ def test_copy_checks_the_settings(tmp_path):
     with pytest.raises(ValueError, match=r"key='.*src': .* holds no complete preference pairs"):
         stage_cache.copy(src, dst, STAGE, SETTINGS, "key")
     _make(src, record={"pairs": 7})
+    with open(os.path.join(src, "tokenizer.model"), "w") as f:
+        f.write("t")
     with pytest.raises(ValueError, match="seed: 0 -> 3"):
-        stage_cache.copy(src, dst, STAGE, {**SETTINGS, "seed": 3}, "key")
-    stage_cache.copy(src, dst, STAGE, SETTINGS, "key")
+        stage_cache.copy(src, dst, STAGE, {**SETTINGS, "seed": 3}, "key", ("tokenizer.model",))
+    assert not os.path.exists(dst)  # Refused: nothing copied.
+    stage_cache.copy(src, dst, STAGE, SETTINGS, "key", ("tokenizer.model",))
     assert stage_cache.lookup(dst, STAGE, SETTINGS) == {"pairs": 7}
     assert os.path.isfile(os.path.join(stage_cache.path(dst, STAGE), "pairs.jsonl"))
+    assert os.path.isfile(os.path.join(dst, "tokenizer.model"))
 
 
 def test_unknown_stage_is_named(tmp_path):

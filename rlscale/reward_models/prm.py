@@ -71,7 +71,7 @@ class PRMConfig(scalar_head.TrainSettings):
 
     def rm_config(self) -> rm.RMConfig:
         """The `RMConfig` with the same settings and as many rows per step: what
-        `bradley_terry.save` records and `make_optimizer` reads."""
+        `bradley_terry.save` records."""
         shared = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(scalar_head.TrainSettings)
         }
