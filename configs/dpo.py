@@ -1,5 +1,5 @@
 """Offline DPO on the quickstart's task: a fixed set of preference pairs made from the warm
-start's own samples (`preference.file="warm_start"`: 8 samples of each training prompt,
+start's own samples (`preference.file="sample_at_setup"`: 8 samples of each training prompt,
 scored by the verifier, best against worst), trained with `dpo(beta=0.1)` against the warm
 start (docs/preference_and_reward_models.md).
 
@@ -30,7 +30,7 @@ LOSSES = {
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, loss="dpo", file="warm_start")
+    arg = config_lib.parse_arg(arg, smoke=False, loss="dpo", file="sample_at_setup")
     if arg.loss not in LOSSES:
         raise ValueError(f"config variant loss={arg.loss!r} is not one of {tuple(LOSSES)}")
     c = config_lib.rl_config()

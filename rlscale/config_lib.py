@@ -207,9 +207,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # run by the preference driver (`rl.dpo`) when `file` or `iterations_every` is set: each
     # step trains on `batch.prompts` pairs (batch.group_size = 2: chosen, rejected) with a
     # preference loss chain (dpo, ipo, simpo, kto). Offline: `file`, a jsonl/json/parquet
-    # file of prompt/chosen/rejected rows, or "warm_start": pairs made once from the warm
-    # start's own samples (`prompts` training prompts, 0: the whole prompt pool; cached in
-    # WORKDIR/preference_pairs.jsonl), the reference being the warm start. Iterative:
+    # file of prompt/chosen/rejected rows, or "sample_at_setup": pairs made once from the
+    # warm start's own samples (`prompts` training prompts, 0: the whole prompt pool; cached
+    # in WORKDIR/preference_pairs), the reference being the warm start. Iterative:
     # `iterations_every` = K > 0 steps per round; each round samples `samples` completions of
     # `prompts` prompts (0: K x batch.prompts) with the current policy, forms pairs from the
     # verifier's scores and trains K steps against the policy of the round's start. `pairs`:
@@ -234,7 +234,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # Learned rewards (docs/preference_and_reward_models.md; `rl.learned_rewards`): `model`,
     # a reward model directory (`python -m rlscale.main.train_reward_model`) whose r(x, y) is
     # the reward in place of the verifier's (RLMT; the verifier still measures correctness),
-    # or "warm_start": one trained at set-up for `model_steps` steps (`model_batch_pairs`
+    # or "train_at_setup": one trained at set-up for `model_steps` steps (`model_batch_pairs`
     # pairs each, AdamW at `model_lr`) from the warm start on pairs made from its samples
     # (the `preference` section's `samples`, `pairs`, `prompts`), cached in
     # WORKDIR/reward_model. `prm`: a process reward model directory (`python -m

@@ -1,26 +1,23 @@
-"""Next-token training: the loss, the train state and a jitted train step.
-
-Used by the benchmarks and by the supervised warm start (`warm_start`). Dimension letters:
-B batch, T tokens, V vocab.
+"""Next-token training's loss, as the one supervised loop (`supervised`) trains with it: the
+supervised warm start (`warm_start`) and the benchmarks. Dimension letters: B batch, T
+tokens, V vocab.
 """
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from rlscale.model import decoder
 
 
-class TrainState(NamedTuple):
-    params: object
-    opt_state: optax.OptState
-    step: jax.Array
+class Batch(NamedTuple):
+    """Token ids [B, T], which are real [B, T], and which are targets [B, T] (None: every
+    real token after the first)."""
 
-
-def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    tokens_BT: jax.Array
+    mask_BT: jax.Array
+    target_mask_BT: jax.Array | None = None
 
 
 def loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT=None):
@@ -45,18 +42,8 @@ def loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT=None):
     return jnp.sum(nll_BT * weight_BT), jnp.sum(weight_BT)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, donate: bool = True):
-    """A jitted `train_step(state, tokens_BT, mask_BT, target_mask_BT=None) -> (state, metrics)`."""
-
-    def train_step(state: TrainState, tokens_BT, mask_BT, target_mask_BT=None):
-        def loss_fn(params):
-            total, count = loss(graphdef, params, tokens_BT, mask_BT, target_mask_BT)
-            return total / jnp.maximum(count, 1.0), count
-
-        (mean_loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": mean_loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(params, opt_state, state.step + 1), metrics
-
-    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+def batch_loss(graphdef, params, batch: Batch):
+    """`loss` of a `Batch`, as `supervised.train_step` reads a loss: (sum, count, metrics),
+    `tokens` the number of predicted tokens."""
+    total, count = loss(graphdef, params, *batch)
+    return total, count, {"tokens": count}

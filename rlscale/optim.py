@@ -1,6 +1,7 @@
-"""The optimizer of every trained model (the RL learner, the reward model): AdamW with warmup,
-a constant or cosine schedule and global-norm clipping, and float32 master weights under
-low-precision params."""
+"""The optimizer of every trained model (the RL learner, the SFT warm start, the reward model
+and the PRM): AdamW with warmup, a constant or cosine schedule and global-norm clipping,
+float32 master weights under low-precision params, and optionally parts of the params frozen.
+"""
 
 import dataclasses
 from typing import Any, NamedTuple
@@ -16,16 +17,28 @@ SCHEDULES = ("constant", "cosine")
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(sections.Section):
-    """`config.optim`: AdamW's settings, its warmup and schedule, and the clipping norm."""
+    """`make_optimizer`'s settings, with the names and meaning of the RL config's `optim`
+    section (which sets every one); frozen (hashable), so a jitted step can take them as a
+    static argument. The defaults are AdamW's.
 
-    lr: float = 1e-4
-    warmup_steps: int = 5
+    Attributes:
+      lr: the peak learning rate, reached after `warmup_steps` of linear warmup from 0.
+      warmup_steps: steps of linear warmup.
+      schedule: after the warmup, "constant" or "cosine" (decayed over `decay_steps` to
+        `final_lr_frac` x lr, then held).
+      decay_steps, final_lr_frac: the cosine decay.
+      grad_clip: the global-norm clip of the gradients.
+      b1, b2, eps, weight_decay: AdamW's.
+    """
+
+    lr: float = 1e-5
+    warmup_steps: int = 0
     schedule: str = "constant"
     decay_steps: int = 1000
     final_lr_frac: float = 0.1
     grad_clip: float = 1.0
     b1: float = 0.9
-    b2: float = 0.99
+    b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
 
@@ -37,11 +50,32 @@ class OptimConfig(sections.Section):
             problems.append(f"optim.schedule={self.schedule!r} is not 'constant' or 'cosine'")
         return problems
 
+    @classmethod
+    def of(cls, c) -> "OptimConfig":
+        """The settings of `c`, any object with these fields (a `scalar_head.TrainSettings`)."""
+        return cls(**{f.name: getattr(c, f.name) for f in dataclasses.fields(cls)})
 
-def make_optimizer(c, params=None) -> optax.GradientTransformation:
-    """AdamW with warmup, a constant or cosine schedule and global-norm clipping
-    (an `OptimConfig`, or any object with its fields). With low-precision `params`
-    (bfloat16), it keeps float32 master weights and float32 moments (`master_weights`)."""
+
+def warmup_cosine(lr: float, steps: int, weight_decay: float = 1e-4) -> OptimConfig:
+    """The SFT warm start's schedule: linear warmup over min(20, steps // 2) steps, then a
+    cosine decay to lr / 10 at `steps`; AdamW's default moments and weight decay, clipped at
+    global norm 1 (the chain `optax.warmup_cosine_decay_schedule` + `optax.adamw` builds)."""
+    warmup = min(20, steps // 2)
+    return OptimConfig(
+        lr=lr,
+        warmup_steps=warmup,
+        schedule="cosine",
+        decay_steps=steps - warmup,
+        final_lr_frac=0.1,
+        weight_decay=weight_decay,
+    )
+
+
+def make_optimizer(c, params=None, frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
+    """AdamW with warmup, a constant or cosine schedule and global-norm clipping (`c`: an
+    `OptimConfig`, or anything with its fields). With low-precision `params` (bfloat16), it
+    keeps float32 master weights and float32 moments (`master_weights`). Params under a key
+    named in `frozen` (e.g. "lm_head") get no update and no optimizer state."""
     warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
     if c.schedule == "cosine":
         main = optax.cosine_decay_schedule(c.lr, max(c.decay_steps, 1), alpha=c.final_lr_frac)
@@ -55,7 +89,24 @@ def make_optimizer(c, params=None) -> optax.GradientTransformation:
         optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
     )
     low = [x for x in jax.tree.leaves(params) if jnp.dtype(x.dtype) != jnp.float32]
-    return master_weights(optimizer) if low else optimizer
+    optimizer = master_weights(optimizer) if low else optimizer
+    if not frozen:
+        return optimizer
+    return optax.multi_transform(
+        {"train": optimizer, "frozen": optax.set_to_zero()}, _labeller(frozen)
+    )
+
+
+def _labeller(frozen: tuple[str, ...]):
+    """Each leaf's label: "frozen" under a key in `frozen`, else "train"."""
+
+    def labels(params):
+        def label(path, _):
+            return "frozen" if any(getattr(k, "key", None) in frozen for k in path) else "train"
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    return labels
 
 
 class MasterState(NamedTuple):

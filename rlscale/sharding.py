@@ -265,6 +265,22 @@ def replicate(tree, mesh: Mesh):
     return _replicator(mesh)(tree)
 
 
+def replicate_unplaced(tree, mesh: Mesh):
+    """Every leaf not yet placed on a mesh (a fresh optimizer count, a head made on the host),
+    replicated on `mesh`; the others as they are. Jitted steps then see the same input
+    shardings at every call (an uncommitted array compiles another program)."""
+    spec = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        return (
+            x
+            if isinstance(getattr(x, "sharding", None), NamedSharding)
+            else jax.device_put(x, spec)
+        )
+
+    return jax.tree.map(place, tree)
+
+
 @functools.cache
 def _replicator(mesh: Mesh):
     """One jitted identity per mesh: a fresh one per call would compile every time."""

@@ -1,21 +1,18 @@
 """Supervised warm start: train a policy from scratch on task demonstrations until it solves
-a minority of held-out problems, so RL has something to improve. Cached in WORKDIR/sft.
+a minority of held-out problems, so RL has something to improve. A stage of the run's cache
+(`stage_cache.WARM_START`, WORKDIR/sft: a params checkpoint).
 
-`train_or_load` returns the cached warm start, or trains and caches it; `reuse` copies another
-run's. Dimension letters: B problems (one SFT batch).
+`train_or_load` returns the cached warm start, or trains (`supervised.fit`) and caches it;
+`reuse` copies another run's. Dimension letters: B problems (one SFT batch).
 """
 
 import dataclasses
-import json
-import os
-import shutil
 
 import jax
 import numpy as np
-import optax
 from absl import logging
 
-from rlscale import checkpoint, model, next_token
+from rlscale import checkpoint, model, next_token, optim, stage_cache, supervised
 from rlscale.data import tasks
 from rlscale.eval import heldout
 from rlscale.sampling import Sampler, SamplingConfig, scoring
@@ -45,7 +42,7 @@ def _batch(tokenizer, problems, length, bare_B=None):
 COMPUTE_ONLY = ("dtype", "fp32_lm_head")
 
 
-def _inputs(config) -> dict:
+def settings(config) -> dict:
     """The config sections a warm start depends on (with its data and tokenizer)."""
     sft = {k: v for k, v in config.sft.to_dict().items() if k != "reuse_from"}
     return {
@@ -64,34 +61,31 @@ def reuse(config, workdir) -> None:
     settings) train it once. Fails, listing the differences, unless that warm start was made
     with the same task, tokenizer, model and SFT settings."""
     src = config.sft.reuse_from
-    if not src or os.path.exists(os.path.join(workdir, "sft", "sft.json")):
+    if not src or stage_cache.record(workdir, stage_cache.WARM_START) is not None:
         return
-    inputs_path = os.path.join(src, "sft", "inputs.json")
-    if not os.path.exists(inputs_path):
-        raise ValueError(f"sft.reuse_from={src!r}: {inputs_path} does not exist (no warm start)")
-    with open(inputs_path) as f:
-        diff = checkpoint.config_diff(json.load(f), _inputs(config))
-    if diff:
-        raise ValueError(
-            f"sft.reuse_from={src!r} was trained with different settings:\n  " + "\n  ".join(diff)
-        )
-    os.makedirs(workdir, exist_ok=True)
-    for name in ("data", "tokenizer.model", "sft"):
-        from_path, to_path = os.path.join(src, name), os.path.join(workdir, name)
-        if os.path.isdir(from_path):
-            shutil.copytree(from_path, to_path, dirs_exist_ok=True)
-        else:
-            shutil.copy2(from_path, to_path)
+    stage_cache.copy(
+        src,
+        workdir,
+        stage_cache.WARM_START,
+        settings(config),
+        "sft.reuse_from",
+        with_files=("data", "tokenizer.model"),
+    )
     logging.info("copied the warm start, data and tokenizer of %s", src)
 
 
 def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
-    """(graphdef, params, summary): from the cache, or trained now and cached."""
-    path = os.path.join(workdir, "sft")
-    summary_path = os.path.join(path, "sft.json")
-    inputs = _inputs(config)
-    if os.path.exists(summary_path):
-        return _load(path, inputs, model_cfg, mesh)
+    """(graphdef, params, summary): from the stage cache, or trained now and cached.
+
+    Raises:
+      ValueError: If the cache holds a warm start made with other settings (listing them), or
+        for a different model (up to `COMPUTE_ONLY`).
+    """
+    inputs = settings(config)
+    summary = stage_cache.lookup(workdir, stage_cache.WARM_START, inputs)
+    if summary is not None:
+        return _load(stage_cache.path(workdir, stage_cache.WARM_START), summary, model_cfg, mesh)
+    path = stage_cache.begin(workdir, stage_cache.WARM_START)
     rng = jax.random.key(config.sft.seed)
     graphdef, params = model.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
     summary = {"steps": 0, "pass@1": None}
@@ -109,30 +103,13 @@ def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_probl
             test_problems,
         )
     checkpoint.save_params(path, model_cfg, params)  # Every process writes its shards.
-    if jax.process_index() == 0:
-        with open(os.path.join(path, "inputs.json"), "w") as f:
-            json.dump(inputs, f, indent=2)
-        with open(summary_path, "w") as f:  # Written last: its presence marks a complete cache.
-            json.dump(summary, f, indent=2)
+    stage_cache.complete(workdir, stage_cache.WARM_START, inputs, summary)
     return graphdef, params, summary
 
 
-def _load(path, inputs: dict, model_cfg, mesh):
+def _load(path, summary: dict, model_cfg, mesh):
     """(graphdef, params, summary) of the warm start cached in `path` (WORKDIR/sft), once it
-    is shown to be made with `inputs` (`_inputs`) for `model_cfg` (up to `COMPUTE_ONLY`)."""
-    inputs_path = os.path.join(path, "inputs.json")
-    if not os.path.exists(inputs_path):
-        raise ValueError(
-            f"{path} holds a warm start with no record of the settings it was made with "
-            "(an older rlscale); delete it or use another workdir"
-        )
-    with open(inputs_path) as f:
-        diff = checkpoint.config_diff(json.load(f), inputs)
-    if diff:
-        raise ValueError(
-            f"{path} holds a warm start made with different settings; delete it or use "
-            "another workdir:\n  " + "\n  ".join(diff)
-        )
+    is shown to be for `model_cfg` (up to `COMPUTE_ONLY`)."""
     cfg, _, params = checkpoint.load_params(path, mesh=mesh)
     compute_only = {k: getattr(model_cfg, k) for k in COMPUTE_ONLY}
     if dataclasses.replace(cfg, **compute_only) != model_cfg:
@@ -140,8 +117,6 @@ def _load(path, inputs: dict, model_cfg, mesh):
             f"{path} holds a warm start for a different model; delete it or "
             f"use another workdir (cached {cfg}, wanted {model_cfg})"
         )
-    with open(os.path.join(path, "sft.json")) as f:
-        summary = json.load(f)
     logging.info("reusing the SFT warm start in %s: %s", path, summary)
     graphdef, _ = model.abstract_model(model_cfg)  # This run's compute settings.
     return graphdef, params, summary
@@ -154,16 +129,6 @@ def _train(
     `sft.max_steps` or once held-out pass@1, measured every `sft.eval_every` steps with keys
     folded from `rng`, reaches `sft.target_pass`."""
     c = config.sft
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(
-            optax.warmup_cosine_decay_schedule(
-                0.0, c.lr, min(20, c.max_steps // 2), c.max_steps, c.lr * 0.1
-            )
-        ),
-    )
-    step_fn = next_token.make_train_step(graphdef, optimizer)
-    state = next_token.init_state(params, optimizer)
     lengths = [
         len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2 for p in train_problems
     ]
@@ -178,26 +143,35 @@ def _train(
         buckets=tuple(config.sampling.buckets),
     )
     order_rng = np.random.default_rng([c.seed, 7])
-    pass_at_1 = 0.0
-    for step in range(1, c.max_steps + 1):
+
+    def next_batch():
         idx = order_rng.integers(0, len(train_problems), c.batch_size)
         bare_B = order_rng.random(c.batch_size) >= c.answer_line_fraction
-        tokens, mask, target = _batch(tokenizer, [train_problems[i] for i in idx], length, bare_B)
-        state, mets = step_fn(state, tokens, mask, target)
-        if step % c.eval_every == 0 or step == c.max_steps:
-            ev = heldout.pass_rates(
-                sampler,
-                state.params,
-                tokenizer,
-                test_problems[: config.eval.prompts],
-                jax.random.fold_in(rng, step),
-                scfg,
-                scoring.Scorer(task.verify),
-            )
-            pass_at_1 = ev["eval/pass@1"]
-            logging.info(
-                "sft step %d loss %.3f held-out pass@1 %.3f", step, float(mets["loss"]), pass_at_1
-            )
-            if pass_at_1 >= c.target_pass:
-                break
-    return state.params, {"steps": step, "pass@1": pass_at_1, "loss": float(mets["loss"])}
+        return next_token.Batch(
+            *_batch(tokenizer, [train_problems[i] for i in idx], length, bare_B)
+        )
+
+    pass_at_1 = [0.0]
+
+    def evaluate(params, progress: supervised.Progress) -> bool:
+        ev = heldout.pass_rates(
+            sampler,
+            params,
+            tokenizer,
+            test_problems[: config.eval.prompts],
+            jax.random.fold_in(rng, progress.step),
+            scfg,
+            scoring.Scorer(task.verify),
+        )
+        pass_at_1[0] = ev["eval/pass@1"]
+        loss = float(progress.metrics["loss"])
+        logging.info(
+            "sft step %d loss %.3f held-out pass@1 %.3f", progress.step, loss, pass_at_1[0]
+        )
+        return pass_at_1[0] >= c.target_pass
+
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.warmup_cosine(c.lr, c.max_steps))
+    params, last = supervised.fit(
+        fit, params, next_batch, c.max_steps, every=c.eval_every, callback=evaluate
+    )
+    return params, {"steps": last.step, "pass@1": pass_at_1[0], "loss": float(last.metrics["loss"])}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import load_config, metric_lines
 
-from rlscale import chat, config_lib, rl
+from rlscale import chat, config_lib, rl, stage_cache
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import formats, math_data
 
@@ -399,7 +399,7 @@ def test_files_task_from_scratch(tmp_path):
     lines = metric_lines(workdir)
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(np.isfinite(x["train/loss"]) for x in lines[1:])
-    sft = json.loads((workdir / "sft" / "sft.json").read_text())
+    sft = stage_cache.record(str(workdir), stage_cache.WARM_START)
     assert sft["steps"] == config.sft.max_steps and np.isfinite(sft["loss"])
     tok = tokenizer_lib.load(str(workdir / "tokenizer.model"))
     # Trained on the prompts and the "\boxed{N}" demonstrations: merges beyond the bytes.

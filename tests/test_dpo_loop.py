@@ -211,12 +211,15 @@ def test_bad_preference_configs_fail_naming_the_key(tmp_path):
     assert f"preference.file='{tmp_path / 'missing.jsonl'}': no such file" in message
 
     c = load_config("iterative_dpo", "smoke")
-    c.preference.file = "warm_start"
+    c.preference.file = "sample_at_setup"
     c.filters.zero_variance = True
     c.preference.pairs = "some"
     c.pipeline.mode = "pipeline"
     message = _problems(c)
-    assert "preference.file='warm_start' and preference.iterations_every=2 are exclusive" in message
+    assert (
+        "preference.file='sample_at_setup' and preference.iterations_every=2 are exclusive"
+        in message
+    )
     assert "filters.zero_variance act on sampled RL batches" in message
     assert "preference.pairs='some' is not one of ('best_vs_worst', 'all')" in message
     assert "pipeline.mode='pipeline': a preference run" in message

@@ -457,7 +457,7 @@ def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
         completion = samples.tokens_NM[i, : samples.lengths_N[i]].tolist()
         eos = [] if completion[-1:] == [tok.eos_id] else [tok.eos_id]
         rows.append(chat.encode_prompt(tok, problems[i // k].prompt) + completion + eos)
-    by_rm = bradley_terry.score_rows(rm.graphdef, rm.params, *bradley_terry.pad_rows(rows, 64, 0))
+    by_rm = bradley_terry.score_rows(rm.forward, rm.params, *bradley_terry.pad_rows(rows, 64, 0))
     scores = report["per_prompt"]["scores"]
     np.testing.assert_allclose(scores["logprob"], logprob.reshape(-1, k), rtol=1e-6)
     np.testing.assert_allclose(scores["reward_model"], by_rm.reshape(-1, k), rtol=1e-4, atol=1e-5)

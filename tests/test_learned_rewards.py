@@ -4,13 +4,11 @@ the PRM's terms, scored on an 8-device mesh, placed as `ProcessRewardModel.step_
 places them on the unpadded rows; the compute the reward model cost; the config and tokenizer
 checks."""
 
-import json
-
 import numpy as np
 import pytest
 from conftest import load_config, metric_lines, untrained_prm
 
-from rlscale import rl, sharding
+from rlscale import rl, sharding, stage_cache
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import checks, learned_rewards
@@ -34,11 +32,11 @@ def rm_run(warm, prm_dir, tmp_path_factory):
 
 def test_rm_rl_smoke_run(rm_run):
     config, summary, workdir = rm_run
-    assert config.reward.model == learned_rewards.MADE
+    assert config.reward.model == learned_rewards.TRAIN_AT_SETUP
     assert "process_advantages" in config.objective.chain
     lines = metric_lines(workdir)
     assert [x["step"] for x in lines] == list(range(config.steps + 1))
-    made = json.load(open(workdir / learned_rewards.MADE_DIR / learned_rewards.MADE_RECORD))
+    made = stage_cache.record(str(workdir), stage_cache.REWARD_MODEL)
     # The reward model's making is on the compute axis from step 0, counted once.
     for k in ("compute/sample_flops", "compute/train_flops"):
         assert made[k] > 0 and lines[0][k] == made[k]
@@ -121,12 +119,21 @@ def test_config_problems_name_the_keys(tmp_path):
     msg = str(e.value)
     assert "is not a process reward model directory (no process_reward.json)" in msg
     assert "reward.prm=" in msg and "objective.chain reads no step_reward" in msg
-    assert "reward.model='warm_start' trains from the SFT warm start" in msg
+    assert "reward.model='train_at_setup' trains from the SFT warm start" in msg
 
     c = load_config("dpo", "smoke")
-    c.reward.model = "warm_start"
+    c.reward.model = "train_at_setup"
     with pytest.raises(ValueError, match="a preference run trains on pairs labelled by the"):
         rl.resolve(c)
+
+    c = load_config("rm_rl", "smoke")  # The value both keys once shared: named, refused.
+    c.reward.model = "warm_start"
+    with pytest.raises(ValueError, match="or set 'train_at_setup' \\(once 'warm_start'\\)"):
+        checks.validate(c)
+    c = load_config("dpo", "smoke")
+    c.preference.file = "warm_start"
+    with pytest.raises(ValueError, match="or 'sample_at_setup', once 'warm_start': pairs sampled"):
+        checks.validate(c)
 
 
 def test_tokenizer_mismatch_names_both(prm_dir, warm):

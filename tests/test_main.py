@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlscale import config_lib
+from rlscale import config_lib, stage_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,7 +186,7 @@ def test_rl_smoke_run_writes_metrics_and_summary_on_a_quiet_console(tmp_path):
     assert flops == sorted(flops) and flops[-1] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["end/eval_pass@1"] == lines[-1]["eval/pass@1"]
-    assert (tmp_path / "sft" / "sft.json").exists()
+    assert stage_cache.record(str(tmp_path), stage_cache.WARM_START) is not None
 
     # The console: whole lines (no carriage returns), one per RL step with what it measured,
     # the SFT progress and the summary; no library INFO logs (absl's "I1123 16:52:46.513 ..."

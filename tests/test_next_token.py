@@ -1,11 +1,11 @@
-"""Next-token training tests: the loss against NumPy, learning, and no recompilation."""
+"""Next-token training tests: the loss against NumPy, learning through the one supervised
+step (`supervised.train_step`), and no recompilation."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from rlscale import model, next_token
+from rlscale import model, next_token, optim, supervised
 
 
 def _setup():
@@ -38,14 +38,32 @@ def test_loss_matches_numpy():
 
 def test_train_step_learns_and_does_not_recompile(count_compiles):
     cfg, graphdef, params, tokens, mask = _setup()
-    optimizer = optax.adamw(3e-3)
-    step = next_token.make_train_step(graphdef, optimizer)
-    state = next_token.init_state(params, optimizer)
-    state, first = step(state, tokens, mask)
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.OptimConfig(lr=3e-3))
+    state = supervised.init_state(fit, params)
+    batch = next_token.Batch(tokens, mask)
+    state, first = supervised.train_step(fit, state, batch)
     with count_compiles() as c:
         for _ in range(30):
-            state, metrics = step(state, tokens, mask)
+            state, metrics = supervised.train_step(fit, state, batch)
         jax.block_until_ready(metrics)
     assert c.count == 0
     assert int(state.step) == 31
     assert float(metrics["loss"]) < 0.5 * float(first["loss"])
+
+
+def test_fit_calls_back_and_stops_early():
+    """`supervised.fit` calls back every `every` steps and at the last, with the mean loss
+    since the previous call, and stops where the callback says."""
+    cfg, graphdef, params, tokens, mask = _setup()
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.OptimConfig(lr=3e-3))
+    batch = next_token.Batch(tokens, mask)
+    seen = []
+
+    def callback(params, progress):
+        seen.append(progress)
+        return progress.step >= 6
+
+    _, last = supervised.fit(fit, params, lambda: batch, 10, every=3, callback=callback)
+    assert [p.step for p in seen] == [3, 6] and last == seen[-1]
+    assert int(last.metrics["tokens"]) == 15 + 11 + 8 + 4
+    assert seen[1].mean_loss < seen[0].mean_loss

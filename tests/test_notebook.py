@@ -1,12 +1,13 @@
 """The quickstart notebook (`experiments/notebooks/quickstart.ipynb`) runs headless, end to end,
 with small settings and the shared warm start."""
 
-import json
 import os
 
 import nbclient
 import nbformat
 from conftest import ROOT
+
+from rlscale import stage_cache
 
 NOTEBOOK = os.path.join(ROOT, "experiments", "notebooks", "quickstart.ipynb")
 
@@ -35,8 +36,8 @@ def test_quickstart_notebook_executes(warm, tmp_path, monkeypatch):
     code = [c for c in nb.cells if c.cell_type == "code"]
     out = "\n".join(_text(c) for c in code)
     assert "Traceback" not in out
-    with open(warm / "sft" / "sft.json") as f:  # The warm start was reused, not trained again.
-        assert f"'sft/steps': {json.load(f)['steps']}" in out
+    sft = stage_cache.record(str(warm), stage_cache.WARM_START)
+    assert f"'sft/steps': {sft['steps']}" in out  # The warm start was reused, not retrained.
     for name in ("quickstart", "grpo"):  # Both runs' curves were read from their workdirs.
         assert os.path.isfile(tmp_path / name / "metrics.jsonl")
         assert f"\n{name} " in out

@@ -804,7 +804,7 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(
     assert len({e.prompt for e in heldout}) == 1 and len(heldout) == K
     assert not {e.prompt for e in heldout} & {e.prompt for e in train_rows}
     encoded = prm_lib.encode_examples(heldout, tok, prm.config)
-    _, accuracy = prm_lib.heldout_metrics(prm.graphdef, prm.params, encoded)
+    _, accuracy = prm_lib.heldout_metrics(prm.forward, prm.params, encoded)
     assert summary["heldout_step_accuracy"] == pytest.approx(accuracy)
     assert (summary["train_completions"], summary["heldout_completions"]) == (N * K - K, K)
     assert printed.splitlines() == [

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import random_policy
 
-from rlscale import chat, checkpoint, cli
+from rlscale import chat, checkpoint, cli, supervised
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data.preferences import Pair
 from rlscale.main import train_reward_model
@@ -103,18 +103,18 @@ def test_learns_a_known_reward(trained, tok, policy):
     assert trained.history[-1].heldout_accuracy > 0.9
     assert trained.history[-1].loss < trained.history[0].loss < math.log(2)
     held = bradley_terry.encode_pairs(HELDOUT, tok, CFG.seq_len)
-    acc = bradley_terry.accuracy(trained.graphdef, trained.params, held)
+    acc = bradley_terry.accuracy(trained.forward, trained.params, held)
     assert acc == trained.history[-1].heldout_accuracy
     swapped = bradley_terry.encode_pairs(_swapped(2, 200), tok, CFG.seq_len)
-    assert bradley_terry.accuracy(trained.graphdef, trained.params, swapped) > 0.9
+    assert bradley_terry.accuracy(trained.forward, trained.params, swapped) > 0.9
     # Where `train` began: a random reward orders these prompt-decided pairs by chance (on
     # the held-out pairs, a random reward of digits can be far from 0.5 either way).
     _, graphdef, start = scalar_head.init(str(policy), jax.random.key(CFG.seed))
-    assert bradley_terry.accuracy(graphdef, start, swapped) < 0.6
+    assert bradley_terry.accuracy(scalar_head.HeadSpec(graphdef), start, swapped) < 0.6
     # `train` centres the head's bias on the training completions.
     train_set = bradley_terry.encode_pairs(TRAIN, tok, CFG.seq_len)
     r_N = bradley_terry.score_rows(
-        trained.graphdef, trained.params, train_set.tokens_NT, train_set.lengths_N
+        trained.forward, trained.params, train_set.tokens_NT, train_set.lengths_N
     )
     assert abs(float(np.mean(r_N))) < 1e-4 * float(np.std(r_N))
 
@@ -149,13 +149,13 @@ def _reference(graphdef, params, ids):
 def test_score_is_the_head_on_the_last_real_token(trained, tok):
     """score == w . h[last] + b with h from the unpadded row, and whatever follows the last
     real token (other ids in the padding, a longer bucket) changes nothing."""
-    g, p = trained.graphdef, trained.params
+    g, p = trained.forward, trained.params
     rows = bradley_terry.encode_rows(tok, ["count 3:", "count 7:"], ["337", "123456"])
     batch = bradley_terry.pad_rows(rows, CFG.seq_len, tok.padding_id)
     assert batch.lengths_N.tolist() == [len(r) for r in rows] and len(set(map(len, rows))) == 2
     got = np.asarray(bradley_terry.score(g, p, *batch))
     w, b = np.asarray(p["head"]["w"], np.float64), float(p["head"]["b"])
-    want = [_reference(g, p, r) @ w + b for r in rows]
+    want = [_reference(g.graphdef, p, r) @ w + b for r in rows]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     garbage = batch.tokens_NT.copy()
     for i, r in enumerate(rows):
@@ -167,7 +167,7 @@ def test_score_is_the_head_on_the_last_real_token(trained, tok):
 
 def test_head_gradient_is_bradley_terry(trained, tok):
     """d mean loss / d w = mean_p -sigmoid(r_r - r_c) (h_c - h_r); d / d b = 0 (b cancels)."""
-    g, p = trained.graphdef, trained.params
+    g, p = trained.forward, trained.params
     pairs = [Pair("count 3:", "333111", "123456"), Pair("count 7:", "071000", "777000")]
     enc = bradley_terry.encode_pairs(pairs, tok, CFG.seq_len)
     assert len(set(enc.lengths_N.tolist())) == 1  # One shape for `_hidden_last`.
@@ -179,7 +179,7 @@ def test_head_gradient_is_bradley_terry(trained, tok):
 
     grad = jax.jit(jax.grad(loss))(p)["head"]
     w = np.asarray(p["head"]["w"], np.float64)
-    h = [_reference(g, p, enc.tokens_NT[i, : enc.lengths_N[i]]) for i in range(4)]
+    h = [_reference(g.graphdef, p, enc.tokens_NT[i, : enc.lengths_N[i]]) for i in range(4)]
     want = sum(
         -(h[2 * k] - h[2 * k + 1]) / (1 + math.exp((h[2 * k] - h[2 * k + 1]) @ w)) for k in (0, 1)
     )
@@ -191,17 +191,18 @@ def test_train_step_freezes_the_lm_head_and_compiles_once(trained, tok, count_co
     params = jax.tree.map(jnp.copy, trained.params)  # `train_step` donates its params.
     lm_head = np.asarray(params["decoder"]["lm_head"][...])
     embedding = np.asarray(params["decoder"]["embedding"][...])
-    opt_state = scalar_head.init_opt_state(CFG, params)
+    fit = scalar_head.fit_spec(bradley_terry.loss, trained.graphdef, CFG)
+    state = supervised.init_state(fit, params)
     # Adam's two moments for every parameter but the LM head, and two step counts.
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    assert sum(np.size(x) for x in jax.tree.leaves(opt_state)) == 2 * (n_params - lm_head.size) + 2
+    n_state = sum(np.size(x) for x in jax.tree.leaves(state.opt_state))
+    assert n_state == 2 * (n_params - lm_head.size) + 2
     enc = bradley_terry.encode_pairs(TRAIN[:32], tok, CFG.seq_len)
     batch = bradley_terry.Batch(enc.tokens_NT, enc.lengths_N)
     with count_compiles() as c:  # `train` compiled it: the same graphdef, config and shapes.
         for _ in range(2):
-            params, opt_state, metrics = bradley_terry.train_step(
-                trained.graphdef, CFG, params, opt_state, batch
-            )
+            state, metrics = supervised.train_step(fit, state, batch)
+    params = state.params
     assert c.count == 0
     np.testing.assert_array_equal(params["decoder"]["lm_head"][...], lm_head)
     assert not np.array_equal(params["decoder"]["embedding"][...], embedding)
@@ -217,9 +218,7 @@ def test_save_load_round_trip(trained, tok, tmp_path):
     prompts = [p.prompt for p in HELDOUT[:10] for _ in (0, 1)]
     completions = [c for p in HELDOUT[:10] for c in (p.chosen, p.rejected)]
     held = bradley_terry.encode_pairs(HELDOUT[:10], tok, CFG.seq_len)
-    want = bradley_terry.score_rows(
-        trained.graphdef, trained.params, held.tokens_NT, held.lengths_N
-    )
+    want = bradley_terry.score_rows(trained.forward, trained.params, held.tokens_NT, held.lengths_N)
     np.testing.assert_array_equal(loaded.score_texts(prompts, completions), want)
     # Sampled ids, stopped at the EOS or not, score as the texts do.
     prompt_ids = [chat.encode_prompt(tok, p) for p in prompts]

@@ -1,6 +1,5 @@
 """Synthetic tasks: determinism, disjoint splits, exact verifiers, TFDS materialization."""
 
-import json
 import sys
 
 import pytest
@@ -92,16 +91,13 @@ def test_bad_task_arguments():
 
 
 def test_a_stale_warm_start_is_refused(tmp_path):
-    """A cached warm start must carry the settings it was made with; one without them (an
-    older rlscale) or with others is refused, not silently reused."""
-    from rlscale import config_lib, warm_start
+    """A cached warm start made with other settings is refused, the differences listed, not
+    silently reused."""
+    from rlscale import config_lib, stage_cache, warm_start
 
     config = config_lib.rl_config()
-    (tmp_path / "sft").mkdir()
-    (tmp_path / "sft" / "sft.json").write_text("{}")
-    with pytest.raises(ValueError, match="no record of the settings"):
-        warm_start.train_or_load(config, str(tmp_path), None, None, None, None, [], [])
-    (tmp_path / "sft" / "inputs.json").write_text(json.dumps(warm_start._inputs(config)))
+    stage_cache.begin(str(tmp_path), stage_cache.WARM_START)
+    stage_cache.complete(str(tmp_path), stage_cache.WARM_START, warm_start.settings(config), {})
     config.sft.answer_line_fraction = 1.0
     with pytest.raises(ValueError, match="sft.answer_line_fraction: 0.25 -> 1.0"):
         warm_start.train_or_load(config, str(tmp_path), None, None, None, None, [], [])

@@ -33,10 +33,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
 
-from rlscale import cli, model, next_token
+from rlscale import cli, model, next_token, optim, supervised
 from rlscale.sampling import generator
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
@@ -123,17 +122,18 @@ def bench_decode(cfg, params, graphdef, batch, prompt_len, new_tokens, phases, p
 
 
 def bench_train(cfg, params, graphdef, batch, seq_len, peak, repeats):
-    optimizer = optax.adamw(1e-4)
-    step = next_token.make_train_step(graphdef, optimizer)
+    fit = supervised.Fit(
+        next_token.batch_loss, graphdef, optim.OptimConfig(lr=1e-4, weight_decay=1e-4)
+    )
     # The step donates its state, as training does; a copy keeps the caller's `params` alive
     # for the sections that run after this one.
-    state = next_token.init_state(jax.tree.map(jnp.copy, params), optimizer)
+    state = supervised.init_state(fit, jax.tree.map(jnp.copy, params))
     tokens = jax.random.randint(jax.random.key(3), (batch, seq_len), 4, cfg.vocab_size)
-    mask = jnp.ones((batch, seq_len), bool)
+    data = next_token.Batch(tokens, jnp.ones((batch, seq_len), bool))
     holder = [state]
 
     def run():
-        holder[0], metrics = step(holder[0], tokens, mask)
+        holder[0], metrics = supervised.train_step(fit, holder[0], data)
         jax.block_until_ready(metrics)
 
     dt = _time(run, repeats)

@@ -25,10 +25,9 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
-from rlscale import chat, checkpoint
+from rlscale import chat, checkpoint, sharding
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import preferences
 from rlscale.model import decoder
@@ -42,7 +41,7 @@ META_FILE = "reward_model.json"
 @dataclasses.dataclass(frozen=True)
 class RMConfig(scalar_head.TrainSettings):
     """Reward-model training and scoring settings (`TrainSettings`, each sequence being
-    prompt + completion + EOS); static (hashable) for `train_step`.
+    prompt + completion + EOS); hashable.
 
     Attributes:
       batch_pairs: pairs per training step (2 x batch_pairs rows).
@@ -61,7 +60,7 @@ class RMConfig(scalar_head.TrainSettings):
 
 
 # ==========================================================================================
-# Pure functions: rewards, the loss, the train step.
+# Pure functions: rewards, the loss.
 # ==========================================================================================
 
 
@@ -72,7 +71,7 @@ class Batch(NamedTuple):
     lengths_N: jax.Array
 
 
-def rewards(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
+def rewards(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
     """r [N] in float32: the head on the final-norm hidden state at token `lengths_N - 1` of
     each row. Tokens after it (padding) are masked, and attention is causal, so they change
     nothing."""
@@ -80,7 +79,7 @@ def rewards(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
     mask_NT = jnp.arange(T)[None, :] < lengths_N[:, None]
     positions_NT = decoder.positions_from_mask(mask_NT)
     h_NTD, _ = decoder.hidden(
-        graphdef, params["decoder"], tokens_NT, positions_NT, mask_NT, remat=remat
+        spec.graphdef, params["decoder"], tokens_NT, positions_NT, mask_NT, remat=spec.remat
     )
     last_N = jnp.clip(lengths_N - 1, 0, T - 1)
     h_ND = h_NTD[jnp.arange(tokens_NT.shape[0]), last_N].astype(jnp.float32)
@@ -88,10 +87,10 @@ def rewards(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
     return h_ND @ head["w"] + head["b"]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def score(graphdef, params, tokens_NT, lengths_N):
+@functools.partial(jax.jit, static_argnames=("spec",))
+def score(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
     """`rewards`, jitted: r(x, y) [N] for right-padded rows (`Batch`)."""
-    return rewards(graphdef, params, tokens_NT, lengths_N)
+    return rewards(spec, params, tokens_NT, lengths_N)
 
 
 def pair_loss(r_c_B, r_r_B):
@@ -100,31 +99,18 @@ def pair_loss(r_c_B, r_r_B):
     return jnp.sum(-jax.nn.log_sigmoid(r_c_B - r_r_B)), jnp.float32(r_c_B.shape[0])
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("params", "opt_state")
-)
-def train_step(graphdef, cfg: RMConfig, params, opt_state, batch: Batch):
-    """One AdamW step on the mean pair loss of a batch of B pairs (rows 2p chosen, 2p + 1
-    rejected). Returns (params, opt_state, metrics): `loss`, `accuracy` (the fraction with
-    r_c > r_r), `margin` (mean r_c - r_r) and `grad_norm`, before the update."""
-    optimizer = scalar_head.make_optimizer(cfg)
-
-    def loss_fn(p):
-        r_N = rewards(graphdef, p, batch.tokens_NT, batch.lengths_N, cfg.remat)
-        r_c, r_r = r_N[0::2], r_N[1::2]
-        total, n = pair_loss(r_c, r_r)
-        return total / n, (r_c, r_r)
-
-    (loss, (r_c, r_r)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+def loss(spec: scalar_head.HeadSpec, params, batch: Batch):
+    """The loss `supervised.train_step` minimizes on a batch of B pairs (rows 2p chosen,
+    2p + 1 rejected): `pair_loss`, and the metrics `accuracy` (the fraction with r_c > r_r)
+    and `margin` (mean r_c - r_r)."""
+    r_N = rewards(spec, params, batch.tokens_NT, batch.lengths_N)
+    r_c, r_r = r_N[0::2], r_N[1::2]
+    total, n = pair_loss(r_c, r_r)
     metrics = {
-        "loss": loss,
         "accuracy": jnp.mean((r_c > r_r).astype(jnp.float32)),
         "margin": jnp.mean(r_c - r_r),
-        "grad_norm": optax.tree.norm(grads),
     }
-    return params, opt_state, metrics
+    return total, n, metrics
 
 
 # ==========================================================================================
@@ -216,20 +202,20 @@ def encode_pairs(
     return Encoded(batch.tokens_NT, batch.lengths_N, sources)
 
 
-def score_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
-    """`score` [N] over any number of rows (`in_chunks`)."""
-    return scalar_head.in_chunks(score, graphdef, params, tokens_NT, lengths_N, chunk)
+def score_rows(spec, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
+    """`score` [N] over any number of rows, `chunk` rows per call (`in_chunks`)."""
+    return scalar_head.in_chunks(score, spec, params, tokens_NT, lengths_N, chunk)
 
 
-def accuracy(graphdef, params, encoded: Encoded, chunk_pairs: int = 64) -> float:
+def accuracy(spec, params, encoded: Encoded, chunk_pairs: int = 64) -> float:
     """The fraction of pairs the model orders right, r_c > r_r (a tie counts as wrong)."""
-    r_N = score_rows(graphdef, params, encoded.tokens_NT, encoded.lengths_N, 2 * chunk_pairs)
+    r_N = score_rows(spec, params, encoded.tokens_NT, encoded.lengths_N, 2 * chunk_pairs)
     return float(np.mean(r_N[0::2] > r_N[1::2]))
 
 
-def center(graphdef, params, encoded: Encoded, chunk_pairs: int = 64):
+def center(spec, params, encoded: Encoded, chunk_pairs: int = 64):
     """params with b shifted so that the mean reward over `encoded`'s rows is 0."""
-    r_N = score_rows(graphdef, params, encoded.tokens_NT, encoded.lengths_N, 2 * chunk_pairs)
+    r_N = score_rows(spec, params, encoded.tokens_NT, encoded.lengths_N, 2 * chunk_pairs)
     head = params["head"]
     return {**params, "head": {**head, "b": head["b"] - jnp.float32(np.mean(r_N))}}
 
@@ -249,7 +235,8 @@ def train(
     heldout: Sequence[preferences.Pair] = (),
     log: Callable[[scalar_head.Record], None] | None = None,
 ) -> scalar_head.Trained:
-    """Trains a reward model for `steps` steps of `cfg.batch_pairs` pairs (`train_step`).
+    """Trains a reward model for `steps` steps of `cfg.batch_pairs` pairs (`loss`, through
+    `scalar_head.fit`).
 
     Every `cfg.eval_every` steps and at the end it appends a `Record` to the history (and
     passes it to `log`). Afterwards b is set so that the training completions' mean reward
@@ -278,13 +265,15 @@ def train(
         rows = (next(stream)[:, None] * 2 + np.arange(2)).reshape(-1)
         return Batch(train_set.tokens_NT[rows], train_set.lengths_N[rows])
 
+    spec = scalar_head.HeadSpec(graphdef)
+
     def heldout_accuracy(params):
-        return None if held is None else accuracy(graphdef, params, held, cfg.eval_batch_pairs)
+        return None if held is None else accuracy(spec, params, held, cfg.eval_batch_pairs)
 
     params, history = scalar_head.fit(
-        train_step, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
+        loss, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
     )
-    params = center(graphdef, params, train_set, cfg.eval_batch_pairs)
+    params = center(spec, params, train_set, cfg.eval_batch_pairs)
     return scalar_head.Trained(model_cfg, graphdef, params, history)
 
 
@@ -329,6 +318,11 @@ class RewardModel:
     tokenizer: tokenizer_lib.Tokenizer
     config: RMConfig
 
+    @property
+    def forward(self) -> scalar_head.HeadSpec:
+        """The description its scorers take."""
+        return scalar_head.HeadSpec(self.graphdef)
+
     def with_bucket(self, tokens: int) -> RewardModel:
         """This reward model scoring in one bucket of at least `tokens` tokens (the scores do
         not depend on the bucket): for rows longer than `config.seq_len`."""
@@ -343,7 +337,7 @@ class RewardModel:
           ValueError: If a row is empty or longer than `config.seq_len` (naming it).
         """
         return score_rows(
-            self.graphdef,
+            self.forward,
             self.params,
             *pad_rows(rows, self.config.seq_len, self.tokenizer.padding_id),
             chunk,
@@ -399,7 +393,7 @@ def load(path: str, mesh=None) -> RewardModel:
         raise ValueError(
             f"{head_path}: head {got}, expected {want} for d_model={model_cfg.d_model}"
         )
-    head = scalar_head.replicated(
+    head = sharding.replicate_unplaced(
         {k: jnp.asarray(v, jnp.float32) for k, v in head.items()},
         scalar_head.params_mesh({"decoder": decoder_params}),
     )

@@ -14,7 +14,6 @@ Dimension letters: N rows, T tokens (the bucket), J steps (padded to the longest
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -23,7 +22,6 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
 from rlscale import chat
@@ -39,14 +37,14 @@ _BUCKET_MULTIPLE = 16  # `train`'s default seq_len is the longest row rounded up
 
 
 # ==========================================================================================
-# The PRM: config, pure functions, the train step.
+# The PRM: config, pure functions, the loss.
 # ==========================================================================================
 
 
 @dataclasses.dataclass(frozen=True)
 class PRMConfig(scalar_head.TrainSettings):
     """PRM training and scoring settings (`reward_model.TrainSettings`: the bucket, remat and
-    AdamW, each sequence being prompt + completion ids); static (hashable) for `train_step`.
+    AdamW, each sequence being prompt + completion ids); hashable.
 
     Attributes:
       delimiter: what ends a step; saved with the model, so scoring splits as training did.
@@ -73,7 +71,7 @@ class PRMConfig(scalar_head.TrainSettings):
 
     def rm_config(self) -> rm.RMConfig:
         """The `RMConfig` with the same settings and as many rows per step: what
-        `bradley_terry.save` records and `make_optimizer` reads."""
+        `bradley_terry.save` records."""
         shared = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(scalar_head.TrainSettings)
         }
@@ -97,22 +95,22 @@ class StepBatch(NamedTuple):
     labels_NJ: jax.Array
 
 
-def token_scores(graphdef, params, tokens_NT, lengths_N, remat: str = "none"):
+def token_scores(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
     """s [N, T] in float32: the head on every token's final-norm hidden state (padding after
     `lengths_N` is masked; attention is causal, so it changes no real token's score)."""
     T = tokens_NT.shape[1]
     mask_NT = jnp.arange(T)[None, :] < lengths_N[:, None]
     positions_NT = decoder.positions_from_mask(mask_NT)
     h_NTD, _ = decoder.hidden(
-        graphdef, params["decoder"], tokens_NT, positions_NT, mask_NT, remat=remat
+        spec.graphdef, params["decoder"], tokens_NT, positions_NT, mask_NT, remat=spec.remat
     )
     head = params["head"]
     return h_NTD.astype(jnp.float32) @ head["w"] + head["b"]
 
 
-def step_scores(graphdef, params, tokens_NT, lengths_N, positions_NJ, remat: str = "none"):
+def step_scores(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N, positions_NJ):
     """s [N, J]: `token_scores` at each step's last token."""
-    s_NT = token_scores(graphdef, params, tokens_NT, lengths_N, remat)
+    s_NT = token_scores(spec, params, tokens_NT, lengths_N)
     return jnp.take_along_axis(s_NT, positions_NJ, axis=1)
 
 
@@ -126,42 +124,25 @@ def step_loss(scores_NJ, labels_NJ, mask_NJ):
     return jnp.sum(bce * m), jnp.sum(m)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("params", "opt_state")
-)
-def train_step(graphdef, cfg: PRMConfig, params, opt_state, batch: StepBatch):
-    """One AdamW step on the mean step loss of a batch. Returns (params, opt_state, metrics):
-    `loss`, `accuracy` (the fraction of steps with sigmoid(s) > 0.5 exactly when the label is
-    > 0.5) and `grad_norm`, before the update."""
-    optimizer = scalar_head.make_optimizer(cfg)
-
-    def loss_fn(p):
-        s_NJ = step_scores(
-            graphdef, p, batch.tokens_NT, batch.lengths_N, batch.positions_NJ, cfg.remat
-        )
-        total, n = step_loss(s_NJ, batch.labels_NJ, batch.step_mask_NJ)
-        return total / jnp.maximum(n, 1.0), s_NJ
-
-    (loss, s_NJ), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+def loss(spec: scalar_head.HeadSpec, params, batch: StepBatch):
+    """The loss `supervised.train_step` minimizes on a batch: `step_loss`, and the metric
+    `accuracy` (the fraction of steps with sigmoid(s) > 0.5 exactly when the label is
+    > 0.5)."""
+    s_NJ = step_scores(spec, params, batch.tokens_NT, batch.lengths_N, batch.positions_NJ)
+    total, n = step_loss(s_NJ, batch.labels_NJ, batch.step_mask_NJ)
     m = batch.step_mask_NJ.astype(jnp.float32)
     agree = ((s_NJ > 0) == (batch.labels_NJ > 0.5)).astype(jnp.float32)
-    metrics = {
-        "loss": loss,
-        "accuracy": jnp.sum(agree * m) / jnp.maximum(jnp.sum(m), 1.0),
-        "grad_norm": optax.tree.norm(grads),
-    }
-    return params, opt_state, metrics
+    return total, n, {"accuracy": jnp.sum(agree * m) / jnp.maximum(jnp.sum(m), 1.0)}
 
 
-_token_scores = jax.jit(token_scores, static_argnames=("graphdef", "remat"))
+_token_scores = jax.jit(token_scores, static_argnames=("spec",))
 
 
-def token_scores_of_rows(graphdef, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
-    """`token_scores` [N, T], jitted, over any number of rows (`reward_model.in_chunks`)."""
+def token_scores_of_rows(spec, params, tokens_NT, lengths_N, chunk: int = 128) -> np.ndarray:
+    """`token_scores` [N, T], jitted, over any number of rows, `chunk` rows per call
+    (`scalar_head.in_chunks`)."""
     T = np.shape(tokens_NT)[1]
-    return scalar_head.in_chunks(_token_scores, graphdef, params, tokens_NT, lengths_N, chunk, (T,))
+    return scalar_head.in_chunks(_token_scores, spec, params, tokens_NT, lengths_N, chunk, (T,))
 
 
 # ==========================================================================================
@@ -244,10 +225,10 @@ def encode_examples(
     return Encoded(StepBatch(tokens, lengths, positions, mask, labels), [r[0] for r in rows])
 
 
-def heldout_metrics(graphdef, params, encoded: Encoded, chunk: int = 128) -> tuple[float, float]:
-    """(mean step loss, step accuracy) of `encoded` rows (accuracy as in `train_step`)."""
+def heldout_metrics(spec, params, encoded: Encoded, chunk: int = 128) -> tuple[float, float]:
+    """(mean step loss, step accuracy) of `encoded` rows (accuracy as in `loss`)."""
     b = encoded.batch
-    s_NT = token_scores_of_rows(graphdef, params, b.tokens_NT, b.lengths_N, chunk)
+    s_NT = token_scores_of_rows(spec, params, b.tokens_NT, b.lengths_N, chunk)
     s_NJ = np.take_along_axis(s_NT, b.positions_NJ, axis=1)
     total, n = step_loss(s_NJ, b.labels_NJ, b.step_mask_NJ)
     agree = (s_NJ > 0) == (b.labels_NJ > 0.5)
@@ -264,7 +245,8 @@ def train(
     heldout: Sequence[step_labels.StepExample] = (),
     log: Callable[[scalar_head.Record], None] | None = None,
 ) -> scalar_head.Trained:
-    """Trains a PRM for `steps` steps of `cfg.batch_rows` rows (`train_step`), from a policy
+    """Trains a PRM for `steps` steps of `cfg.batch_rows` rows (`loss`, through
+    `scalar_head.fit`), from a policy
     checkpoint or a `ModelConfig` (`scalar_head.init`). Every `cfg.eval_every` steps and at
     the end it appends a `reward_model.Record` (mean training loss since the last one,
     held-out step accuracy) to the history and passes it to `log`.
@@ -285,10 +267,10 @@ def train(
     def heldout_accuracy(params):
         if held is None:
             return None
-        return heldout_metrics(graphdef, params, held, cfg.eval_batch_rows)[1]
+        return heldout_metrics(scalar_head.HeadSpec(graphdef), params, held, cfg.eval_batch_rows)[1]
 
     params, history = scalar_head.fit(
-        train_step, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
+        loss, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
     )
     return scalar_head.Trained(model_cfg, graphdef, params, history)
 
@@ -308,6 +290,11 @@ class ProcessRewardModel:
     tokenizer: tokenizer_lib.Tokenizer
     config: PRMConfig
     path: str | None = None
+
+    @property
+    def forward(self) -> scalar_head.HeadSpec:
+        """The description its scorers take."""
+        return scalar_head.HeadSpec(self.graphdef)
 
     def with_bucket(self, tokens: int) -> ProcessRewardModel:
         """This PRM scoring in one bucket of at least `tokens` tokens (the scores do not depend
@@ -338,7 +325,7 @@ class ProcessRewardModel:
         ]
         rows = [[*p, *c] for p, c in zip(prompt_ids, completion_ids)]
         batch = rm.pad_rows(rows, self.config.seq_len, self.tokenizer.padding_id)
-        s_NT = token_scores_of_rows(self.graphdef, self.params, *batch, chunk)
+        s_NT = token_scores_of_rows(self.forward, self.params, *batch, chunk)
         J = max([s.num_steps for s in steps], default=0)
         scores, mask = np.zeros((len(rows), J), np.float32), np.zeros((len(rows), J), bool)
         for i, (p, s) in enumerate(zip(prompt_ids, steps)):

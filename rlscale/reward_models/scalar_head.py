@@ -1,9 +1,10 @@
 """Scalar heads on the decoder: what the reward model (`bradley_terry`) and the PRM (`prm`)
 share. The params `{"decoder": <the decoder's nnx.State>, "head": {"w": f32[D], "b": f32[]}}`
-(a policy checkpoint initializes the decoder as is; the unused LM head is frozen), the
-training settings and AdamW, the fit loop with its held-out records, scoring in fixed-shape
-chunks, the saved directory's metadata, and the tokenizer's identity (a head refuses a
-tokenizer other than the one it was trained with, naming both).
+(a policy checkpoint initializes the decoder as is; the unused LM head is frozen), the forward
+pass's description (`HeadSpec`), the training settings, training through the one supervised
+loop (`supervised.fit`) with held-out records, scoring in fixed-shape chunks, the saved
+directory's metadata, and the tokenizer's identity (a head refuses a tokenizer other than the
+one it was trained with, naming both).
 
 Dimension letters: N rows, T tokens (the bucket), D model width.
 """
@@ -21,9 +22,8 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from rlscale import checkpoint, optim, sharding
+from rlscale import checkpoint, optim, sharding, supervised
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
@@ -32,6 +32,17 @@ HEAD_FILE = "head.npz"
 DECODER_DIR = "decoder"
 _PROBE = "The answer is 42. Café, naïve: ok!"  # Shown encoded by both sides of a mismatch.
 _SCHEDULES = ("constant", "cosine")
+FROZEN = ("lm_head",)  # Unused by a scalar head: no update, no optimizer state.
+
+
+class HeadSpec(NamedTuple):
+    """What a scalar head's forward pass is compiled for (hashable: a jit static argument),
+    as `rl.forward.ForwardSpec` is for the policy's: the decoder's graph and what each
+    block's backward keeps (`decoder.REMAT_POLICIES`; a forward pass alone is the same
+    either way)."""
+
+    graphdef: object
+    remat: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +79,10 @@ class TrainSettings:
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+    def optim_settings(self) -> optim.OptimConfig:
+        """The AdamW fields, as `optim.make_optimizer` reads them."""
+        return optim.OptimConfig.of(self)
 
     def settings_problems(self, counts: tuple[str, ...] = ()) -> list[str]:
         """Every problem with these settings; `counts`, a subclass's fields that must be >= 1,
@@ -132,51 +147,16 @@ def init(model: ModelConfig | str, rng: jax.Array, *, mesh=None):
         graphdef, decoder_params = decoder.init_sharded(cfg, decoder_rng, mesh)
     else:
         cfg, graphdef, decoder_params = checkpoint.load_params(model, mesh)
-    head = replicated(init_head(cfg.d_model, head_rng), mesh)
+    head = sharding.replicate_unplaced(init_head(cfg.d_model, head_rng), mesh)
     return cfg, graphdef, {"decoder": decoder_params, "head": head}
-
-
-def replicated(tree, mesh):
-    """Every leaf not yet placed on a mesh, replicated on `mesh`: jitted steps then see the
-    same input shardings at every call (an uncommitted array compiles another program)."""
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def place(x):
-        if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
-            return x
-        return jax.device_put(x, spec)
-
-    return jax.tree.map(place, tree)
 
 
 def params_mesh(params):
     return jax.tree.leaves(params["decoder"])[0].sharding.mesh
 
 
-def _labels(params):
-    """Each leaf's optimizer: the LM head (unused by the reward) "frozen", the rest "train"."""
-
-    def label(path, _):
-        return "frozen" if any(getattr(k, "key", None) == "lm_head" for k in path) else "train"
-
-    return jax.tree_util.tree_map_with_path(label, params)
-
-
-def make_optimizer(cfg: TrainSettings) -> optax.GradientTransformation:
-    """AdamW with linear warmup, a constant or cosine schedule and global-norm clipping (the
-    RL learner's `optim` settings, same names and meaning), on everything but the LM head,
-    which gets no update and no optimizer state. Params are float32 (`train` casts)."""
-    adamw = optim.make_optimizer(cfg)
-    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, _labels)
-
-
-def init_opt_state(cfg: TrainSettings, params):
-    """The optimizer state, on the params' mesh."""
-    return replicated(make_optimizer(cfg).init(params), params_mesh(params))
-
-
-def in_chunks(fn, graphdef, params, tokens_NT, lengths_N, chunk: int, row_shape=()) -> np.ndarray:
-    """`fn(graphdef, params, tokens, lengths)` (a jitted per-row function, each row's output
+def in_chunks(fn, spec: HeadSpec, params, tokens_NT, lengths_N, chunk: int, row_shape=()):
+    """`fn(spec, params, tokens, lengths)` (a jitted per-row function, each row's output
     of shape `row_shape`) over any number of rows, `chunk` rows per call: the last chunk is
     padded with one-token rows (scored and dropped), so every call has the same shape and
     compiles once."""
@@ -189,7 +169,7 @@ def in_chunks(fn, graphdef, params, tokens_NT, lengths_N, chunk: int, row_shape=
         if fill:
             t = np.concatenate([t, np.zeros((fill, T), t.dtype)])
             n = np.concatenate([n, np.ones(fill, n.dtype)])
-        out.append(np.asarray(jax.device_get(fn(graphdef, params, t, n)))[: chunk - fill])
+        out.append(np.asarray(jax.device_get(fn(spec, params, t, n)))[: chunk - fill])
     return np.concatenate(out) if out else np.zeros((0, *row_shape), np.float32)
 
 
@@ -212,6 +192,11 @@ class Trained(NamedTuple):
     graphdef: object
     params: dict
     history: list[Record]
+
+    @property
+    def forward(self) -> HeadSpec:
+        """The description its scorers take."""
+        return HeadSpec(self.graphdef)
 
 
 def batch_indices(num_pairs: int, batch_pairs: int, seed: int) -> Iterator[np.ndarray]:
@@ -268,22 +253,29 @@ def start(model: ModelConfig | str, tokenizer: tokenizer_lib.Tokenizer, cfg, ste
     return model_cfg, graphdef, params
 
 
-def fit(train_step_fn, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log=None):
-    """`steps` optimizer steps of `train_step_fn(graphdef, cfg, params, opt_state, batch)`
-    on `next_batch()`; every `cfg.eval_every` steps and at the end a `Record` (mean training
+def fit_spec(loss, graphdef, cfg) -> supervised.Fit:
+    """What a scalar head's training step is compiled for: `loss` (`bradley_terry.loss`,
+    `prm.loss`) over `HeadSpec(graphdef, cfg.remat)`, AdamW from `cfg` (`TrainSettings`), the
+    LM head frozen."""
+    return supervised.Fit(loss, HeadSpec(graphdef, cfg.remat), cfg.optim_settings(), FROZEN)
+
+
+def fit(loss, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log=None):
+    """`steps` steps of the one supervised loop (`supervised.fit`, `fit_spec`) on
+    `next_batch()`; every `cfg.eval_every` steps and at the end a `Record` (mean training
     loss since the last one, `heldout_accuracy(params)`) goes to the history and to `log`.
     Returns (params, history)."""
-    opt_state = init_opt_state(cfg, params)
-    history, loss_sum, since = [], jnp.zeros((), jnp.float32), 0
-    for step in range(1, steps + 1):
-        params, opt_state, metrics = train_step_fn(graphdef, cfg, params, opt_state, next_batch())
-        loss_sum, since = loss_sum + metrics["loss"], since + 1
-        if step % cfg.eval_every == 0 or step == steps:
-            record = Record(step, float(loss_sum) / since, heldout_accuracy(params))
-            history.append(record)
-            if log is not None:
-                log(record)
-            loss_sum, since = jnp.zeros((), jnp.float32), 0
+    history = []
+
+    def record(params, progress: supervised.Progress) -> None:
+        history.append(Record(progress.step, progress.mean_loss, heldout_accuracy(params)))
+        if log is not None:
+            log(history[-1])
+
+    spec = fit_spec(loss, graphdef, cfg)
+    params, _ = supervised.fit(
+        spec, params, next_batch, steps, every=cfg.eval_every, callback=record
+    )
     return params, history
 
 

@@ -43,7 +43,7 @@ class RewardConfig(sections.Section):
     """`config.reward`: how samples are rewarded. `fn` ("module:function", fn(completion,
     problem) -> float) in place of the task's verifier; `workers` processes with a
     per-sample `timeout` (s) (0: in-process); a learned outcome reward `model` (a directory,
-    or "warm_start": one trained at set-up for `model_steps` steps of `model_batch_pairs`
+    or "train_at_setup": one trained at set-up for `model_steps` steps of `model_batch_pairs`
     pairs at `model_lr`) and a process reward model `prm` (`rl.learned_rewards`)."""
 
     fn: str = ""

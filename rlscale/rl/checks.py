@@ -149,17 +149,17 @@ def _learned_reward_problems(config, steps: list[str] | None) -> list[str]:
     the chain has problems of its own), neither beside what they would contradict."""
     r, problems = config.reward, []
     meta = bradley_terry.META_FILE
-    if r.model and r.model != learned_rewards.MADE:
+    if r.model and r.model != learned_rewards.TRAIN_AT_SETUP:
         if not os.path.isfile(os.path.join(r.model, meta)):
             problems.append(
                 f"reward.model={r.model!r} is not a reward model directory (no {meta}): write "
                 "one with python -m rlscale.main.train_reward_model, or set "
-                f"'{learned_rewards.MADE}' to train one at set-up from the warm start's samples"
+                f"{learned_rewards.TRAIN_AT_SETUP!r} (once 'warm_start') to train one at set-up"
             )
-    if r.model == learned_rewards.MADE and config.init.hf_checkpoint:
+    if r.model == learned_rewards.TRAIN_AT_SETUP and config.init.hf_checkpoint:
         problems.append(
-            f"reward.model={learned_rewards.MADE!r} trains from the SFT warm start, which a run "
-            "from init.hf_checkpoint has not: train one with python -m "
+            f"reward.model={learned_rewards.TRAIN_AT_SETUP!r} trains from the SFT warm start, "
+            "which a run from init.hf_checkpoint has not: train one with python -m "
             "rlscale.main.train_reward_model --init DIR and name its directory"
         )
     if r.prm and not os.path.isfile(os.path.join(r.prm, prm_lib.META_FILE)):
@@ -192,7 +192,7 @@ def learned_reward_tokenizer_problems(reward, tokenizer) -> list[str]:
     problems = []
     for key in ("model", "prm"):
         path = getattr(reward, key)
-        if path and path != learned_rewards.MADE:
+        if path and path != learned_rewards.TRAIN_AT_SETUP:
             try:
                 scalar_head.check_tokenizer(path, tokenizer)
             except ValueError as e:

@@ -15,8 +15,8 @@ from rlscale.rl import loop, pairs, report
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig(sections.Section):
     """`config.preference`: a preference run trains on pairs from `file` (a jsonl/json/parquet
-    file of prompt/chosen/rejected rows, or "warm_start": pairs made from the warm start's
-    samples), or in rounds of `iterations_every` steps whose pairs it samples (`samples`
+    file of prompt/chosen/rejected rows, or "sample_at_setup": pairs sampled once from the
+    warm start), or in rounds of `iterations_every` steps whose pairs it samples (`samples`
     completions of `prompts` prompts, 0: the default); `pairs`: "best_vs_worst" or "all"."""
 
     file: str = ""
@@ -27,13 +27,14 @@ class PreferenceConfig(sections.Section):
 
     @property
     def enabled(self) -> bool:
-        """A preference run (`pairs.enabled`): a pair file or iterative rounds."""
+        """A preference run: a pair file or iterative rounds."""
         return bool(self.file) or bool(self.iterations_every)
 
     @property
     def samples_pairs(self) -> bool:
-        """It samples the completions its pairs are formed from (`pairs.samples_pairs`)."""
-        return bool(self.iterations_every) or self.file == pairs.MADE
+        """It samples the completions its pairs are formed from (iterative rounds, or pairs
+        sampled at set-up), `samples` per prompt."""
+        return bool(self.iterations_every) or self.file == pairs.SAMPLE_AT_SETUP
 
     @property
     def key(self) -> str:
@@ -73,8 +74,8 @@ class PreferenceConfig(sections.Section):
                 )
         elif self.file and (trouble := formats.check_path(self.file)):
             problems.append(
-                f"preference.file={self.file!r}: {trouble} (or {pairs.MADE!r}: pairs made "
-                "from the warm start's samples)"
+                f"preference.file={self.file!r}: {trouble} (or {pairs.SAMPLE_AT_SETUP!r}, once "
+                "'warm_start': pairs sampled at set-up from the warm start)"
             )
         return problems
 

@@ -1,27 +1,24 @@
 """Learned rewards in the RL loop: a reward model's score as the outcome reward (`reward.model`, or
-one made at set-up) and a PRM's step rewards (`reward.prm`), their FLOPs counted. See
-docs/preference_and_reward_models.md.
+one trained at set-up: a stage of the run's cache, `stage_cache.REWARD_MODEL`) and a PRM's step
+rewards (`reward.prm`), their FLOPs counted. See docs/preference_and_reward_models.md.
 
 Dimension letters: N rows, P padded prompt length, M completion tokens.
 """
 
-import json
-import os
 import time
 
-import jax
 import numpy as np
 
+from rlscale import stage_cache
 from rlscale.eval import best_of_n
 from rlscale.reward_models import bradley_terry
 from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import pairs as pairs_lib
 from rlscale.scaling import compute
 
-MADE = "warm_start"  # `reward.model`: trained at set-up on pairs made from the warm start.
-MADE_DIR = "reward_model"  # WORKDIR/MADE_DIR: the reward model made at set-up,
-MADE_RECORD = "made.json"  # with what making it cost and its held-out pair accuracy.
-HELDOUT_EVERY = 10  # Every 10th pair made from the warm start is held out.
+# `reward.model`: trained at set-up from the warm start on pairs sampled from it.
+TRAIN_AT_SETUP = "train_at_setup"
+HELDOUT_EVERY = 10  # Every 10th pair sampled from the warm start is held out.
 
 
 def _flops(model_cfg, lengths_N) -> float:
@@ -64,9 +61,9 @@ class StepRewards:
 
 def load_outcome(config, mesh) -> OutcomeReward | None:
     """`reward.model`'s reward model when it names a directory (None without one, or for
-    `MADE`, which `made_outcome` trains once the run has its policy)."""
+    `TRAIN_AT_SETUP`, which `made_outcome` trains once the run has its policy)."""
     path = config.reward.model
-    if path in ("", MADE):
+    if path in ("", TRAIN_AT_SETUP):
         return None
     return OutcomeReward(bradley_terry.load(path, mesh))
 
@@ -76,31 +73,38 @@ def load_steps(config, mesh) -> StepRewards | None:
     return StepRewards(prm_lib.load(config.reward.prm, mesh)) if config.reward.prm else None
 
 
+def made_settings(config) -> dict:
+    """What the reward model trained at set-up depends on: the settings of its stage (its
+    pairs' and its training's)."""
+    c = config.reward
+    train = {k: c[k] for k in ("model_steps", "model_batch_pairs", "model_lr")}
+    return {"pairs": pairs_lib.made_settings(config), "reward": train}
+
+
 def made_outcome(config, setup, source, run, comp, workdir: str, fresh: bool) -> OutcomeReward:
-    """The reward model `reward.model` = `MADE` names: trained now on pairs made from the warm
-    start's samples (`source` samples them), or read from WORKDIR/reward_model where an
-    earlier start of the run left it. A fresh run adds its making (sampling, training) to
-    `comp`; `MADE_RECORD` holds the cost and the held-out pair accuracy (`summary`)."""
-    path = os.path.join(workdir, MADE_DIR)
-    record_path = os.path.join(path, MADE_RECORD)
-    if not os.path.isfile(record_path):
+    """The reward model `reward.model` = `TRAIN_AT_SETUP` names: trained now on pairs sampled
+    from the warm start (`source` samples them), or read from the stage cache where an earlier
+    start of the run left it. A fresh run adds its making (sampling, training) to `comp`; the
+    stage's record holds the cost and the held-out pair accuracy (`summary`)."""
+    stage = stage_cache.REWARD_MODEL
+    path = stage_cache.path(workdir, stage)
+    record = stage_cache.lookup(workdir, stage, made_settings(config))
+    if record is None:
         if not fresh:
             raise ValueError(
-                f"reward.model={MADE!r}: the reward model this run trained with ({path}) is "
-                "missing; start a new workdir"
+                f"reward.model={TRAIN_AT_SETUP!r}: the reward model this run trained with "
+                f"({path}) is missing; start a new workdir"
             )
-        _make(config, setup, source, run, workdir, path)
-    with open(record_path) as f:
-        record = json.load(f)
+        record = _make(config, setup, source, run, workdir)
     if fresh:
         for k in ("compute/sample_flops", "compute/train_flops", "compute/device_seconds"):
             comp.counters[k] += record[k]
     return OutcomeReward(bradley_terry.load(path, setup.mesh))
 
 
-def _make(config, setup, source, run, workdir: str, path: str) -> None:
-    """Trains and saves the `MADE` reward model in `path`, then its record (whose presence
-    says the directory is whole)."""
+def _make(config, setup, source, run, workdir: str) -> dict:
+    """Trains and saves the `TRAIN_AT_SETUP` reward model in its stage, from the warm start's
+    stage; returns the stage's record."""
     t, c = time.time(), config.reward
     # The pairs (cached by an earlier start that stopped before the model was saved, or made
     # now) and what sampling them cost.
@@ -117,14 +121,15 @@ def _make(config, setup, source, run, workdir: str, path: str) -> None:
         seed=config.seed,
         eval_every=c.model_steps,
     )
-    trained = bradley_terry.train(  # From the warm start (WORKDIR/sft).
+    trained = bradley_terry.train(
         train,
         setup.tokenizer,
         cfg,
         c.model_steps,
-        model=os.path.join(workdir, "sft"),
+        model=stage_cache.path(workdir, stage_cache.WARM_START),
         heldout=heldout,
     )
+    path = stage_cache.begin(workdir, stage_cache.REWARD_MODEL)
     bradley_terry.save(
         path, trained.model_cfg, trained.params, setup.tokenizer, cfg, trained.history
     )
@@ -139,17 +144,15 @@ def _make(config, setup, source, run, workdir: str, path: str) -> None:
         "heldout_pairs": len(heldout),
         "heldout_accuracy": trained.history[-1].heldout_accuracy,
     }
-    if jax.process_index() == 0:
-        with open(os.path.join(path, MADE_RECORD), "w") as f:
-            json.dump(record, f, indent=2)
+    stage_cache.complete(workdir, stage_cache.REWARD_MODEL, made_settings(config), record)
+    return record
 
 
 def summary(workdir: str) -> dict:
-    """The `MADE` reward model's held-out pair accuracy and pair counts ({} without one)."""
-    path = os.path.join(workdir, MADE_DIR, MADE_RECORD)
-    if not os.path.isfile(path):
+    """The `TRAIN_AT_SETUP` reward model's held-out pair accuracy and pair counts ({}
+    without one)."""
+    record = stage_cache.record(workdir, stage_cache.REWARD_MODEL)
+    if record is None:
         return {}
-    with open(path) as f:
-        record = json.load(f)
     keys = ("train_pairs", "heldout_pairs", "heldout_accuracy")
     return {f"reward_model/{k}": record[k] for k in keys}

@@ -37,7 +37,7 @@ class Loop:
             epochs=config.learner.epochs,
         )
         self.source = s.rollout_source(self.run.stream, self.run.history)
-        if config.reward.model == learned_rewards.MADE:  # Trained now, from the warm start.
+        if config.reward.model == learned_rewards.TRAIN_AT_SETUP:  # From the warm start.
             self.source.outcome_model = learned_rewards.made_outcome(
                 config.raw, s, self.source, self.run, self.comp, workdir, fresh=self.start == 0
             )

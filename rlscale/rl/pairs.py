@@ -1,5 +1,6 @@
 """Preference pairs as learner batches (rows 2p chosen, 2p + 1 rejected): from a file, from the warm
-start's samples or from each round's; and their resumable draw (`PairSet`).
+start's samples (sampled at set-up, a stage of the run's cache: `stage_cache.PREFERENCE_PAIRS`)
+or from each round's; and their resumable draw (`PairSet`).
 
 Dimension letters: B pairs, G samples per prompt, N = 2B rows, P padded prompt length, M completion
 tokens.
@@ -15,29 +16,15 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale import chat, sharding
+from rlscale import chat, sharding, stage_cache
 from rlscale.data import filters, preferences
 from rlscale.data.preferences import Pair
 from rlscale.rl import rollouts
 
-# `preference.file` naming pairs the run makes from its warm start's samples, cached in
-# WORKDIR/MADE_FILE with what made them (MADE_META).
-MADE = "warm_start"
-MADE_FILE = "preference_pairs.jsonl"
-MADE_META = "preference_pairs.json"
-
-
-def enabled(config) -> bool:
-    """Whether the run is a preference run (`rl.dpo`): a pair file or iterative rounds."""
-    p = config.preference
-    return bool(p.file) or bool(p.iterations_every)
-
-
-def samples_pairs(config) -> bool:
-    """Whether the run samples the completions its pairs are formed from (iterative rounds,
-    or pairs made from the warm start), `preference.samples` per prompt."""
-    p = config.preference
-    return bool(p.iterations_every) or p.file == MADE
+# `preference.file` naming pairs the run samples from its warm start at set-up, cached in
+# the stage `stage_cache.PREFERENCE_PAIRS` (PAIRS_FILE, in the stage's directory).
+SAMPLE_AT_SETUP = "sample_at_setup"
+PAIRS_FILE = "pairs.jsonl"
 
 
 class TokenPair(NamedTuple):
@@ -63,7 +50,7 @@ def read_file(config, tokenizer, scfg) -> tuple[list[TokenPair], list[str]]:
     prompts longer than the largest sampling bucket. No pairs and no problems for a run
     without a file, or with pairs it makes itself (those are read by `PairSource.start`)."""
     path = config.preference.file
-    if not path or path == MADE:
+    if not path or path == SAMPLE_AT_SETUP:
         return [], []
     try:
         pairs = preferences.read_pairs(path)
@@ -260,8 +247,7 @@ def round_seed(seed: int, round_index: int) -> int:
 
 
 def made_settings(config) -> dict:
-    """What pairs made from the warm start depend on: a cached file made with other settings
-    is made again."""
+    """What pairs sampled from the warm start depend on: the settings of their stage."""
     c = json.loads(config.to_json_best_effort())
     keys = ("seed", "task", "tokenizer", "model", "sft", "init", "sampling")
     return {
@@ -273,27 +259,24 @@ def made_settings(config) -> dict:
 
 
 def read_made(workdir: str, config) -> tuple[list[Pair], dict] | None:
-    """The pairs made from the warm start and cached in `workdir`, with their record, or None
-    when there are none made with these settings."""
-    path, meta = os.path.join(workdir, MADE_FILE), os.path.join(workdir, MADE_META)
-    if not (os.path.isfile(path) and os.path.isfile(meta)):
+    """The pairs sampled from the warm start and cached in `workdir`, with their record, or
+    None when the stage is not complete (`stage_cache.lookup`, which refuses pairs made with
+    other settings)."""
+    stage = stage_cache.PREFERENCE_PAIRS
+    record = stage_cache.lookup(workdir, stage, made_settings(config))
+    if record is None:
         return None
-    with open(meta) as f:
-        record = json.load(f)
-    if record["settings"] != json.loads(json.dumps(made_settings(config))):
-        return None
-    return preferences.read_pairs(path), record
+    return preferences.read_pairs(
+        os.path.join(stage_cache.path(workdir, stage), PAIRS_FILE)
+    ), record
 
 
 def write_made(workdir: str, config, pairs, record: dict) -> None:
-    """Caches pairs made from the warm start (the pairs, then their record: the record's
-    presence says the file is whole)."""
-    meta = os.path.join(workdir, MADE_META)
-    if os.path.exists(meta):
-        os.remove(meta)
-    preferences.write_pairs(os.path.join(workdir, MADE_FILE), pairs)
-    with open(meta, "w") as f:
-        json.dump({**record, "settings": made_settings(config)}, f, indent=2)
+    """Caches pairs sampled from the warm start: the pairs, then the stage's marker."""
+    stage = stage_cache.PREFERENCE_PAIRS
+    path = stage_cache.begin(workdir, stage)
+    preferences.write_pairs(os.path.join(path, PAIRS_FILE), pairs)
+    stage_cache.complete(workdir, stage, made_settings(config), record)
 
 
 class PairSource:
@@ -312,8 +295,8 @@ class PairSource:
         self.config, self.s, self.source, self.workdir = config, setup, source, workdir
 
     def start(self, run, comp, fresh: bool) -> None:
-        """Puts a file's pairs in force (`preference.file`; made from the warm start and
-        cached first when it is 'warm_start'): from the start of their draw in a fresh run
+        """Puts a file's pairs in force (`preference.file`; sampled from the warm start and
+        cached first when it is `SAMPLE_AT_SETUP`): from the start of their draw in a fresh run
         (pairs made by the run add their sampling to the compute counters), or checked
         against the checkpoint's in a resumed one. Nothing for iterative rounds."""
         path = self.config.preference.file
@@ -321,16 +304,16 @@ class PairSource:
             return
         token_pairs, cost = self.s.preference_pairs, None
         stats = {"pairs": len(token_pairs)}
-        if path == MADE:
+        if path == SAMPLE_AT_SETUP:
             made = read_made(self.workdir, self.config)
             # Every process samples (the generator spans them), so all make the pairs unless
             # every one has them.
             if int(sharding.sum_over_processes(np.int32(made is None))):
                 if not fresh:
                     raise ValueError(
-                        f"preference.file={MADE!r}: the pairs this run trained on "
-                        f"({os.path.join(self.workdir, MADE_FILE)}) are missing or were made "
-                        "with other settings; start a new workdir"
+                        f"preference.file={SAMPLE_AT_SETUP!r}: the pairs this run trained on "
+                        f"({stage_cache.path(self.workdir, stage_cache.PREFERENCE_PAIRS)}) are "
+                        "missing; start a new workdir"
                     )
                 made = self.make(run)
             pairs, cost = made
@@ -365,7 +348,7 @@ class PairSource:
         }
         if not pairs:
             raise ValueError(
-                f"preference.file={MADE!r}: the warm start's {len(ids)} x "
+                f"preference.file={SAMPLE_AT_SETUP!r}: the warm start's {len(ids)} x "
                 f"{c.preference.samples} samples (preference.prompts x preference.samples) "
                 f"formed no pair (pass rate {record['pass_rate']:.3f}): every prompt's samples "
                 "scored alike; sample more"

@@ -137,8 +137,8 @@ class Setup:
     params: Any  # The initial policy, training layout.
     ref_params: Any  # Frozen reference (None unless the objective reads `ref_logp`).
     teacher: teacher_lib.Teacher | None  # None unless the objective reads `teacher_logp`.
-    # `reward.model`'s (None without one, and for `MADE`, which `Loop` trains and hands to
-    # the rollout source).
+    # `reward.model`'s (None without one, and for `TRAIN_AT_SETUP`, which `Loop` trains and
+    # hands to the rollout source).
     outcome_model: learned_rewards.OutcomeReward | None
     step_rewards: learned_rewards.StepRewards | None  # `reward.prm`'s (None without one).
     warm_start_summary: dict
