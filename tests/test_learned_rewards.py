@@ -129,11 +129,11 @@ def test_config_problems_name_the_keys(tmp_path):
     c = load_config("rm_rl", "smoke")  # The value both keys once shared: named, refused.
     c.reward.model = "warm_start"
     with pytest.raises(ValueError, match="or set 'train_at_setup' \\(once 'warm_start'\\)"):
-        checks.validate(c)
+        rl.resolve(c)
     c = load_config("dpo", "smoke")
     c.preference.file = "warm_start"
     with pytest.raises(ValueError, match="or 'sample_at_setup', once 'warm_start': pairs sampled"):
-        checks.validate(c)
+        rl.resolve(c)
 
 
 def test_tokenizer_mismatch_names_both(prm_dir, warm):
