@@ -16,13 +16,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def subprocess_compilation_cache(tmp_path_factory):
-    """Runs started as subprocesses (kill/resume, the CLI, several processes) share one
-    persistent compilation cache, so each compiles a program the first time only. This process
-    read its JAX config at import and keeps no persistent cache: its compile counts stay real."""
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+def compilation_cache(tmp_path_factory, worker_id):
+    """One persistent compilation cache for the session: the xdist workers and the runs they
+    start as subprocesses (kill/resume, the CLI, several processes) compile a program the
+    first time any of them needs it, and load it after. A program loaded from the cache is
+    still a new program to the process that loads it: `CompileCounter` counts both."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # Shared by the workers of this session.
+    path = str(root / "jax_cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    assert jax.config.jax_compilation_cache_dir is None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 @pytest.fixture(scope="session")
@@ -42,24 +48,31 @@ def tiny_model(tiny_cfg):
 
 
 class CompileCounter:
-    """Counts XLA backend compilations while active (a jit cache hit compiles nothing)."""
+    """Counts the programs this process compiles or loads from the persistent compilation
+    cache while active (a jit cache hit does neither)."""
 
-    EVENT = "/jax/core/compile/backend_compile_duration"
+    COMPILED = "/jax/core/compile/backend_compile_duration"
+    LOADED = "/jax/compilation_cache/cache_hits"
 
     def __init__(self):
         self.count = 0
 
-    def _listener(self, event, duration_secs, **kwargs):
+    def _compiled(self, event, duration_secs, **kwargs):
         del duration_secs, kwargs
-        if event == self.EVENT:
-            self.count += 1
+        self.count += event == self.COMPILED
+
+    def _loaded(self, event, **kwargs):
+        del kwargs
+        self.count += event == self.LOADED
 
     def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        jax.monitoring.register_event_duration_secs_listener(self._compiled)
+        jax.monitoring.register_event_listener(self._loaded)
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
+        jax.monitoring.unregister_event_duration_listener(self._compiled)
+        jax.monitoring.unregister_event_listener(self._loaded)
 
 
 @pytest.fixture
