@@ -60,16 +60,8 @@ def _mesh_problems(config) -> list[str]:
     problems = _pipeline_problems(config, sharding.batch_divisor(gen, sharding.SAMPLE_RULES))
     div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
     where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
-    b, u = config.batch, config.learner
-    if b.prompts % div:
-        problems.append(f"batch.prompts={b.prompts} is not divisible by {where}")
-    if u.minibatches >= 1 and u.micro_batches >= 1:
-        rows = b.prompts // max(u.minibatches * u.micro_batches, 1) * b.group_size
-        if rows % div:
-            problems.append(
-                f"a micro-batch of {rows} rows (batch.prompts / learner.minibatches / "
-                f"learner.micro_batches x batch.group_size) is not divisible by {where}"
-            )
+    if config.batch.prompts % div:
+        problems.append(f"batch.prompts={config.batch.prompts} is not divisible by {where}")
     return problems
 
 
@@ -467,8 +459,8 @@ def _objective_problems(config) -> list[str]:
 
 
 def _batch_problems(config) -> list[str]:
-    """How `batch` divides into the learner's minibatches and micro-batches, and the
-    learner's own settings (length buckets, logprob chunks, remat, packing)."""
+    """How `batch` divides into the learner's minibatches, and the learner's own settings
+    (length buckets, logprob chunks, remat, packing)."""
     b, u, M = config.batch, config.learner, config.sampling.max_new_tokens
     problems = []
     if b.prompts < 1:
@@ -484,11 +476,6 @@ def _batch_problems(config) -> list[str]:
         problems.append(
             f"batch.prompts={b.prompts} is not divisible by learner.minibatches={u.minibatches}"
         )
-    elif (b.prompts // u.minibatches) % u.micro_batches:
-        problems.append(
-            f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
-            f"by learner.micro_batches={u.micro_batches}"
-        )
     if not isinstance(u.length_buckets, int) or u.length_buckets < 1:
         problems.append(f"learner.length_buckets={u.length_buckets!r} must be an integer >= 1")
     if not isinstance(u.logprob_chunk, int) or u.logprob_chunk < 1:
@@ -499,7 +486,7 @@ def _batch_problems(config) -> list[str]:
         problems.append(f"learner.offload_ref={u.offload_ref!r} must be True or False")
     if not isinstance(u.pack_length, int) or not (u.pack_length == 0 or u.pack_length > M):
         problems.append(
-            f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "
+            f"learner.pack_length={u.pack_length!r} must be 0 (one sequence per row) or more than "
             f"sampling.max_new_tokens={M}"
         )
     if not isinstance(u.pack_rows, int) or u.pack_rows < 0:
@@ -573,11 +560,18 @@ def _value_problems(config) -> list[str]:
 def pack_problems(config, longest_prompt: int) -> list[str]:
     """What packing cannot hold, given the longest training prompt (in tokens): a sequence
     longer than `learner.pack_length`, or a group of full-length samples that
-    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups)."""
+    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups; with
+    `pack_length` 0, a row holds one sequence)."""
     u, G, M = config.learner, config.batch.group_size, config.sampling.max_new_tokens
-    if not u.pack_length:
-        return []
     longest = longest_prompt + M
+    if not u.pack_length:
+        if u.pack_rows and u.pack_rows < G:
+            return [
+                f"learner.pack_rows={u.pack_rows} rows of one sequence each "
+                f"(learner.pack_length=0) cannot hold a group of batch.group_size={G} "
+                f"samples: it needs {G} (or 0: a minibatch's rows)"
+            ]
+        return []
     if u.pack_length < longest:
         return [
             f"learner.pack_length={u.pack_length} cannot hold the longest training sequence: "

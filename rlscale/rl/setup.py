@@ -36,7 +36,7 @@ from rlscale.data import load as data_load
 from rlscale.eval import heldout
 from rlscale.model import hf
 from rlscale.rewards import isolation
-from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
+from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.generator import Generator
@@ -166,18 +166,25 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
             top_p=config.sampling.top_p,
         ),
         epochs=u.epochs,
-        minibatches=u.minibatches,
-        micro_batches=u.micro_batches,
-        group_size=G,
-        max_len=M,
-        length_buckets=u.length_buckets,
-        pack_length=u.pack_length,
-        pack_rows=u.pack_rows,
+        layout=learner_layout(config),
         seed=config.seed,
         programs=progs,
         logprob_chunk=u.logprob_chunk,
         remat=u.remat,
         offload_ref=u.offload_ref,
+    )
+
+
+def learner_layout(config) -> batch_layout.Layout:
+    """How the learner, its reference and a teacher lay a batch out in forward rows."""
+    u = config.learner
+    return batch_layout.Layout(
+        pack_length=u.pack_length,
+        pack_rows=u.pack_rows,
+        group_size=config.batch.group_size,
+        minibatches=u.minibatches,
+        max_len=config.sampling.max_new_tokens,
+        length_buckets=u.length_buckets,
     )
 
 
@@ -201,9 +208,7 @@ def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_li
         model_cfg=model_cfg,
         mesh=mesh,
         temperature=config.sampling.temperature,
-        micro_batches=u.minibatches * u.micro_batches,
-        max_len=config.sampling.max_new_tokens,
-        length_buckets=u.length_buckets,
+        layout=learner_layout(config),
         logprob_chunk=u.logprob_chunk,
         programs=progs,
     )
