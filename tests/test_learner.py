@@ -204,13 +204,13 @@ def _param_rounding(contributions, tokens: int = 8 * M):
     """How far a gradient entry may round between two computations, given the largest sum,
     over its parameter's entries, of the magnitudes of an entry's per-token contributions:
     each contribution moves by `PER_TOKEN` of the magnitudes in its logprob's forward pass
-    (as in `_loss_rounding`) and as much again in its backward pass, and adding a step's at
-    `tokens` of them (a step's at most 8 x 12) in another order by `rounding(tokens)`. The backward pass's sums mix the
-    cotangents that every entry of a parameter shares (a row of hidden-state cotangents feeds
-    a whole row of a weight matrix; an embedding row gets those of every position holding its
-    token, themselves sums over the later positions), so an entry's rounding follows the
-    magnitudes of its parameter's largest, not of its own contributions, which cancellation
-    can make arbitrarily small."""
+    (as in `_loss_rounding`) and as much again in its backward pass, and adding `tokens` of
+    them (a step's at most 8 x 12) in another order by `rounding(tokens)`. The backward
+    pass's sums mix the cotangents that every entry of a parameter shares (a row of
+    hidden-state cotangents feeds a whole row of a weight matrix; an embedding row gets those
+    of every position holding its token, themselves sums over the later positions), so an
+    entry's rounding follows the magnitudes of its parameter's largest contributions, not of
+    its own, which cancellation can make arbitrarily small."""
     return (2 * PER_TOKEN + rounding(tokens)) * contributions
 
 
@@ -474,7 +474,7 @@ def test_remat_policies_give_the_same_gradients(setup, remat):
     and gradients."""
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((1, 1, 1))
-    learn = _learner(mesh, graphdef)
+    learn = _learner(mesh, graphdef, minibatches=1)  # A micro-batch of every row.
     plan = batch_layout.plan(
         roll, np.arange(N).reshape(1, N), learn.layout, shards=1, placed_N=roll.mask_NM.any(1)
     )
