@@ -7,7 +7,7 @@ long; otherwise sequences are packed first-fit into rows of `pack_length` tokens
 
 Dimension letters: N rows, P padded prompt length, M completion length (the batch's bucket), L
 the tokens of a batch row as the device receives it (its prompt re-padded), O optimizer steps
-per batch, n rows per optimizer step, T tokens per forward row, d batch shards.
+per batch, T tokens per forward row, d batch shards.
 """
 
 from typing import NamedTuple
@@ -68,7 +68,7 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
 
     Args:
       rollouts: the batch (`rollouts.Rollouts`), N rows.
-      step_rows: [O, n] int, each optimizer step's rows (whole groups).
+      step_rows: [O, rows per step] int, each optimizer step's rows (whole groups).
       layout: the `learner.*` settings.
       shards: the batch's shard count (`sharding.batch_divisor`).
       placed_N: [N] bool, the rows whose sequences are run (the others get no terms).
@@ -137,7 +137,7 @@ def pack(
     Args:
       length_N: [N] int, each row's sequence length (prompt and completion tokens).
       placed_N: [N] bool, the rows to place (the learner's: those with trained tokens).
-      step_rows: [O, n] int, each optimizer step's rows (whole groups).
+      step_rows: [O, rows per step] int, each optimizer step's rows (whole groups).
       pack_length, pack_rows: tokens per row and rows per batch shard (`Layout.rows`).
       shards: the batch's shard count (`sharding.batch_divisor`).
       group_size: samples per prompt (rows g * G ... g * G + G - 1 are group g).

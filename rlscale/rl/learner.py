@@ -3,7 +3,7 @@
 (`forward`). See docs/learner.md.
 
 Dimension letters: N rows, G group size, M completion length, O optimizer steps per batch, U
-micro-batches per step, n rows per optimizer step, d batch shards, D model width.
+micro-batches per step, d batch shards, D model width.
 """
 
 import dataclasses
@@ -301,8 +301,8 @@ class Learner:
         return jax.tree.unflatten(treedef, leaves)
 
     def step_rows(self, num_rows: int, step: int) -> np.ndarray:
-        """[O, n]: the rows of each optimizer step. Each epoch shuffles the groups (seeded by
-        the step) and splits them into minibatches."""
+        """[O, rows per step]: the rows of each optimizer step. Each epoch shuffles the
+        groups (seeded by the step) and splits them into minibatches."""
         G = self.layout.group_size
         out = []
         for epoch in range(self.epochs):
