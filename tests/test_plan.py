@@ -268,7 +268,7 @@ def test_temp_advice_names_each_knob_with_its_value():
 @pytest.mark.parametrize(
     "shape,learner",
     [
-        ((1, 2, 1), dict(logprob_chunk=4096)),
+        ((1, 2, 1), {}),
         # One sequence per row, a group's 4 rows per shard at a time: a loop over 4
         # micro-batches per step, each over chunks of 8 tokens.
         ((2, 1, 2), dict(pack_length=0, pack_rows=4, logprob_chunk=8)),
@@ -281,7 +281,9 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     XLA counts a loop body once; the planner's loop factor restores every micro-batch and
     every logprob chunk, and the count divides over data x fsdp x tensor. With `remat=full`
     the backward pass recomputes each block's forward but its MLP down-projection, whose
-    output no gradient needs."""
+    output no gradient needs. With chunked vocabulary terms (`learner.logprob_chunk` below a
+    shard's forward-row tokens in a micro-batch) the head runs on whole chunks, padding
+    included, and the backward pass recomputes each chunk's logits: one more head forward."""
     config = load_config("quickstart")  # No old or reference terms: only the training pass.
     config.mesh.shape = shape
     config.learner.update(learner)
@@ -295,6 +297,11 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     if learner.get("remat") == "full":
         head = cfg.vocab_size * cfg.d_model
         expected += forward - 2 * rows * T * (cfg.num_layers * cfg.d_model * cfg.mlp_dim + head)
+    row_T, c = rl_setup.learner_layout(config).rows(rows, P, T - P, shape[0] * shape[1])
+    X, chunk, head = c * row_T, config.learner.logprob_chunk, cfg.vocab_size * cfg.d_model
+    if chunk < X:  # Every micro-batch's head positions, padded to whole chunks.
+        padded = rows * T * (-(-X // chunk) * chunk) / X
+        expected += 3 * 2 * head * (padded - rows * T) + 2 * head * padded
     got = entry["flops_per_device"] * entry["loop_factor"]
     assert got == pytest.approx(expected / mesh.devices.size, rel=0.02)
     if learner.get("pack_rows"):

@@ -152,7 +152,7 @@ def test_recipe_runs(name, recipe_runs):
         # The first batch is sampled by the teacher's own params: zero up to the numerics.
         assert abs(train[0]["train/reverse_kl"]) < 1e-5, train[0]["train/reverse_kl"]
         names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
-        # One teacher program per shape of the batch, as the (unpacked) update.
+        # One teacher program per shape of the batch, as the update (one sequence per row).
         assert names.count("teacher_logp") == names.count("update_step")
 
 
@@ -456,6 +456,10 @@ def test_packing_that_cannot_hold_the_data_fails_at_start_up():
     assert "it needs 4" in checks.pack_problems(config, 16)[0]
     config.learner.pack_rows = 4
     assert checks.pack_problems(config, 16) == []
+    config = load_config("quickstart")  # One sequence per row: a group of 4 needs 4 rows.
+    assert checks.pack_problems(config, 70) == []
+    config.learner.pack_rows = 3
+    assert "it needs 4" in checks.pack_problems(config, 16)[0]
 
 
 def test_mesh_that_does_not_divide_the_batch_fails_naming_it():
