@@ -33,13 +33,13 @@ def get_config(arg=None):
             "cispo", f"high_entropy_tokens(rho={arg.entropy_rho}) | cispo"
         )
     c.filters.zero_variance = True
-    # Pack the trained sequences into 96-token rows, one completion length: about 40% of an
-    # unpacked row is padding here, and a zero-variance group is not run at all; the run
+    # Pack the trained sequences into 96-token rows, one completion length: about 40% of a
+    # row of one sequence is padding here, and a zero-variance group is not run at all; the run
     # compiles one update program (docs/learner.md).
     c.learner.pack_length, c.learner.length_buckets = 96, 1
     if arg.smoke:
         config_lib.smoke(c)
-        c.learner.pack_length = 0  # The golden runs (tests/golden) are unpacked.
+        c.learner.pack_length = 0  # The golden runs (tests/golden): one sequence per row.
     return c
 
 

@@ -156,17 +156,17 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     )
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (docs/learner.md): completions are trimmed to one of
-    # `length_buckets` lengths (1: always sampling.max_new_tokens); with `pack_length` > 0,
-    # the sequences with trained tokens are packed into rows of that many tokens, micro-
-    # batches of `pack_rows` rows per batch shard (0: batch.group_size), as many micro-batches
-    # per optimizer step as the batch fills (then `micro_batches` is not used). Memory at
+    # `length_buckets` lengths (1: always sampling.max_new_tokens); the sequences with
+    # trained tokens are packed into forward rows of `pack_length` tokens (0: one sequence per
+    # row of the batch's prompt and completion tokens), micro-batches of `pack_rows` rows per
+    # batch shard (0: batch.group_size with a pack_length; else a minibatch's rows), as many
+    # micro-batches per optimizer step as the batch fills. Memory at
     # real sizes (docs/learner.md): logprobs and entropy over the vocabulary
     # `logprob_chunk` completion tokens at a time; `remat` ("none", "dots", "full") what each
     # block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory.
     c.learner = dict(
         epochs=1,
         minibatches=1,
-        micro_batches=1,
         length_buckets=4,
         pack_length=0,
         pack_rows=0,

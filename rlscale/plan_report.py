@@ -164,8 +164,6 @@ def advice(term: str, s: dict) -> str:
 def _temp_knobs(s: dict) -> list[str]:
     """The learner's knobs that shrink the update's temporaries and have room left."""
     knobs = []
-    if s["next_micro_batches"]:
-        knobs.append(f"learner.micro_batches={s['next_micro_batches']} (now {s['micro_batches']})")
     if s.get("next_pack_rows"):
         knobs.append(f"learner.pack_rows={s['next_pack_rows']} (now {s['pack_rows']})")
     if s["remat"] != "full":

@@ -32,7 +32,7 @@ the body of a loop once; the planner scales each program's count by its loops' t
 read from the program's jaxpr (`loop_factor`: the ratio of its matmul FLOPs with every
 `scan` at its length to those with every loop body once). A decode call's `while_loop` has
 a data-dependent trip count, so its count is one decode step's, multiplied by the steps of a
-worst-case batch (every completion `max_new_tokens` long); a packed update's micro-batch
+worst-case batch (every completion `max_new_tokens` long); an update's micro-batch
 loops (also `while_loop`s) count as many trips as that batch fills micro-batches.
 
 What a plan says against an accelerator (the table, the verdict on a memory budget, the
@@ -361,10 +361,10 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int):
     rollouts = rollouts_lib.full_length(B * G, prompt_bucket, config.sampling.max_new_tokens)
     _, metrics, _ = learn.update(state, ref, rollouts, step=1)
     entry = progs.entry("update_step")
-    if "train/micro_ran" in metrics:  # Packed: its micro-batch loops run as many times as
-        # the worst case fills micro-batches (per optimizer step, on average).
-        trips = float(np.mean(metrics["train/micro_ran"].sum(1)))
-        entry["loop_factor"] = loop_factor(progs.jaxprs["update_step"], trips)
+    # Its micro-batch loops run as many times as the worst case fills micro-batches (per
+    # optimizer step, on average).
+    trips = float(np.mean(metrics["train/micro_ran"].sum(1)))
+    entry["loop_factor"] = loop_factor(progs.jaxprs["update_step"], trips)
     return graphdef, params, state, ref, entry
 
 
@@ -483,47 +483,39 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
 def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
     """The run's values of the knobs `plan_report.advice` names, and the next values of
     those the run's checks constrain, on the trainer `mesh`."""
-    learner = config.learner
     return {
         "mesh": tuple(config.mesh.shape),
         "param_dtype": model_cfg.param_dtype,
-        "micro_batches": learner.micro_batches,
-        "next_micro_batches": next_micro_batches(config, mesh),
-        "pack_rows": learner.pack_rows if learner.pack_length else 0,
+        "pack_rows": _pack_rows(config, mesh, prompt_bucket)[1],
         "next_pack_rows": next_pack_rows(config, mesh, prompt_bucket),
-        "remat": learner.remat,
-        "logprob_chunk": learner.logprob_chunk,
+        "remat": config.learner.remat,
+        "logprob_chunk": config.learner.logprob_chunk,
         "slots": config.pipeline.slots,
         "max_new_tokens": config.sampling.max_new_tokens,
     }
 
 
-def next_micro_batches(config, mesh) -> int:
-    """The next larger `learner.micro_batches` the run's checks accept (it divides a
-    minibatch's prompts, and each micro-batch's rows split over the trainer mesh's batch
-    axes), or 0 (also when packed: the packing makes the micro-batches)."""
-    b, u = config.batch, config.learner
-    if u.pack_length:
-        return 0
-    prompts = b.prompts // u.minibatches
-    div = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
-    for k in range(u.micro_batches + 1, prompts + 1):
-        if prompts % k == 0 and (prompts // k * b.group_size) % div == 0:
-            return k
-    return 0
+def _pack_rows(config, mesh, prompt_bucket: int) -> tuple[int, int]:
+    """(T, c): the worst-case batch's tokens per forward row and forward rows per batch shard
+    in a micro-batch (`batch_layout.Layout.rows`)."""
+    rows = config.batch.prompts * config.batch.group_size
+    divisor = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
+    layout = rl_setup.learner_layout(config)
+    return layout.rows(rows, prompt_bucket, config.sampling.max_new_tokens, divisor)
 
 
 def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
-    """Half the packed rows per micro-batch (`learner.pack_rows`), if that still holds a
-    group whose samples all run the full length on one batch shard; else (or unpacked) 0."""
-    b, u = config.batch, config.learner
-    if not u.pack_length:
-        return 0
-    per_row = max(1, u.pack_length // (prompt_bucket + config.sampling.max_new_tokens))
+    """Half the forward rows per micro-batch (`learner.pack_rows`), if that still holds a
+    group whose samples all run the full length on one batch shard; else 0."""
+    b = config.batch
+    T, rows = _pack_rows(config, mesh, prompt_bucket)
+    per_row = 1  # With pack_length 0, a row holds one sequence.
+    if config.learner.pack_length:
+        per_row = max(1, T // (prompt_bucket + config.sampling.max_new_tokens))
     on_shard = min(
         b.group_size, b.prompts * b.group_size // sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
     )
-    half = u.pack_rows // 2
+    half = rows // 2
     return half if half >= -(-on_shard // per_row) else 0
 
 

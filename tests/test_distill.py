@@ -17,7 +17,7 @@ from conftest import load_config
 from rlscale import checkpoint, config_lib, model, programs, rl, sharding
 from rlscale import objectives as obj
 from rlscale.objectives import registry
-from rlscale.rl import checks, rollouts, setup
+from rlscale.rl import batch_layout, checks, rollouts, setup
 from rlscale.rl.teacher import Teacher
 from rlscale.sampling import Sampler, SamplingConfig
 from rlscale.tokenizer import train_sentencepiece
@@ -146,7 +146,7 @@ def _sample(tiny, **kw) -> rollouts.Rollouts:
     )
 
 
-def _teacher(tiny, graphdef, params, buckets=2):
+def _teacher(tiny, graphdef, params, buckets=2, pack=0):
     mesh = tiny[3]
     params = sharding.reshard(params, sharding.param_shardings(params, mesh, sharding.TRAIN_RULES))
     return Teacher(
@@ -155,9 +155,14 @@ def _teacher(tiny, graphdef, params, buckets=2):
         model_cfg=tiny[0],
         mesh=mesh,
         temperature=TEMPERATURE,
-        micro_batches=2,
-        max_len=M,
-        length_buckets=buckets,
+        layout=batch_layout.Layout(
+            pack_length=pack,
+            pack_rows=0,
+            group_size=G,
+            minibatches=2,
+            max_len=M,
+            length_buckets=buckets,
+        ),
         logprob_chunk=1024,
         programs=programs.Programs(mesh),
     )
@@ -195,15 +200,18 @@ def test_teacher_equal_to_the_student_gives_zero_advantage(tiny):
 
 
 @pytest.mark.slow
-def test_teacher_logprobs_equal_a_full_forward_pass(tiny):
+@pytest.mark.parametrize("packed", [False, True])
+def test_teacher_logprobs_equal_a_full_forward_pass(tiny, packed):
     """Another model as the teacher (a student sampling with top-k): its logprobs equal a
     plain full forward pass at the temperature, without the sampler's top-k, so every
-    sampled token has a finite teacher logprob. A batch of short completions is trimmed to
-    the first of two length buckets, and its logprobs are the same."""
+    sampled token has a finite teacher logprob; one sequence per forward row, or two in rows
+    of twice the longest. A batch of short completions is trimmed to the first of two length
+    buckets, and its logprobs are the same."""
     cfg, graphdef, _, _ = tiny
     other = model.init_params(cfg, jax.random.key(5))
-    teacher = _teacher(tiny, graphdef, other, buckets=2)
     roll = _sample(tiny, temperature=TEMPERATURE, top_k=20)
+    pack = 2 * (roll.prompt_len + M) if packed else 0
+    teacher = _teacher(tiny, graphdef, other, buckets=2, pack=pack)
     expected = _full_forward_logp(graphdef, other, roll)
     got = teacher(roll)
     # float32 rounding: a few ulps (the mesh sums its matmuls in another order).

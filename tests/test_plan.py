@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, load_config
 
 from rlscale import model, plan_inputs, plan_report, planner, rl, sharding
+from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import generator
 from rlscale.sampling.sampler import _Layout
@@ -211,67 +212,61 @@ def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
     assert plan_report.advice(big, p.info["settings"]) in message
 
 
-def _accepted(config) -> bool:
-    try:
-        rl.resolve(config)
-    except ValueError:
-        return False
-    return True
+def _pack_problems(config, longest_prompt):
+    run = rl.resolve(config)
+    return checks.pack_problems(run.learner, run.batch, run.sampling, longest_prompt)
 
 
-def test_next_micro_batches_is_the_next_the_checks_accept():
-    """Reference: the run's own start-up checks, for every micro-batch count (8 prompts x 4
-    on a batch split 8 ways: 1, 2 and 4 micro-batches leave 32, 16 and 8 rows; 8 would leave
-    4, and 3, 5, 6, 7 do not divide the prompts). Packed, the packing makes the micro-batches:
-    the knob is `pack_rows`, halved while a group of full-length samples still fits (rows of
-    96 tokens hold two sequences of 16 + 32: 4 samples need 2 rows)."""
+def test_next_pack_rows_is_half_while_the_checks_accept_it():
+    """The knob that bounds a micro-batch is `pack_rows`, halved while a group of
+    full-length samples still fits. Reference: the run's own start-up check of packing
+    (`checks.pack_problems`). One sequence per row (the smoke config): a group of 4 needs 4
+    rows; 8 prompts x 4 on a batch split 8 ways leave 4 rows per shard (a minibatch's), 32
+    prompts 16. Rows of 96 tokens hold two sequences of 16 + 32: 4 samples need 2 rows."""
     config = load_config("quickstart")
     config.mesh.shape = (2, 4, 1)
     mesh = sharding.make_mesh((2, 4, 1))
-    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 0  # Unpacked.
-    packed = config.copy_and_resolve_references()
+    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 0
+    config.batch.prompts = 32
+    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 8
+    accepted = []
+    for rows in (1, 2, 3, 4, 8):
+        config.learner.pack_rows = rows
+        if not _pack_problems(config, 16):
+            accepted.append(rows)
+    assert accepted == [4, 8]
+    config.learner.pack_rows = 8
+    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 4
+    config.learner.pack_rows = 4
+    assert planner.next_pack_rows(rl.resolve(config), mesh, 16) == 0
+    packed = load_config("quickstart")
     packed.learner.pack_length = 96
-    assert planner.next_micro_batches(rl.resolve(packed), mesh) == 0
     assert planner.next_pack_rows(rl.resolve(packed), mesh, 16) == 2  # From group_size (4) rows.
     packed.learner.pack_rows = 2
+    assert not _pack_problems(packed, 16)
     assert planner.next_pack_rows(rl.resolve(packed), mesh, 16) == 0
-    mesh = sharding.make_mesh((2, 4, 1))
-    counts = range(1, config.batch.prompts + 1)
-    accepted = [k for k in counts if _accepted(_with_micro_batches(config, k))]
-    assert accepted == [1, 2, 4]
-    for k in accepted:  # Unpacked.
-        later = [a for a in accepted if a > k]
-        assert planner.next_micro_batches(rl.resolve(_with_micro_batches(config, k)), mesh) == (
-            later[0] if later else 0
-        )
-
-
-def _with_micro_batches(config, k):
-    c = config.copy_and_resolve_references()
-    c.learner.micro_batches = k
-    return c
+    packed.learner.pack_rows = 1
+    assert _pack_problems(packed, 16)
 
 
 def test_temp_advice_names_each_knob_with_its_value():
     settings = {
         "mesh": (2, 4, 1),
         "param_dtype": "float32",
-        "micro_batches": 1,
-        "next_micro_batches": 2,
+        "pack_rows": 16,
+        "next_pack_rows": 8,
         "remat": "none",
         "logprob_chunk": 1024,
         "slots": 32,
         "max_new_tokens": 32,
     }
     assert plan_report.advice("temp", settings) == (
-        "learner.micro_batches=2 (now 1), learner.remat=dots (now none), "
+        "learner.pack_rows=8 (now 16), learner.remat=dots (now none), "
         "learner.logprob_chunk=256 (now 1024), more data x fsdp devices (--mesh=2,4,1)"
     )
     # Every knob at its limit: only more devices are left.
-    spent = {**settings, "next_micro_batches": 0, "remat": "full", "logprob_chunk": 1}
+    spent = {**settings, "next_pack_rows": 0, "remat": "full", "logprob_chunk": 1}
     assert plan_report.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
-    packed = {**spent, "pack_rows": 8, "next_pack_rows": 4}
-    assert plan_report.advice("temp", packed).startswith("learner.pack_rows=4 (now 8), more data")
 
 
 @pytest.mark.slow
@@ -279,7 +274,9 @@ def test_temp_advice_names_each_knob_with_its_value():
     "shape,learner",
     [
         ((1, 2, 1), {}),
-        ((2, 1, 2), dict(micro_batches=2, logprob_chunk=8)),  # Loops: 2 x 4 chunks.
+        # One sequence per row, a group's 4 rows per shard at a time: a loop over 4
+        # micro-batches per step, each over chunks of 8 tokens.
+        ((2, 1, 2), dict(pack_length=0, pack_rows=4, logprob_chunk=8)),
         ((1, 2, 1), dict(remat="full")),
     ],
 )
@@ -289,7 +286,9 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     XLA counts a loop body once; the planner's loop factor restores every micro-batch and
     every logprob chunk, and the count divides over data x fsdp x tensor. With `remat=full`
     the backward pass recomputes each block's forward but its MLP down-projection, whose
-    output no gradient needs."""
+    output no gradient needs. With chunked vocabulary terms (`learner.logprob_chunk` below a
+    shard's forward-row tokens in a micro-batch) the head runs on whole chunks, padding
+    included, and the backward pass recomputes each chunk's logits: one more head forward."""
     config = load_config("quickstart")  # No old or reference terms: only the training pass.
     config.mesh.shape = shape
     config.learner.update(learner)
@@ -303,9 +302,14 @@ def test_update_flops_match_the_analytic_count(shape, learner):
     if learner.get("remat") == "full":
         head = cfg.vocab_size * cfg.d_model
         expected += forward - 2 * rows * T * (cfg.num_layers * cfg.d_model * cfg.mlp_dim + head)
+    row_T, c = rl_setup.learner_layout(config).rows(rows, P, T - P, shape[0] * shape[1])
+    X, chunk, head = c * row_T, config.learner.logprob_chunk, cfg.vocab_size * cfg.d_model
+    if chunk < X:  # Every micro-batch's head positions, padded to whole chunks.
+        padded = rows * T * (-(-X // chunk) * chunk) / X
+        expected += 3 * 2 * head * (padded - rows * T) + 2 * head * padded
     got = entry["flops_per_device"] * entry["loop_factor"]
     assert got == pytest.approx(expected / mesh.devices.size, rel=0.02)
-    if learner.get("micro_batches", 1) > 1:
+    if learner.get("pack_rows"):
         assert entry["flops_per_device"] < 0.6 * got  # What XLA alone reports.
 
 

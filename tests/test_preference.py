@@ -274,8 +274,8 @@ def test_rows_without_tokens_add_nothing_and_no_nan(name):
 @pytest.mark.parametrize("name", list(PAIRED))
 def test_accumulation_over_micro_batches_of_whole_pairs(name):
     """sum(loss_sum) / sum(denominator) and its gradient are the same for 1, 2 or 4
-    micro-batches, sliced (the unpacked learner) or with the other rows' mask zeroed (the
-    packed learner)."""
+    micro-batches, sliced (a plain loop over rows) or with the other rows' mask zeroed (the
+    learner's packed micro-batches)."""
     tx = PAIRED[name]()
     rng = np.random.default_rng(1)
     N, M = 8, 5

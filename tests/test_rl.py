@@ -153,7 +153,7 @@ def test_recipe_runs(name, recipe_runs):
         # The first batch is sampled by the teacher's own params: zero up to the numerics.
         assert abs(train[0]["train/reverse_kl"]) < 1e-5, train[0]["train/reverse_kl"]
         names = [e["name"] for e in json.load(open(workdir / "programs.json"))]
-        # One teacher program per shape of the batch, as the (unpacked) update.
+        # One teacher program per shape of the batch, as the update (one sequence per row).
         assert names.count("teacher_logp") == names.count("update_step")
 
 
@@ -451,7 +451,7 @@ def test_packing_that_cannot_hold_the_data_fails_at_start_up():
     config = load_config("quickstart", "")
     run = rl.resolve(config)
 
-    def problems(longest, **learner):
+    def problems(longest, run=run, **learner):
         u = dataclasses.replace(run.learner, **learner)
         return checks.pack_problems(u, run.batch, run.sampling, longest)
 
@@ -460,6 +460,9 @@ def test_packing_that_cannot_hold_the_data_fails_at_start_up():
     assert "learner.pack_rows=3 rows of learner.pack_length=96" in problems(16, pack_rows=3)[0]
     assert "it needs 4" in problems(16, pack_rows=3)[0]
     assert problems(16, pack_rows=4) == []
+    one_per_row = rl.resolve(load_config("quickstart"))  # A group of 4 needs 4 rows.
+    assert problems(70, one_per_row) == []
+    assert "it needs 4" in problems(16, one_per_row, pack_rows=3)[0]
 
 
 def test_mesh_that_does_not_divide_the_batch_fails_naming_it():

@@ -46,18 +46,16 @@ def test_unknown_key_in_a_section_is_a_problem():
 
 
 def test_derived_defaults_are_filled_once():
-    c = load_config("quickstart")  # pipeline.slots = 0, learner.pack_rows = 0.
-    assert (c.pipeline.slots, c.learner.pack_rows, c.batch.prompt_pool) == (0, 0, 0)
+    c = load_config("quickstart")  # pipeline.slots = 0.
+    assert (c.pipeline.slots, c.batch.prompt_pool) == (0, 0)
     run = run_config.resolve(c)
     assert run.batch.samples_per_prompt == c.batch.group_size
     assert run.pipeline.slots == c.batch.prompts * c.batch.group_size
-    assert run.learner.pack_rows == c.batch.group_size
     assert run.batch.with_pool(c.task.n_train).prompt_pool == c.task.n_train
     with pytest.raises(ValueError, match="batch.prompt_pool=9 is more than the task's 4"):
         dataclasses.replace(run.batch, prompt_pool=9).with_pool(4)
-    c.pipeline.slots, c.learner.pack_rows = 64, 2  # Set values stay.
-    run = run_config.resolve(c)
-    assert (run.pipeline.slots, run.learner.pack_rows) == (64, 2)
+    c.pipeline.slots = 64  # A set value stays.
+    assert run_config.resolve(c).pipeline.slots == 64
     # A preference run that samples its pairs samples preference.samples per prompt.
     run = run_config.resolve(load_config("iterative_dpo", None))
     assert run.batch.samples_per_prompt == run.preference.samples != run.batch.group_size

@@ -3,7 +3,7 @@ target mesh, from its programs compiled ahead of time on this machine.
 
     python -m rlscale.main.plan --config configs/math.py --model llama3_8b --mesh 1,8,1 \\
         [--devices 8] [--platform cpu|gpu|tpu] [--accelerator h100] [--hbm_gib 80] \\
-        [--prompt_len 512] [--out plan.json] [--config.learner.micro_batches=4 ...]
+        [--prompt_len 512] [--out plan.json] [--config.learner.pack_rows=4 ...]
 
 The architecture is `--model`'s; everything else is the config's. The programs compile for
 `--devices` fake CPU devices (set here, before JAX starts), or with `--platform gpu|tpu` on

@@ -315,7 +315,8 @@ def high_entropy_tokens(rho: float = 0.2) -> Transform:
     the plain objective. The aggregation applies the narrowed mask to the whole per-token
     loss, so a KL or entropy term in the same chain also counts only the kept tokens (the
     paper, on DAPO, has neither). The entropy is data (no gradient); the selection is per
-    micro-batch, as in the authors' code, so it depends on `learner.micro_batches`.
+    micro-batch, as in the authors' code, so it depends on the learner's micro-batches
+    (`learner.pack_rows`).
     """
     if not 0.0 < rho <= 1.0:
         raise ValueError(f"rho={rho} must be in (0, 1]")

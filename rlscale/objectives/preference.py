@@ -196,7 +196,8 @@ def kto(
     offline preference data is not sampled from the policy, which costs extra forward passes
     here for no better estimate. As in the paper the estimate is clamped at 0. It is a
     statistic of the micro-batch, as TRL's is of its batch, so the loss (not its form)
-    depends on `learner.micro_batches`. Metrics: `kto_z0`, the fraction of desirable rows
+    depends on the learner's micro-batches (`learner.pack_rows`). Metrics: `kto_z0`, the
+    fraction of desirable rows
     `kto_desirable_frac`, and the mean implicit reward beta s_i of each label
     (`implicit_reward_desirable`, `implicit_reward_undesirable`).
     """

@@ -1,14 +1,102 @@
-"""How a batch's rows are laid out for the learner's forward passes, decided on the host: the
-length its completions are trimmed to (one of `learner.length_buckets`), the unpacked plan of
-each micro-batch's rows (`plan`), and where each trained sequence goes in packed rows
-(`pack`; the device builds them, `forward.packed_micro`).
+"""How a batch's rows are laid out for the forward passes of the learner, its reference and a
+distillation teacher, decided on the host: the length its completions are trimmed to (one of
+`learner.length_buckets`), and where each sequence goes in the packed forward rows (`pack`;
+the device builds them, `forward.packed_micro`). There is one layout: packing. With
+`learner.pack_length` = 0 each forward row holds one sequence and is the batch's P + M tokens
+long; otherwise sequences are packed first-fit into rows of `pack_length` tokens.
 
-Dimension letters: N rows, P padded prompt length, M completion length (the batch's bucket),
-O optimizer steps per batch, U micro-batches, n rows per micro-batch, T tokens per forward
-row.
+Dimension letters: N rows, P padded prompt length, M completion length (the batch's bucket), L
+the tokens of a batch row as the device receives it (its prompt re-padded), O optimizer steps
+per batch, T tokens per forward row, d batch shards.
 """
 
+from typing import NamedTuple
+
 import numpy as np
+
+
+class Layout(NamedTuple):
+    """The `learner.*` settings that lay a batch out in forward rows, and what they depend on.
+
+    Attributes:
+      pack_length: tokens per forward row (0: the batch's P + M, one sequence per row).
+      pack_rows: forward rows per batch shard in a micro-batch (0: `group_size` rows with a
+        `pack_length`; else a minibatch's rows per batch shard, at least a group's).
+      group_size: samples per prompt (a micro-batch holds whole groups).
+      minibatches: optimizer steps per epoch.
+      max_len: the completion budget (`sampling.max_new_tokens`).
+      length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
+    """
+
+    pack_length: int
+    pack_rows: int
+    group_size: int
+    minibatches: int
+    max_len: int
+    length_buckets: int
+
+    def rows(self, num_rows: int, prompt_len: int, M: int, shards: int) -> tuple[int, int]:
+        """(T, c): tokens per forward row and forward rows per batch shard in a micro-batch,
+        for a batch of `num_rows` rows with `prompt_len`-token prompts and completions
+        trimmed to M tokens."""
+        if self.pack_length:
+            return self.pack_length, self.pack_rows or self.group_size
+        step = num_rows // self.minibatches  # A minibatch's rows, whole on a balanced batch.
+        group = min(self.group_size, num_rows // shards)  # A group's rows on one shard.
+        return prompt_len + M, self.pack_rows or max(-(-step // shards), group)
+
+
+class Plan(NamedTuple):
+    """A batch's forward layout (`plan`)."""
+
+    M: int  # The completions' trimmed length.
+    T: int  # Tokens per forward row.
+    pack_rows: int  # Forward rows per batch shard in a micro-batch.
+    tokens_NL: np.ndarray  # The batch rows, prompts re-padded to L - M tokens.
+    attn_NL: np.ndarray
+    place: dict  # `pack`'s [O, N] arrays.
+    count: np.ndarray  # [O] micro-batches per optimizer step.
+    padding_frac: float  # The share of the forward rows' tokens that are padding.
+
+
+def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
+    """The forward layout of one batch on the host: its completions trimmed to their length
+    bucket, its rows with their prompts re-padded (left-padded or cut to `pack_length` - 1
+    tokens, which hold any packed sequence's, so that the program's shapes do not depend on
+    the prompt bucket; with derived rows, kept at P), and where the sequences of the rows
+    `placed_N` go in each optimizer step's micro-batches (`pack`).
+
+    Args:
+      rollouts: the batch (`rollouts.Rollouts`), N rows.
+      step_rows: [O, rows per step] int, each optimizer step's rows (whole groups).
+      layout: the `learner.*` settings.
+      shards: the batch's shard count (`sharding.batch_divisor`).
+      placed_N: [N] bool, the rows whose sequences are run (the others get no terms).
+    """
+    P = rollouts.prompt_len
+    M = trimmed_length(rollouts, layout.max_len, layout.length_buckets)
+    N = len(rollouts.mask_NM)
+    T, c = layout.rows(N, P, M, shards)
+    width = T - 1 if layout.pack_length else P
+    keep = min(P, width)
+    tokens = np.zeros((N, width + M), np.int32)
+    attn = np.zeros((N, width + M), bool)
+    tokens[:, width - keep :] = rollouts.tokens_NL[:, P - keep : P + M]
+    attn[:, width - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
+    length_N = rollouts.attn_mask_NL[:, : P + M].astype(bool).sum(1)
+    place, count = pack(
+        length_N,
+        np.asarray(placed_N, bool),
+        step_rows,
+        pack_length=T,
+        pack_rows=c,
+        shards=shards,
+        group_size=layout.group_size,
+        one_per_row=not layout.pack_length,
+    )
+    run = int(count.sum()) * c * shards * T
+    placed = np.where(place["micro"] >= 0, length_N, 0).sum()
+    return Plan(M, T, c, tokens, attn, place, count, 1.0 - placed / max(run, 1))
 
 
 def length_bucket(length: int, max_len: int, buckets: int) -> int:
@@ -18,78 +106,51 @@ def length_bucket(length: int, max_len: int, buckets: int) -> int:
     return min(max_len, max(step, -(-length // step) * step))
 
 
-def plan(rollouts, micro_rows, *, max_len: int, buckets: int, shards: int):
-    """The unpacked forward plan of one batch on the host: its trimmed length M and, for each
-    micro-batch k (the rows `micro_rows[k]`), its rows cut to P + M tokens and where each
-    completion token's prediction lies in them.
-
-    Args:
-      rollouts: the batch (`rollouts.Rollouts`).
-      micro_rows: [U, n] int, the rows of each micro-batch.
-      max_len: the completion budget (`sampling.max_new_tokens`).
-      buckets: `learner.length_buckets`.
-      shards: the batch's shard count (`sharding.batch_divisor`).
-
-    Returns:
-      (M, {"tokens", "positions", "segments": [U, n, P + M] int32, "gather": [U, n, M]
-      int32}): `segments` is the attention mask and `gather[k, i, m]` the flat index, within
-      row i's batch shard of the micro-batch's rows ([n / shards * (P + M)]), of the hidden
-      state that predicts completion token m of row `micro_rows[k, i]`.
-    """
-    P = rollouts.prompt_len
-    attn_NL = rollouts.attn_mask_NL.astype(np.int32)
-    M = trimmed_length(rollouts, max_len, buckets)
-    U, n = micro_rows.shape
-    T = P + M
-    rows = micro_rows.reshape(-1)
-    attn = attn_NL[rows, :T]
-    out = {
-        "tokens": rollouts.tokens_NL[rows, :T],
-        "positions": np.maximum(np.cumsum(attn, 1) - 1, 0),
-        "segments": attn,
-    }
-    out = {k: v.reshape(U, n, T).astype(np.int32) for k, v in out.items()}
-    gather_nM = (np.arange(n) % (n // shards))[:, None] * T + P - 1 + np.arange(M)
-    out["gather"] = np.broadcast_to(gather_nM, (U, n, M)).astype(np.int32)
-    return M, out
-
-
 def trimmed_length(rollouts, max_len: int, buckets: int) -> int:
     """The length a batch's completions are trimmed to: its longest, rounded up to a bucket."""
     completion_N = rollouts.attn_mask_NL[:, rollouts.prompt_len :].sum(1)
     return length_bucket(int(completion_N.max(initial=1)), max_len, buckets)
 
 
-def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, group_size: int):
-    """Where each trained sequence goes in the packed micro-batches of each optimizer step,
-    on the host (`packed_micro` builds the rows on the device).
+def pack(
+    length_N,
+    placed_N,
+    step_rows,
+    *,
+    pack_length: int,
+    pack_rows: int,
+    shards: int,
+    group_size: int,
+    one_per_row: bool = False,
+):
+    """Where each placed sequence goes in the packed micro-batches of each optimizer step,
+    on the host (`forward.packed_micro` builds the rows on the device).
 
     A sequence is its prompt without padding, then its completion. It stays on the batch
     shard that holds its row, and goes first-fit into one of that shard's `pack_rows` rows of
-    `pack_length` tokens in its micro-batch. Each step's groups with trained tokens are taken
-    largest first, each into the first micro-batch with room for all its sequences: a group's
-    samples share a micro-batch, as an aggregation over a prompt's samples needs. A step
-    runs as many micro-batches as its sequences fill, from one compiled program.
+    `pack_length` tokens in its micro-batch (with `one_per_row`, into a row of its own). Each
+    step's groups with placed sequences are taken largest first, each into the first
+    micro-batch with room for all its sequences: a group's samples share a micro-batch, as an
+    aggregation over a prompt's samples needs. A step runs as many micro-batches as its
+    sequences fill, from one compiled program.
 
     Args:
-      rollouts: the batch (`rollouts.Rollouts`), N rows.
-      step_rows: [O, n] int, each optimizer step's rows (whole groups).
-      pack_length, pack_rows: `learner.pack_length`, `Learner.pack_rows`.
+      length_N: [N] int, each row's sequence length (prompt and completion tokens).
+      placed_N: [N] bool, the rows to place (the learner's: those with trained tokens).
+      step_rows: [O, rows per step] int, each optimizer step's rows (whole groups).
+      pack_length, pack_rows: tokens per row and rows per batch shard (`Layout.rows`).
       shards: the batch's shard count (`sharding.batch_divisor`).
       group_size: samples per prompt (rows g * G ... g * G + G - 1 are group g).
+      one_per_row: each sequence in a row of its own.
 
     Returns:
       (place, count): `place` holds [O, N] int32 arrays: `micro`, row r's micro-batch in step
-      s (-1: not trained in it); `row`, its packed row within its shard's rows; `offset`, the
+      s (-1: not placed in it); `row`, its packed row within its shard's rows; `offset`, the
       packed row's position of its first token. `count`: [O] int32, micro-batches per step.
     """
     T, c, G = pack_length, pack_rows, group_size
-    P = rollouts.prompt_len
-    attn = rollouts.attn_mask_NL.astype(bool)
-    length_N = attn[:, : P + rollouts.mask_NM.shape[1]].sum(1)
     N, steps = len(length_N), len(step_rows)  # O optimizer steps.
-    trained_N = rollouts.mask_NM.any(1)
-    longest = length_N[trained_N].max(initial=0)
+    longest = length_N[placed_N].max(initial=0)
     if longest > T:
         raise ValueError(
             f"learner.pack_length={T} is shorter than a trained sequence of the batch "
@@ -98,13 +159,14 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
     shard_N = np.arange(N) // (N // shards)
     place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
     count = np.zeros(steps, np.int32)
+    fit = _Fit(length_N, shard_N, T, c, one_per_row)
     for s, rows in enumerate(step_rows):
-        groups = [[r for r in rows[i : i + G] if trained_N[r]] for i in range(0, len(rows), G)]
+        groups = [[r for r in rows[i : i + G] if placed_N[r]] for i in range(0, len(rows), G)]
         groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))
         rooms = []  # Per micro-batch, per shard: the room left in each of its packed rows.
         for group in groups:
             seqs = sorted(group, key=lambda r: -length_N[r])
-            u, fits = _place_group(rooms, seqs, length_N, shard_N, T, c, shards)
+            u, fits = fit.group(rooms, seqs, shards)
             for r, (row, offset) in zip(seqs, fits):
                 place["micro"][s, r], place["row"][s, r], place["offset"][s, r] = u, row, offset
         count[s] = len(rooms)
@@ -114,40 +176,49 @@ def pack(rollouts, step_rows, *, pack_length: int, pack_rows: int, shards: int, 
 PLACE = ("micro", "row", "offset")
 
 
-def _place_group(rooms, seqs, length_N, shard_N, T, c, shards):
-    """(micro-batch, each sequence's (row, offset)) for a group's sequences `seqs`: the first
-    micro-batch of `rooms` they all fit in, else a new one (appended to `rooms`)."""
-    for u, micro in enumerate(rooms):
-        fits = _first_fit(micro, seqs, length_N, shard_N, T, c)
-        if fits is not None:
-            return u, fits
-    micro = [[] for _ in range(shards)]
-    fits = _first_fit(micro, seqs, length_N, shard_N, T, c)
-    if fits is None:
-        raise ValueError(
-            f"learner.pack_rows={c} rows of learner.pack_length={T} tokens per batch shard "
-            f"cannot hold one group's sequences (lengths {[int(length_N[r]) for r in seqs]}): "
-            "raise learner.pack_rows"
-        )
-    rooms.append(micro)
-    return len(rooms) - 1, fits
+class _Fit(NamedTuple):
+    """First-fit of sequences (lengths `length_N`, on shards `shard_N`) into micro-batches of
+    `c` rows of T tokens per shard; with `one_per_row`, a row holds one sequence."""
 
+    length_N: np.ndarray
+    shard_N: np.ndarray
+    T: int
+    c: int
+    one_per_row: bool
 
-def _first_fit(rooms, seqs, length_N, shard_N, T, c):
-    """Places `seqs` first-fit into a micro-batch's packed rows (`rooms[shard]`: room left per
-    row; at most `c` rows per shard), updating `rooms`; their (row, offset), or None (and
-    `rooms` unchanged) if one does not fit."""
-    trial = [list(r) for r in rooms]
-    out = []
-    for r in seqs:
-        shard, n = trial[shard_N[r]], length_N[r]
-        row = next((i for i, room in enumerate(shard) if room >= n), None)
-        if row is None:
-            if len(shard) == c:
-                return None
-            shard.append(T)
-            row = len(shard) - 1
-        out.append((row, T - shard[row]))
-        shard[row] -= n
-    rooms[:] = trial
-    return out
+    def group(self, rooms, seqs, shards):
+        """(micro-batch, each sequence's (row, offset)) for a group's sequences `seqs`: the
+        first micro-batch of `rooms` they all fit in, else a new one (appended to `rooms`)."""
+        for u, micro in enumerate(rooms):
+            fits = self.first_fit(micro, seqs)
+            if fits is not None:
+                return u, fits
+        micro = [[] for _ in range(shards)]
+        fits = self.first_fit(micro, seqs)
+        if fits is None:
+            raise ValueError(
+                f"learner.pack_rows={self.c} rows of {self.T} tokens per batch shard cannot "
+                f"hold one group's sequences (lengths {[int(self.length_N[r]) for r in seqs]}): "
+                "raise learner.pack_rows"
+            )
+        rooms.append(micro)
+        return len(rooms) - 1, fits
+
+    def first_fit(self, rooms, seqs):
+        """Places `seqs` first-fit into a micro-batch's packed rows (`rooms[shard]`: room left
+        per row; at most `c` rows per shard), updating `rooms`; their (row, offset), or None
+        (and `rooms` unchanged) if one does not fit."""
+        trial = [list(r) for r in rooms]
+        out = []
+        for r in seqs:
+            shard, n = trial[self.shard_N[r]], self.length_N[r]
+            row = next((i for i, room in enumerate(shard) if room >= n), None)
+            if row is None:
+                if len(shard) == self.c:
+                    return None
+                shard.append(self.T)
+                row = len(shard) - 1
+            out.append((row, self.T - shard[row]))
+            shard[row] = 0 if self.one_per_row else shard[row] - n
+        rooms[:] = trial
+        return out

@@ -51,16 +51,8 @@ def _mesh_problems(config) -> list[str]:
     problems = _pipeline_problems(config, sharding.batch_divisor(gen, sharding.SAMPLE_RULES))
     div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
     where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
-    b, u = config.batch, config.learner
-    if b.prompts % div:
-        problems.append(f"batch.prompts={b.prompts} is not divisible by {where}")
-    if u.minibatches >= 1 and u.micro_batches >= 1:
-        rows = b.prompts // max(u.minibatches * u.micro_batches, 1) * b.group_size
-        if rows % div:
-            problems.append(
-                f"a micro-batch of {rows} rows (batch.prompts / learner.minibatches / "
-                f"learner.micro_batches x batch.group_size) is not divisible by {where}"
-            )
+    if config.batch.prompts % div:
+        problems.append(f"batch.prompts={config.batch.prompts} is not divisible by {where}")
     return problems
 
 
@@ -352,22 +344,17 @@ def _objective_problems(config) -> list[str]:
 
 
 def _batch_problems(config) -> list[str]:
-    """How `batch` divides into the learner's minibatches and micro-batches, and packed rows
-    against the completion budget."""
+    """How `batch` divides into the learner's minibatches, and packed rows against the
+    completion budget."""
     b, u, M = config.batch, config.learner, config.sampling.max_new_tokens
     problems = []
     if u.minibatches < 1 or b.prompts % u.minibatches:
         problems.append(
             f"batch.prompts={b.prompts} is not divisible by learner.minibatches={u.minibatches}"
         )
-    elif (b.prompts // u.minibatches) % u.micro_batches:
-        problems.append(
-            f"prompts per minibatch ({b.prompts // u.minibatches}) is not divisible "
-            f"by learner.micro_batches={u.micro_batches}"
-        )
     if not isinstance(u.pack_length, int) or not (u.pack_length == 0 or u.pack_length > M):
         problems.append(
-            f"learner.pack_length={u.pack_length!r} must be 0 (unpacked) or more than "
+            f"learner.pack_length={u.pack_length!r} must be 0 (one sequence per row) or more than "
             f"sampling.max_new_tokens={M}"
         )
     return problems
@@ -376,11 +363,18 @@ def _batch_problems(config) -> list[str]:
 def pack_problems(learner, batch, sampling, longest_prompt: int) -> list[str]:
     """What packing cannot hold, given the longest training prompt (in tokens): a sequence
     longer than `learner.pack_length`, or a group of full-length samples that
-    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups)."""
+    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups; with
+    `pack_length` 0, a row holds one sequence)."""
     u, G, M = learner, batch.group_size, sampling.max_new_tokens
-    if not u.pack_length:
-        return []
     longest = longest_prompt + M
+    if not u.pack_length:
+        if u.pack_rows and u.pack_rows < G:
+            return [
+                f"learner.pack_rows={u.pack_rows} rows of one sequence each "
+                f"(learner.pack_length=0) cannot hold a group of batch.group_size={G} "
+                f"samples: it needs {G} (or 0: a minibatch's rows)"
+            ]
+        return []
     if u.pack_length < longest:
         return [
             f"learner.pack_length={u.pack_length} cannot hold the longest training sequence: "

@@ -1,13 +1,14 @@
 """The per-token terms of a forward pass over sampled rows, as the learner, the reference and
 a distillation teacher compute them: `logp` of each completion token under the sampler's
-logits transform, `entropy` and `value`, from unpacked micro-batch rows
-(`batch_layout.plan`) or from packed rows built on the device (`packed_micro`), the
-vocabulary-sized terms in chunks (`vocab_token_terms`). `ForwardSpec` is what such a pass
-is compiled for.
+logits transform, `entropy` and `value`, from packed forward rows built on the device
+(`packed_micro`, from `batch_layout.plan`), the vocabulary-sized terms in chunks
+(`vocab_token_terms`); `no_grad_terms` runs such passes over a batch's micro-batches.
+`ForwardSpec` is what such a pass is compiled for.
 
-Dimension letters: N rows, M completion length, n rows per micro-batch, R forward rows and T
-tokens per forward row, d batch shards, X tokens per batch shard, Y chunks of them and k tokens
-per chunk (`vocab_token_terms`), V vocab, D model width.
+Dimension letters: N rows, L tokens of a batch row, P prompt tokens of a batch row (L - M), M
+completion length, O optimizer steps, R forward rows and T tokens per forward row, d batch
+shards, X tokens per batch shard, Y chunks of them and k tokens per chunk
+(`vocab_token_terms`), V vocab, D model width.
 """
 
 from typing import Any, NamedTuple
@@ -27,41 +28,32 @@ class ForwardSpec(NamedTuple):
     graphdef: Any
     logits_cfg: SamplingConfig  # The sampler's logits transform: the distribution sampled.
     mesh: Any
-    pack_length: int  # Tokens per packed row (0: unpacked).
-    pack_rows: int  # Packed rows per batch shard in a micro-batch.
+    pack_length: int  # Tokens per forward row (`batch_layout.Plan.T`).
+    pack_rows: int  # Forward rows per batch shard in a micro-batch.
     chunk: int  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
     remat: str  # The decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
 
 
-def token_terms(spec: ForwardSpec, params, value_params, fwd, targets, terms):
+def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
     """Per completion token, under the sampler's logits transform: `logp` of the taken token,
-    `entropy`, and `value` (of the state before the token). Computes only `terms`.
+    `entropy`, and `value` (of the state before the token), [N, M] each. Computes only
+    `terms`.
 
-    Unpacked, `fwd` is one micro-batch of the plan (`batch_layout.plan`) and `targets` its rows'
-    completion tokens [n, M]: each completion token's hidden state is gathered within its
-    batch shard, then the vocabulary-sized terms computed on those alone. Packed, `fwd` is a
-    micro-batch's packed rows (`packed_micro`) with `targets` at every position: the terms
-    are computed at every position of the rows, then each completion token's is gathered
-    into its batch row ([N, M]).
+    `fwd` is a micro-batch's forward rows (`packed_micro`), with `targets` at every position:
+    the terms are computed at every position of the rows, then each completion token's is
+    gathered into its batch row (0s and garbage for rows outside the micro-batch).
     """
     h_RTD, _ = decoder.hidden(
         spec.graphdef,
         params,
         fwd["tokens"],
         fwd["positions"],
-        None if spec.pack_length else fwd["segments"] > 0,
-        segments_BT=fwd["segments"] if spec.pack_length else None,
+        None,
+        segments_BT=fwd["segments"],
         remat=spec.remat,
     )
-    R, T, D = h_RTD.shape
+    R, T, _ = h_RTD.shape
     d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
-    h = h_RTD  # Packed: the state at every position of the rows.
-    if not spec.pack_length:  # Each completion token's state, gathered: [n, M, D].
-        n, M = targets.shape
-        shard = sharding.batch_sharding(spec.mesh, 3, sharding.TRAIN_RULES)
-        h_dXD = jax.lax.with_sharding_constraint(h_RTD.reshape(d, R // d * T, D), shard)
-        index_dX = rows_sharded(fwd["gather"].reshape(d, n // d * M), spec.mesh)
-        h = jax.vmap(lambda x, i: jnp.take(x, i, axis=0))(h_dXD, index_dX).reshape(n, M, D)
     out = {}
     vocab_terms = tuple(t for t in ("logp", "entropy") if t in terms)
     if vocab_terms:
@@ -69,8 +61,8 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, targets, terms):
             vocab_token_terms(
                 spec.graphdef,
                 params,
-                h,
-                targets,
+                h_RTD,
+                fwd["targets"],
                 spec.logits_cfg,
                 vocab_terms,
                 spec.chunk,
@@ -78,22 +70,46 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, targets, terms):
             )
         )
     if "value" in terms:
-        out["value"] = h.astype(jnp.float32) @ value_params["w"] + value_params["b"]
-    if spec.pack_length:  # From the packed rows' positions to the batch rows' tokens.
-        N, M = fwd["gather"].shape
-        index_dX = rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
-        out = {
-            k: jax.vmap(jnp.take)(
-                rows_sharded(v.reshape(d, R // d * T), spec.mesh), index_dX
-            ).reshape(N, M)
-            for k, v in out.items()
-        }
-    return out
+        out["value"] = h_RTD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+    # From the forward rows' positions to the batch rows' tokens.
+    N, M = fwd["gather"].shape
+    index_dX = rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
+    take = jax.vmap(jnp.take)
+    return {
+        k: take(rows_sharded(v.reshape(d, R // d * T), spec.mesh), index_dX).reshape(N, M)
+        for k, v in out.items()
+    }
+
+
+def no_grad_terms(spec: ForwardSpec, params, value_params, batch, place, count, terms):
+    """`terms` ([N, M] each, 0 for rows never placed) with `params`, no gradient, over the
+    micro-batches of O optimizer steps (`place`: [O, N] arrays of `batch_layout.pack`;
+    `count`: [O], the micro-batches of each), a `fori_loop` over each step's. A row placed in
+    several steps gets the terms of the last."""
+    N, M = batch["mask"].shape
+    init = {t: rows_sharded(jnp.zeros((N, M), jnp.float32), spec.mesh) for t in terms}
+
+    def step(acc, x):
+        step_place, step_count = x
+
+        def micro(u, acc):
+            fwd, in_N = packed_micro(spec, batch, step_place, u)
+            out = token_terms(spec, params, value_params, fwd, terms)
+            return {k: merge(acc[k], out[k], in_N, spec.mesh) for k in acc}
+
+        return jax.lax.fori_loop(0, step_count, micro, acc), None
+
+    return jax.lax.scan(step, init, (place, count))[0]
+
+
+def merge(acc_NM, terms_NM, in_N, mesh):
+    """`acc_NM` with the rows `in_N` of a micro-batch's terms written in."""
+    return rows_sharded(jnp.where(in_N[:, None], terms_NM, acc_NM), mesh)
 
 
 def packed_micro(spec: ForwardSpec, batch, place, u):
     """Micro-batch `u` of an optimizer step, packed on the device from the batch's rows
-    (`batch["tokens"]`, `batch["attn"]`: [N, W], completions in the last M) by the step's
+    (`batch["tokens"]`, `batch["attn"]`: [N, L], completions in the last M) by the step's
     `place` (`batch_layout.pack`, [N] each): each batch shard writes its rows' sequences into
     its own `pack_rows` rows (a scatter, no communication).
 

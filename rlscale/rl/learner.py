@@ -1,9 +1,9 @@
 """The learner: its train state and one compiled update per shape on a batch's real tokens
-(trimmed to a length bucket, or packed: `batch_layout`), from the per-token terms of its
-forward passes (`forward`). See docs/learner.md.
+(packed into forward rows: `batch_layout`), from the per-token terms of its forward passes
+(`forward`). See docs/learner.md.
 
 Dimension letters: N rows, G group size, M completion length, O optimizer steps per batch, U
-micro-batches per step, n rows per micro-batch, d batch shards, D model width.
+micro-batches per step, d batch shards, D model width.
 """
 
 import dataclasses
@@ -18,7 +18,7 @@ import optax
 from rlscale import faults, sharding
 from rlscale.rl import batch_layout
 from rlscale.rl import rollouts as rollouts_lib
-from rlscale.rl.forward import ForwardSpec, packed_micro, rows_sharded, token_terms
+from rlscale.rl.forward import ForwardSpec, no_grad_terms, packed_micro, token_terms
 from rlscale.rl.logp_match import logp_match_stats
 from rlscale.sampling import SamplingConfig
 
@@ -38,7 +38,8 @@ FORWARD_TERMS = ("logp", "entropy", "value")
 
 class Spec(NamedTuple):
     """What the compiled update is specialized on (hashable: jit's static argument): its
-    forward passes' `ForwardSpec`, and the objective and optimizer it applies."""
+    forward passes' `ForwardSpec` (the batch's forward rows), and the objective and optimizer
+    it applies."""
 
     forward: ForwardSpec
     objective: Any
@@ -73,49 +74,9 @@ def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
     return new, optax.tree.norm(grads), ok
 
 
-class Micro(NamedTuple):
-    """One micro-batch, as the update's loops see it: its forward rows (`token_terms`'s
-    `fwd`) and its completion tokens, how its terms are taken from the whole batch's
-    (`select`: unpacked, its rows; packed, every row, the others out of the mask), and how
-    per-token terms computed on it go back into [N, M] arrays (`merge`)."""
-
-    fwd: dict
-    targets: jax.Array
-    select: Any
-    merge: Any
-
-
-def _micro(spec: Spec, batch, step_inputs, u) -> Micro:
-    """Micro-batch `u` of an optimizer step (`step_inputs`: its slice of the update's `fwd`
-    and `rows` arguments)."""
-    if spec.forward.pack_length:
-        fwd, in_N = packed_micro(spec.forward, batch, step_inputs["place"], u)
-
-        def select(terms):
-            return {**terms, "mask": terms["mask"] * in_N[:, None].astype(terms["mask"].dtype)}
-
-        return Micro(
-            fwd,
-            fwd["targets"],
-            select,
-            lambda acc, v: rows_sharded(jnp.where(in_N[:, None], v, acc), spec.forward.mesh),
-        )
-    fwd = jax.tree.map(lambda x: x[u], step_inputs["fwd"])
-    rows = step_inputs["rows"][u]
-    return Micro(
-        fwd,
-        rows_sharded(batch["targets"][rows], spec.forward.mesh),
-        lambda terms: {k: rows_sharded(v[rows], spec.forward.mesh) for k, v in terms.items()},
-        lambda acc, v: rows_sharded(acc.at[rows].set(v), spec.forward.mesh),
-    )
-
-
 def _micro_loop(f, carry, count, length: int):
-    """`f(carry, u) -> (carry, out)` over micro-batches u < `count`, the outputs stacked
-    [length]. A static `count` (unpacked) is a `lax.scan`; a traced one (packed: it follows
-    the batch) a `fori_loop` that leaves zeros past `count`."""
-    if isinstance(count, int):
-        return jax.lax.scan(f, carry, jnp.arange(length))
+    """`f(carry, u) -> (carry, out)` over micro-batches u < `count` (traced: it follows the
+    batch) as a `fori_loop`, the outputs stacked [length] with zeros past `count`."""
     shapes = jax.eval_shape(lambda c: f(c, 0)[1], carry)
     outs = jax.tree.map(lambda x: jnp.zeros((length, *x.shape), x.dtype), shapes)
 
@@ -127,58 +88,38 @@ def _micro_loop(f, carry, count, length: int):
     return jax.lax.fori_loop(0, count, body, (carry, outs))
 
 
-def _scan_steps(f, carry, steps, count):
-    """`lax.scan` of `f(carry, step_inputs, count) -> (carry, out)` over optimizer steps:
-    `count` is a step's micro-batches, [O] when packed, one int for all steps unpacked."""
-    if isinstance(count, int):
-        return jax.lax.scan(lambda c, x: f(c, x, count), carry, steps)
-    return jax.lax.scan(lambda c, x: f(c, *x), carry, (steps, count))
-
-
-def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, steps, count, length):
+def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, place, count):
     """The trainer's old terms (`old_logp`, `old_value`) and the reference's `ref_logp` where
     the chain reads them, with the params the update starts from, over the first epoch's
-    micro-batches (which hold every row once): [N, M] each."""
-    N, M = batch["mask"].shape
-    names = [f"old_{t}" for t in spec.old_terms] + ["ref_logp"] * spec.ref
-    full = {k: rows_sharded(jnp.zeros((N, M), jnp.float32), spec.forward.mesh) for k in names}
-
-    def no_grad_pass(acc, step_inputs, count):
-        def one(acc, u):
-            m = _micro(spec, batch, step_inputs, u)
-            out = {}
-            if spec.old_terms:
-                t = token_terms(
-                    spec.forward, state.params, state.value_params, m.fwd, m.targets, spec.old_terms
-                )
-                out.update({f"old_{k}": v for k, v in t.items()})
-            if spec.ref:
-                t = token_terms(
-                    spec.forward, ref_params, state.value_params, m.fwd, m.targets, ("logp",)
-                )
-                out["ref_logp"] = t["logp"]
-            return {k: m.merge(acc[k], out[k]) for k in acc}, None
-
-        return _micro_loop(one, acc, count, length)
-
-    first = jax.tree.map(lambda x: x[: spec.minibatches], steps)  # Every row once.
-    first_count = count if isinstance(count, int) else count[: spec.minibatches]
-    full, _ = _scan_steps(no_grad_pass, full, first, first_count)
-    return full
+    micro-batches (which hold every trained row once): [N, M] each."""
+    first = jax.tree.map(lambda x: x[: spec.minibatches], (place, count))  # Every row once.
+    out = {}
+    if spec.old_terms:
+        t = no_grad_terms(
+            spec.forward, state.params, state.value_params, batch, *first, spec.old_terms
+        )
+        out.update({f"old_{k}": v for k, v in t.items()})
+    if spec.ref:
+        t = no_grad_terms(spec.forward, ref_params, state.value_params, batch, *first, ("logp",))
+        out["ref_logp"] = t["logp"]
+    return out
 
 
-def _optimizer_step(spec: Spec, batch, terms, length, train: TrainState, step_inputs, count):
-    """One optimizer step: the gradient sums of its micro-batches (`count` of them, the loss
-    transforms' state carried through), divided once by their summed denominator and applied
-    (`_apply_grads`); returns the state and the per-micro-batch and per-step metrics."""
+def _optimizer_step(spec: Spec, batch, terms, train: TrainState, step):
+    """One optimizer step (`step`: its `place` [N] arrays and micro-batch count): the
+    gradient sums of its micro-batches (each sees every row, the others out of its mask; the
+    loss transforms' state carried through), divided once by their summed denominator and
+    applied (`_apply_grads`); returns the state and the per-micro-batch and per-step
+    metrics."""
+    place, count = step
 
     def micro(carry, u):
         grads_acc, loss_state = carry
-        m = _micro(spec, batch, step_inputs, u)
-        mb = m.select(terms)
+        fwd, in_N = packed_micro(spec.forward, batch, place, u)
+        mb = {**terms, "mask": terms["mask"] * in_N[:, None].astype(terms["mask"].dtype)}
 
         def loss_fn(params, value_params):
-            t = token_terms(spec.forward, params, value_params, m.fwd, m.targets, spec.train_terms)
+            t = token_terms(spec.forward, params, value_params, fwd, spec.train_terms)
             out, new_state = spec.objective.loss.update(
                 {**mb, **t, "update": train.step}, loss_state
             )
@@ -199,7 +140,9 @@ def _optimizer_step(spec: Spec, batch, terms, length, train: TrainState, step_in
     zeros = jax.tree.map(
         lambda x: jnp.zeros(x.shape, jnp.float32), (train.params, train.value_params)
     )
-    (grads, loss_state), per_micro = _micro_loop(micro, (zeros, train.loss_state), count, length)
+    (grads, loss_state), per_micro = _micro_loop(
+        micro, (zeros, train.loss_state), count, spec.max_micro
+    )
     train = train._replace(loss_state=loss_state)
     train, grad_norm, ok = _apply_grads(
         train,
@@ -212,48 +155,43 @@ def _optimizer_step(spec: Spec, batch, terms, length, train: TrainState, step_in
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
-def update_step(state: TrainState, ref_params, batch, fwd, rows_OUn, *, spec: Spec):
-    """One batch's whole update, compiled once per shape (packed: once per trimmed length,
-    whatever the number of micro-batches the batch fills).
+def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spec):
+    """One batch's whole update, compiled once per shape (with a `pack_length` and one
+    completion length, once per run, whatever the number of micro-batches a batch fills).
 
     1. Where the chain reads them, the trainer's old terms (`old_logp`, `old_value`) and the
        reference's `ref_logp`, with the params the update starts from, over the first epoch's
-       micro-batches (which hold every row once).
+       micro-batches (which hold every trained row once).
     2. The batch-stage transforms (advantages) on the whole batch.
     3. O optimizer steps (`lax.scan`), each accumulating the gradient sums of its
-       micro-batches and dividing once by their summed denominator.
+       micro-batches (a `fori_loop` over as many as it fills) and dividing once by their
+       summed denominator.
 
     Args:
       state: the train state (donated).
       ref_params: the reference's params (unused unless `spec.ref`).
-      batch: per row [N] or [N, M]: `targets` (completion tokens), `mask`, `sampler_logp`,
-        `reward`, `correct`, `row_weight`, and `teacher_logp`, `step_reward` and
-        `step_mask` where the chain reads them;
-        packed, also `tokens` and `attn` [N, W] (prompts left-padded to W - M tokens).
-      fwd: unpacked, the forward plan (`batch_layout.plan`), its arrays reshaped to
-        [O, U, ...]; packed, `place` ([O, N] arrays of `batch_layout.pack`) and `count` [O].
-      rows_OUn: the rows of each micro-batch (unpacked).
+      batch: per row [N] or [N, M]: `mask`, `sampler_logp`, `reward`, `correct`,
+        `row_weight`, and `teacher_logp`, `step_reward` and `step_mask` where the chain
+        reads them; `tokens` and `attn` [N, L] (`batch_layout.Plan`: the rows, completions
+        in the last M tokens).
+      place: [O, N] arrays of `batch_layout.pack`: where each row goes in each step.
+      count: [O] micro-batches per optimizer step.
       spec: the static specialization.
 
     Returns:
       (state, metrics): per micro-batch [O, U] `loss_sum`, `denominator`, the loss
-      transforms' `metrics` and `match` (`logp_match_stats`), zeros past a step's count when
-      packed (U: `spec.max_micro`); per step [O] `grad_norm` and `ok` (False where a
-      non-finite loss or gradient skipped the step); `batch`, the batch-stage transforms'
-      metrics (scalars); and with `old_logp`,
-      `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's trained tokens).
+      transforms' `metrics` and `match` (`logp_match_stats`), zeros past a step's count (U:
+      `spec.max_micro`); per step [O] `grad_norm` and `ok` (False where a non-finite loss or
+      gradient skipped the step); `batch`, the batch-stage transforms' metrics (scalars); and
+      with `old_logp`, `trainer_logp_gap` (mean |old_logp - sampler_logp| over the batch's
+      trained tokens).
     """
     terms = {k: v for k, v in batch.items() if k not in ("tokens", "attn")}
     metrics = {}
-    if spec.forward.pack_length:
-        steps, count, length = {"place": fwd["place"]}, fwd["count"], spec.max_micro
-    else:
-        U = rows_OUn.shape[1]
-        steps, count, length = {"fwd": fwd, "rows": rows_OUn}, U, U
     if spec.ref and spec.offload_ref:  # Into device memory for this update only.
         ref_params = jax.device_put(ref_params, jax.memory.Space.Device)
     if spec.old_terms or spec.ref:
-        terms.update(_no_grad_terms(spec, state, ref_params, batch, steps, count, length))
+        terms.update(_no_grad_terms(spec, state, ref_params, batch, place, count))
     if "old_logp" in terms:  # How far the sampler's numerics are from the learner's.
         mask_f = batch["mask"].astype(jnp.float32)
         metrics["trainer_logp_gap"] = jnp.sum(
@@ -261,11 +199,10 @@ def update_step(state: TrainState, ref_params, batch, fwd, rows_OUn, *, spec: Sp
         ) / jnp.maximum(jnp.sum(mask_f), 1.0)
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
     metrics["batch"] = terms.pop("metrics", {})  # The batch-stage transforms' own.
-    terms.pop("targets")
 
-    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms, length)
-    state, per_step = _scan_steps(
-        optimizer_step, state._replace(batch_state=batch_state), steps, count
+    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms)
+    state, per_step = jax.lax.scan(
+        optimizer_step, state._replace(batch_state=batch_state), (place, count)
     )
     return state, {**per_step, **metrics}
 
@@ -280,13 +217,10 @@ class Learner:
       optimizer: the optax optimizer.
       mesh: the learner's mesh; batches are sharded over its batch axes.
       logits_cfg: the sampler's logits transform (temperature, top-k, top-p).
-      epochs, minibatches, micro_batches: optimizer steps per batch and their accumulation.
-      group_size: samples per prompt (minibatches hold whole groups).
-      max_len: the completion budget (`sampling.max_new_tokens`).
-      length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
-      pack_length: tokens per packed row (0: unpacked).
-      pack_rows: packed rows per batch shard in a micro-batch (0: `group_size`, which holds
-        any group).
+      epochs: passes over each batch; each splits it into `layout.minibatches` optimizer
+        steps of whole groups.
+      layout: how a batch is laid out in forward rows (`batch_layout.Layout`: packing, the
+        completion's length buckets, group size, minibatches).
       logprob_chunk: completion tokens per batch shard in each chunk of the logprob and
         entropy computation (`vocab_token_terms`).
       remat: the decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
@@ -301,16 +235,10 @@ class Learner:
     mesh: Any
     logits_cfg: SamplingConfig
     epochs: int
-    minibatches: int
-    micro_batches: int
-    group_size: int
-    max_len: int
-    length_buckets: int
-    pack_length: int
+    layout: batch_layout.Layout
     seed: int
     programs: Any
     logprob_chunk: int = 0
-    pack_rows: int = 0
     remat: str = "none"
     offload_ref: bool = False
 
@@ -321,8 +249,8 @@ class Learner:
             graphdef=self.graphdef,
             logits_cfg=self.logits_cfg,
             mesh=self.mesh,
-            pack_length=self.pack_length,
-            pack_rows=self.pack_rows or self.group_size,
+            pack_length=0,  # Set per batch (`batch_layout.Plan`) by `_inputs`.
+            pack_rows=0,
             chunk=self.logprob_chunk,
             remat=self.remat,
         )
@@ -333,8 +261,8 @@ class Learner:
             train_terms=tuple(t for t in FORWARD_TERMS if t in need or t == "logp"),
             old_terms=old_terms,
             ref="ref_logp" in need,
-            max_micro=0,  # Set per batch size by `update`.
-            minibatches=self.minibatches,
+            max_micro=0,  # Set per batch size by `_inputs`.
+            minibatches=self.layout.minibatches,
             offload_ref=self.offload_ref,
         )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs.
@@ -372,16 +300,15 @@ class Learner:
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
 
-    def micro_rows(self, num_rows: int, step: int) -> np.ndarray:
-        """[O, U, n]: the rows of each optimizer step's micro-batches. Each epoch shuffles the
-        groups (seeded by the step) and splits them into minibatches, then micro-batches."""
-        G = self.group_size
+    def step_rows(self, num_rows: int, step: int) -> np.ndarray:
+        """[O, rows per step]: the rows of each optimizer step. Each epoch shuffles the
+        groups (seeded by the step) and splits them into minibatches."""
+        G = self.layout.group_size
         out = []
         for epoch in range(self.epochs):
             order = np.random.default_rng([self.seed, step, epoch]).permutation(num_rows // G)
-            for mb in np.split(order, self.minibatches):
-                micro = np.stack(np.split(mb, self.micro_batches))  # [U, groups]
-                out.append((micro[..., None] * G + np.arange(G)).reshape(len(micro), -1))
+            for mb in np.split(order, self.layout.minibatches):
+                out.append((mb[:, None] * G + np.arange(G)).reshape(-1))
         return np.stack(out).astype(np.int32)
 
     def update(self, state: TrainState, ref_params, rollouts, step: int):
@@ -412,12 +339,12 @@ class Learner:
 
     def precompile(self, state: TrainState, ref_params, rows: int) -> bool:
         """Starts compiling the update of every batch of `rows` rows in the background
-        (`Programs.prefetch`), where one program serves them all: packed, with one completion
-        length. A run calls it before its first evaluation, which the compilation then
-        overlaps. Returns whether it started."""
-        if not self.pack_length or self.length_buckets != 1:
+        (`Programs.prefetch`), where one program serves them all: with a `pack_length` and
+        one completion length. A run calls it before its first evaluation, which the
+        compilation then overlaps. Returns whether it started."""
+        if not self.layout.pack_length or self.layout.length_buckets != 1:
             return False
-        batch = rollouts_lib.full_length(rows, 1, self.max_len)  # Any prompt length will do.
+        batch = rollouts_lib.full_length(rows, 1, self.layout.max_len)  # Any prompt length.
         args, static, _ = self._inputs(state, ref_params, batch, step=0)
         self.programs.prefetch("update_step", update_step, args, static)
         return True
@@ -425,14 +352,16 @@ class Learner:
     def _inputs(self, state: TrainState, ref_params, rollouts, step: int):
         """`update_step`'s arguments and static arguments for a batch, on the mesh, and the
         metrics of its layout (what the forward rows hold: a bucket per compiled program,
-        and their padding)."""
-        rows_OUn = self.micro_rows(rollouts.mask_NM.shape[0], step)
-        steps, U, n = rows_OUn.shape  # O optimizer steps.
+        their padding, the micro-batches each step runs)."""
+        step_rows = self.step_rows(rollouts.mask_NM.shape[0], step)
         divisor = sharding.batch_divisor(self.mesh, sharding.TRAIN_RULES)
-        M = batch_layout.trimmed_length(rollouts, self.max_len, self.length_buckets)
-        P = rollouts.prompt_len
+        plan = batch_layout.plan(
+            rollouts, step_rows, self.layout, shards=divisor, placed_N=rollouts.mask_NM.any(1)
+        )
+        M = plan.M
         host = {
-            "targets": rollouts.tokens_NL[:, P : P + M].astype(np.int32),
+            "tokens": plan.tokens_NL,
+            "attn": plan.attn_NL,
             "mask": rollouts.mask_NM[:, :M].astype(bool),
             "reward": rollouts.reward_N.astype(np.float32),
             "correct": rollouts.correct_N.astype(bool),
@@ -448,43 +377,16 @@ class Learner:
                 raise ValueError("the objective reads step_reward, which the rollouts lack")
             host["step_reward"] = rollouts.step_reward_NM[:, :M].astype(np.float32)
             host["step_mask"] = rollouts.step_mask_NM[:, :M].astype(bool)
-        spec = self.spec
+        forward = self.spec.forward._replace(pack_length=plan.T, pack_rows=plan.pack_rows)
+        # At most one micro-batch per group of a step.
+        max_micro = step_rows.shape[1] // self.layout.group_size
+        spec = self.spec._replace(forward=forward, max_micro=max_micro)
+        shape = {
+            "train/length_bucket": M,
+            "train/padding_frac": plan.padding_frac,
+            # Per micro-batch metrics past a step's count are zeros.
+            "train/micro_ran": np.arange(max_micro) < plan.count[:, None],
+        }
         put = functools.partial(sharding.put_batch, mesh=self.mesh, rules=sharding.TRAIN_RULES)
-        if self.pack_length:
-            # The rows, their prompts left-padded or cut to pack_length - 1 tokens (which hold
-            # any packed sequence's): the program's shapes do not depend on the prompt bucket.
-            W, keep = self.pack_length - 1 + M, min(P, self.pack_length - 1)
-            host["tokens"] = np.zeros((len(host["mask"]), W), np.int32)
-            host["attn"] = np.zeros((len(host["mask"]), W), bool)
-            host["tokens"][:, W - M - keep :] = rollouts.tokens_NL[:, P - keep : P + M]
-            host["attn"][:, W - M - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
-            place, count = batch_layout.pack(
-                rollouts,
-                rows_OUn.reshape(steps, U * n),
-                pack_length=self.pack_length,
-                pack_rows=spec.forward.pack_rows,
-                shards=divisor,
-                group_size=self.group_size,
-            )
-            spec = spec._replace(max_micro=U * n // self.group_size)
-            trained = np.where(place["micro"] >= 0, host["attn"].sum(1), 0).sum()
-            run = int(count.sum()) * spec.forward.pack_rows * divisor * self.pack_length
-            shape = {
-                "train/padding_frac": 1.0 - trained / max(run, 1),
-                # Per micro-batch metrics past a step's count are zeros.
-                "train/micro_ran": np.arange(spec.max_micro) < count[:, None],
-            }
-            fwd = {"place": put(place, axis=1), "count": sharding.replicate(count, self.mesh)}
-        else:
-            _, fwd = batch_layout.plan(
-                rollouts,
-                rows_OUn.reshape(steps * U, n),
-                max_len=self.max_len,
-                buckets=self.length_buckets,
-                shards=divisor,
-            )
-            shape = {"train/padding_frac": 1.0 - float(np.mean(fwd["segments"] > 0))}
-            # Forward rows sharded on their rows (dim 2); micro-batches' rows replicated.
-            fwd = put({k: v.reshape(steps, U, *v.shape[1:]) for k, v in fwd.items()}, axis=2)
-        args = (state, ref_params, put(host), fwd, sharding.replicate(rows_OUn, self.mesh))
-        return args, {"spec": spec}, {"train/length_bucket": M, **shape}
+        place, count = put(plan.place, axis=1), sharding.replicate(plan.count, self.mesh)
+        return (state, ref_params, put(host), place, count), {"spec": spec}, shape

@@ -1,6 +1,6 @@
 """The ConfigDict stops here: `resolve` turns a run's config into `RunConfig`, frozen typed
 sections owned by the modules that read them, with every derived default filled once
-(`batch.samples_per_prompt`, `pipeline.slots`, `learner.pack_rows`; `batch.prompt_pool`
+(`batch.samples_per_prompt`, `pipeline.slots`; `batch.prompt_pool`
 once the data is read, `BatchConfig.with_pool`), and lists every problem of every section
 and between sections (`rl.checks`) at once, each naming its key.
 """
@@ -118,12 +118,10 @@ def _samples_per_prompt(built: dict) -> rollouts.BatchConfig:
 
 
 def _derived(run: RunConfig) -> dict:
-    """The defaults that "0" stands for, filled once: decode slots, packed rows."""
-    b, p, u = run.batch, run.pipeline, run.learner
-    return {
-        "pipeline": dataclasses.replace(p, slots=p.slots or b.prompts * b.samples_per_prompt),
-        "learner": dataclasses.replace(u, pack_rows=u.pack_rows or b.group_size),
-    }
+    """The defaults that "0" stands for, filled once: decode slots. (`learner.pack_rows`
+    depends on the batch's shard count: `batch_layout.Layout.rows` fills it.)"""
+    b, p = run.batch, run.pipeline
+    return {"pipeline": dataclasses.replace(p, slots=p.slots or b.prompts * b.samples_per_prompt)}
 
 
 def resolve(config: ml_collections.ConfigDict) -> RunConfig:

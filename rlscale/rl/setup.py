@@ -40,7 +40,7 @@ from rlscale.data import load as data_load
 from rlscale.eval import heldout
 from rlscale.model import decoder, hf
 from rlscale.rewards import isolation
-from rlscale.rl import checks, learned_rewards, learner, pairs, rollouts
+from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.generator import Generator
@@ -49,15 +49,15 @@ from rlscale.sampling.generator import Generator
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig(sections.Section):
     """`config.learner` (docs/learner.md): `epochs` x `minibatches` optimizer steps per batch,
-    each accumulating `micro_batches`; completions trimmed to one of `length_buckets`
-    lengths; with `pack_length` > 0, sequences packed into rows of that many tokens,
-    `pack_rows` rows per batch shard a micro-batch (resolved: 0 becomes batch.group_size);
+    each accumulating its micro-batches; completions trimmed to one of `length_buckets`
+    lengths; sequences packed into forward rows of `pack_length` tokens (0: one sequence per
+    row), `pack_rows` rows per batch shard a micro-batch (0: derived from the batch,
+    `batch_layout.Layout.rows`);
     logprobs `logprob_chunk` tokens at a time; `remat` what each block's backward pass
     recomputes; `offload_ref` keeps the KL reference in host memory."""
 
     epochs: int = 1
     minibatches: int = 1
-    micro_batches: int = 1
     length_buckets: int = 4
     pack_length: int = 0
     pack_rows: int = 0
@@ -76,8 +76,8 @@ class LearnerConfig(sections.Section):
             problems.append(f"learner.offload_ref={self.offload_ref!r} must be True or False")
         if not isinstance(self.pack_rows, int) or self.pack_rows < 0:
             problems.append(
-                f"learner.pack_rows={self.pack_rows!r} must be an integer >= 0 (0: "
-                "batch.group_size)"
+                f"learner.pack_rows={self.pack_rows!r} must be an integer >= 0 (0: derived "
+                "from the batch)"
             )
         return problems
 
@@ -251,18 +251,25 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
             top_p=config.sampling.top_p,
         ),
         epochs=u.epochs,
-        minibatches=u.minibatches,
-        micro_batches=u.micro_batches,
-        group_size=G,
-        max_len=M,
-        length_buckets=u.length_buckets,
-        pack_length=u.pack_length,
-        pack_rows=u.pack_rows,
+        layout=learner_layout(config),
         seed=config.seed,
         programs=progs,
         logprob_chunk=u.logprob_chunk,
         remat=u.remat,
         offload_ref=u.offload_ref,
+    )
+
+
+def learner_layout(config) -> batch_layout.Layout:
+    """How the learner, its reference and a teacher lay a batch out in forward rows."""
+    u = config.learner
+    return batch_layout.Layout(
+        pack_length=u.pack_length,
+        pack_rows=u.pack_rows,
+        group_size=config.batch.group_size,
+        minibatches=u.minibatches,
+        max_len=config.sampling.max_new_tokens,
+        length_buckets=u.length_buckets,
     )
 
 
@@ -287,9 +294,7 @@ def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_li
         model_cfg=model_cfg,
         mesh=mesh,
         temperature=config.sampling.temperature,
-        micro_batches=u.minibatches * u.micro_batches,
-        max_len=config.sampling.max_new_tokens,
-        length_buckets=u.length_buckets,
+        layout=learner_layout(config),
         logprob_chunk=u.logprob_chunk,
         programs=progs,
     )

@@ -3,11 +3,11 @@ per batch, in the rollout stage (on-policy distillation; `objectives.distill`).
 
 `Teacher(rollouts)` is the batch's `teacher_logp` [N, M], from one compiled forward pass
 (`teacher_logp`) that runs the learner's own logprob code (`batch_layout.plan`,
-`forward.token_terms`) on the teacher's params. `setup.make_teacher` builds it from
+`forward.no_grad_terms`) on the teacher's params. `setup.make_teacher` builds it from
 `config.teacher`; `checks` compares its tokenizer with the run's at start-up.
 
-Dimension letters: N rows, U micro-batches of n rows, P padded prompt length, M completion
-tokens (the batch's length bucket).
+Dimension letters: N rows, L tokens of a batch row, P padded prompt length, M completion tokens
+(the batch's length bucket).
 """
 
 import functools
@@ -23,17 +23,13 @@ from rlscale.scaling import compute
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def teacher_logp(params, fwd, targets_UnM, *, spec: forward.ForwardSpec):
-    """[U, n, M]: the logprob under `params` of each completion token of U micro-batches of n
-    rows (`batch_layout.plan`'s forward rows `fwd`, [U, n, ...], and their completion tokens),
-    computed by the learner's own code (`forward.token_terms`) under `spec.logits_cfg`, one
-    micro-batch at a time. No gradient: the teacher is data to the student."""
-
-    def one(_, x):
-        fwd_k, targets_nM = x
-        return None, forward.token_terms(spec, params, None, fwd_k, targets_nM, ("logp",))["logp"]
-
-    return jax.lax.scan(one, None, (fwd, targets_UnM))[1]
+def teacher_logp(params, batch, place, count, *, spec: forward.ForwardSpec):
+    """[N, M]: the logprob under `params` of each completion token of the batch's rows
+    (`batch`: `tokens`, `attn` [N, L] and `mask` [N, M]; `place` and `count`, one step of
+    `batch_layout.pack`), computed by the learner's own code (`forward.no_grad_terms`) under
+    `spec.logits_cfg`, one micro-batch at a time. No gradient: the teacher is data to the
+    student."""
+    return forward.no_grad_terms(spec, params, None, batch, place, count, ("logp",))["logp"]
 
 
 class Teacher:
@@ -43,9 +39,9 @@ class Teacher:
 
     The logprobs are at the sampling temperature, as the generator's `sampler_logp` are, but
     without top-k or top-p: a token outside the teacher's nucleus would have logprob -inf.
-    The batch's completions are trimmed to its length bucket (`batch_layout.plan`: one program
-    per prompt bucket and length bucket), and the rows are taken `micro_batches` at a time (the
-    learner's micro-batch, whose size its checks fit to the mesh).
+    The batch is laid out as the learner lays it out (`layout`: its completions trimmed to
+    their length bucket, every sequence packed into the learner's micro-batches of forward
+    rows), so its programs follow the learner's.
     """
 
     def __init__(
@@ -56,20 +52,17 @@ class Teacher:
         model_cfg,
         mesh,
         temperature: float,
-        micro_batches: int,
-        max_len: int,
-        length_buckets: int,
+        layout: batch_layout.Layout,
         logprob_chunk: int,
         programs,
     ):
         self.params, self.programs, self.model_cfg = params, programs, model_cfg
-        self.micro_batches, self.max_len = micro_batches, max_len
-        self.length_buckets = length_buckets
+        self.layout = layout
         self.spec = forward.ForwardSpec(
             graphdef=graphdef,
             logits_cfg=SamplingConfig(temperature=temperature),
             mesh=mesh,
-            pack_length=0,
+            pack_length=0,  # Set per batch (`batch_layout.Plan`).
             pack_rows=0,
             chunk=logprob_chunk,
             remat="none",
@@ -84,18 +77,19 @@ class Teacher:
     def __call__(self, rollouts: Rollouts) -> np.ndarray:
         mesh = self.spec.mesh
         N, P = rollouts.mask_NM.shape[0], rollouts.prompt_len
-        rows_Un = np.arange(N).reshape(self.micro_batches, -1)
-        U, n = rows_Un.shape
         shards = sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
-        M, fwd = batch_layout.plan(
-            rollouts, rows_Un, max_len=self.max_len, buckets=self.length_buckets, shards=shards
+        completion_NM = rollouts.attn_mask_NL[:, P:].astype(bool)
+        # Every sequence with completion tokens, in one step of every row.
+        plan = batch_layout.plan(
+            rollouts, np.arange(N)[None], self.layout, shards=shards, placed_N=completion_NM.any(1)
         )
-        targets_UnM = rollouts.tokens_NL[:, P : P + M].reshape(U, n, M).astype(np.int32)
-        fwd, targets_UnM = sharding.put_batch((fwd, targets_UnM), mesh, sharding.TRAIN_RULES, 1)
-        logp_UnM = self.programs.run(
-            "teacher_logp", teacher_logp, (self.params, fwd, targets_UnM), {"spec": self.spec}
-        )
+        M = plan.M
+        batch = {"tokens": plan.tokens_NL, "attn": plan.attn_NL, "mask": completion_NM[:, :M]}
+        put = functools.partial(sharding.put_batch, mesh=mesh, rules=sharding.TRAIN_RULES)
+        args = (self.params, put(batch), put(plan.place, axis=1))
+        args += (sharding.replicate(plan.count, mesh),)
+        spec = self.spec._replace(pack_length=plan.T, pack_rows=plan.pack_rows)
+        logp_NM = self.programs.run("teacher_logp", teacher_logp, args, {"spec": spec})
         out_NM = np.zeros(rollouts.mask_NM.shape, np.float32)
-        completion_NM = rollouts.attn_mask_NL[:, P : P + M].astype(bool)
-        out_NM[:, :M] = np.where(completion_NM, sharding.fetch(logp_UnM).reshape(N, M), 0.0)
+        out_NM[:, :M] = np.where(completion_NM[:, :M], sharding.fetch(logp_NM), 0.0)
         return out_NM
