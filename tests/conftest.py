@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -134,23 +136,50 @@ def golden_config(name):
     return c
 
 
+# `golden_config("quickstart")` as the command line gives it.
+WARM_COMMAND = (
+    "-m",
+    "rlscale.main",
+    "--config",
+    "configs/quickstart.py:smoke",
+    "--config.mesh.shape=(1,1,1)",
+    "--config.reward.fn=reward_fixtures:even_length",
+    "--config.reward.workers=0",
+)
+
+
+def _warm_run(workdir):
+    """The golden quickstart smoke run, as a user starts it (`python -m rlscale.main`); its
+    console is kept in WORKDIR/console.txt (stderr, then stdout) for the test that reads it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    r = subprocess.run(
+        [sys.executable, *WARM_COMMAND, "--workdir", str(workdir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (workdir / "console.txt").write_text(r.stderr + r.stdout)
+
+
 @pytest.fixture(scope="session")
 def warm(tmp_path_factory, worker_id):
     """The golden quickstart smoke run's workdir: its data, tokenizer and SFT warm start are
     the one warm start every RL test reuses (`sft.reuse_from`; tests only read it). Under
     pytest-xdist the workers share one, made by the first worker that needs it."""
-    from rlscale import rl
-
     if worker_id == "master":
         workdir = tmp_path_factory.mktemp("warm")
-        rl.run(rl.resolve(golden_config("quickstart")), str(workdir))
+        _warm_run(workdir)
         return workdir
     root = tmp_path_factory.getbasetemp().parent  # Shared by the workers of this session.
     workdir = root / "warm"
     with filelock.FileLock(str(root / "warm.lock")):
-        if not (workdir / "summary.json").exists():  # The run's last file.
+        if not (workdir / "console.txt").exists():  # Written after the run.
             shutil.rmtree(workdir, ignore_errors=True)
-            rl.run(rl.resolve(golden_config("quickstart")), str(workdir))
+            workdir.mkdir()
+            _warm_run(workdir)
     return workdir
 
 
