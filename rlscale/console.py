@@ -37,8 +37,12 @@ def verbosity() -> int:
 
 
 # Library warnings that say nothing to a user: TFDS warns about every custom BuilderConfig,
-# which is how rlscale's builders name each materialized dataset.
-_NOISE = ("Using custom data configuration: %s",)
+# which is how rlscale's builders name each materialized dataset; matplotlib about each
+# missing math font it replaces (drawing the scaling fit on a machine without them).
+_NOISE = (
+    "Using custom data configuration: %s",
+    "findfont: Font family %s not found. Falling back to %s.",
+)
 
 
 class _QuietLibraries(logging.Filter):

@@ -187,13 +187,13 @@ def test_rl_smoke_run_writes_metrics_and_summary_on_a_quiet_console(warm):
     assert stage_cache.record(str(warm), stage_cache.WARM_START) is not None
 
     # The console: whole lines (no carriage returns), one per RL step with what it measured,
-    # the SFT progress and the summary; no library INFO logs (absl's "I1123 16:52:46.513 ..."
-    # prefix), no orbax or TFDS chatter, no progress bars.
+    # the SFT progress and the summary; no library INFO logs or warnings (absl's "I1123
+    # 16:52:46.513 ..." or "W1123 ..." prefix), no orbax or TFDS chatter, no progress bars.
     text = (warm / "console.txt").read_text()
     console = text.splitlines()
     assert len(console) <= 150 and "\r" not in text, console
     library = ("orbax", "tensorflow_datasets", "Downloading and preparing", "Generating ")
-    noise = [x for x in console if re.match(r"I\d{4} ", x) or any(w in x for w in library)]
+    noise = [x for x in console if re.match(r"[IW]\d{4} ", x) or any(w in x for w in library)]
     assert not noise, noise
     steps = [x for x in console if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["0/3", "1/3", "2/3", "3/3"], console
