@@ -33,7 +33,7 @@ class Fit(NamedTuple):
       loss: `loss(forward, params, batch) -> (loss_sum, denominator, metrics)`, a
         module-level function.
       forward: what `loss` computes its forward pass with (a graphdef, a
-        `scalar_head.HeadSpec`); hashable.
+        `decoder.ForwardSpec`); hashable.
       optim: the optimizer's settings (`optim.OptimConfig`).
       frozen: param keys that get no update and no optimizer state (`make_optimizer`).
     """

@@ -110,7 +110,7 @@ def test_learns_a_known_reward(trained, tok, policy):
     # Where `train` began: a random reward orders these prompt-decided pairs by chance (on
     # the held-out pairs, a random reward of digits can be far from 0.5 either way).
     _, graphdef, start = scalar_head.init(str(policy), jax.random.key(CFG.seed))
-    assert bradley_terry.accuracy(scalar_head.HeadSpec(graphdef), start, swapped) < 0.6
+    assert bradley_terry.accuracy(decoder.ForwardSpec(graphdef), start, swapped) < 0.6
     # `train` centres the head's bias on the training completions.
     train_set = bradley_terry.encode_pairs(TRAIN, tok, CFG.seq_len)
     r_N = bradley_terry.score_rows(

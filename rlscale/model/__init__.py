@@ -3,6 +3,7 @@
 from rlscale.model.config import ModelConfig, as_dict, from_dict, get
 from rlscale.model.decoder import (
     Decoder,
+    ForwardSpec,
     KVCache,
     abstract_model,
     cache_logical_axes,
@@ -17,6 +18,7 @@ from rlscale.model.decoder import (
 
 __all__ = [
     "Decoder",
+    "ForwardSpec",
     "KVCache",
     "ModelConfig",
     "abstract_model",

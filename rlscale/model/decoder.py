@@ -16,7 +16,7 @@ keeps its cache as a ring whose write index wraps around.
 """
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -443,6 +443,21 @@ class Decoder(nnx.Module):
 # ------------------------------------------------------------------------------------------
 # Pure functions over (graphdef, params): what jitted code calls.
 # ------------------------------------------------------------------------------------------
+
+
+class ForwardSpec(NamedTuple):
+    """What a forward pass of the decoder is compiled for (hashable: a jit static argument):
+    by the policy, its reference and a distillation teacher over sampled rows
+    (`rl.forward`), and by the reward-model and PRM scorers (`reward_models.scalar_head`),
+    which read the graph and `remat` only."""
+
+    graphdef: Any
+    remat: str = "none"  # The blocks' rematerialization policy (`REMAT_POLICIES`).
+    mesh: Any = None
+    logits_cfg: Any = None  # The sampler's logits transform (`SamplingConfig`): what was sampled.
+    pack_length: int = 0  # Tokens per forward row (`batch_layout.Plan.T`).
+    pack_rows: int = 0  # Forward rows per batch shard in a micro-batch.
+    chunk: int = 0  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
 
 
 def abstract_model(cfg: ModelConfig):

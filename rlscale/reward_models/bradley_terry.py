@@ -71,7 +71,7 @@ class Batch(NamedTuple):
     lengths_N: jax.Array
 
 
-def rewards(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
+def rewards(spec: decoder.ForwardSpec, params, tokens_NT, lengths_N):
     """r [N] in float32: the head on the final-norm hidden state at token `lengths_N - 1` of
     each row. Tokens after it (padding) are masked, and attention is causal, so they change
     nothing."""
@@ -88,7 +88,7 @@ def rewards(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def score(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
+def score(spec: decoder.ForwardSpec, params, tokens_NT, lengths_N):
     """`rewards`, jitted: r(x, y) [N] for right-padded rows (`Batch`)."""
     return rewards(spec, params, tokens_NT, lengths_N)
 
@@ -99,7 +99,7 @@ def pair_loss(r_c_B, r_r_B):
     return jnp.sum(-jax.nn.log_sigmoid(r_c_B - r_r_B)), jnp.float32(r_c_B.shape[0])
 
 
-def loss(spec: scalar_head.HeadSpec, params, batch: Batch):
+def loss(spec: decoder.ForwardSpec, params, batch: Batch):
     """The loss `supervised.train_step` minimizes on a batch of B pairs (rows 2p chosen,
     2p + 1 rejected): `pair_loss`, and the metrics `accuracy` (the fraction with r_c > r_r)
     and `margin` (mean r_c - r_r)."""
@@ -265,7 +265,7 @@ def train(
         rows = (next(stream)[:, None] * 2 + np.arange(2)).reshape(-1)
         return Batch(train_set.tokens_NT[rows], train_set.lengths_N[rows])
 
-    spec = scalar_head.HeadSpec(graphdef)
+    spec = decoder.ForwardSpec(graphdef)
 
     def heldout_accuracy(params):
         return None if held is None else accuracy(spec, params, held, cfg.eval_batch_pairs)
@@ -319,9 +319,9 @@ class RewardModel:
     config: RMConfig
 
     @property
-    def forward(self) -> scalar_head.HeadSpec:
+    def forward(self) -> decoder.ForwardSpec:
         """The description its scorers take."""
-        return scalar_head.HeadSpec(self.graphdef)
+        return decoder.ForwardSpec(self.graphdef)
 
     def with_bucket(self, tokens: int) -> RewardModel:
         """This reward model scoring in one bucket of at least `tokens` tokens (the scores do

@@ -95,7 +95,7 @@ class StepBatch(NamedTuple):
     labels_NJ: jax.Array
 
 
-def token_scores(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
+def token_scores(spec: decoder.ForwardSpec, params, tokens_NT, lengths_N):
     """s [N, T] in float32: the head on every token's final-norm hidden state (padding after
     `lengths_N` is masked; attention is causal, so it changes no real token's score)."""
     T = tokens_NT.shape[1]
@@ -108,7 +108,7 @@ def token_scores(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N):
     return h_NTD.astype(jnp.float32) @ head["w"] + head["b"]
 
 
-def step_scores(spec: scalar_head.HeadSpec, params, tokens_NT, lengths_N, positions_NJ):
+def step_scores(spec: decoder.ForwardSpec, params, tokens_NT, lengths_N, positions_NJ):
     """s [N, J]: `token_scores` at each step's last token."""
     s_NT = token_scores(spec, params, tokens_NT, lengths_N)
     return jnp.take_along_axis(s_NT, positions_NJ, axis=1)
@@ -124,7 +124,7 @@ def step_loss(scores_NJ, labels_NJ, mask_NJ):
     return jnp.sum(bce * m), jnp.sum(m)
 
 
-def loss(spec: scalar_head.HeadSpec, params, batch: StepBatch):
+def loss(spec: decoder.ForwardSpec, params, batch: StepBatch):
     """The loss `supervised.train_step` minimizes on a batch: `step_loss`, and the metric
     `accuracy` (the fraction of steps with sigmoid(s) > 0.5 exactly when the label is
     > 0.5)."""
@@ -267,7 +267,7 @@ def train(
     def heldout_accuracy(params):
         if held is None:
             return None
-        return heldout_metrics(scalar_head.HeadSpec(graphdef), params, held, cfg.eval_batch_rows)[1]
+        return heldout_metrics(decoder.ForwardSpec(graphdef), params, held, cfg.eval_batch_rows)[1]
 
     params, history = scalar_head.fit(
         loss, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log
@@ -292,9 +292,9 @@ class ProcessRewardModel:
     path: str | None = None
 
     @property
-    def forward(self) -> scalar_head.HeadSpec:
+    def forward(self) -> decoder.ForwardSpec:
         """The description its scorers take."""
-        return scalar_head.HeadSpec(self.graphdef)
+        return decoder.ForwardSpec(self.graphdef)
 
     def with_bucket(self, tokens: int) -> ProcessRewardModel:
         """This PRM scoring in one bucket of at least `tokens` tokens (the scores do not depend

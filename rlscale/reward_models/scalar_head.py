@@ -1,8 +1,8 @@
 """Scalar heads on the decoder: what the reward model (`bradley_terry`) and the PRM (`prm`)
 share. The params `{"decoder": <the decoder's nnx.State>, "head": {"w": f32[D], "b": f32[]}}`
 (a policy checkpoint initializes the decoder as is; the unused LM head is frozen), the forward
-pass's description (`HeadSpec`), the training settings, training through the one supervised
-loop (`supervised.fit`) with held-out records, scoring in fixed-shape chunks, the saved
+pass's description (`decoder.ForwardSpec`), the training settings, training through the one
+supervised loop (`supervised.fit`) with held-out records, scoring in fixed-shape chunks, the saved
 directory's metadata, and the tokenizer's identity (a head refuses a tokenizer other than the
 one it was trained with, naming both).
 
@@ -33,16 +33,6 @@ DECODER_DIR = "decoder"
 _PROBE = "The answer is 42. Café, naïve: ok!"  # Shown encoded by both sides of a mismatch.
 _SCHEDULES = ("constant", "cosine")
 FROZEN = ("lm_head",)  # Unused by a scalar head: no update, no optimizer state.
-
-
-class HeadSpec(NamedTuple):
-    """What a scalar head's forward pass is compiled for (hashable: a jit static argument),
-    as `rl.forward.ForwardSpec` is for the policy's: the decoder's graph and what each
-    block's backward keeps (`decoder.REMAT_POLICIES`; a forward pass alone is the same
-    either way)."""
-
-    graphdef: object
-    remat: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +145,9 @@ def params_mesh(params):
     return jax.tree.leaves(params["decoder"])[0].sharding.mesh
 
 
-def in_chunks(fn, spec: HeadSpec, params, tokens_NT, lengths_N, chunk: int, row_shape=()):
+def in_chunks(
+    fn, spec: decoder.ForwardSpec, params, tokens_NT, lengths_N, chunk: int, row_shape=()
+):
     """`fn(spec, params, tokens, lengths)` (a jitted per-row function, each row's output
     of shape `row_shape`) over any number of rows, `chunk` rows per call: the last chunk is
     padded with one-token rows (scored and dropped), so every call has the same shape and
@@ -194,9 +186,9 @@ class Trained(NamedTuple):
     history: list[Record]
 
     @property
-    def forward(self) -> HeadSpec:
+    def forward(self) -> decoder.ForwardSpec:
         """The description its scorers take."""
-        return HeadSpec(self.graphdef)
+        return decoder.ForwardSpec(self.graphdef)
 
 
 def batch_indices(num_pairs: int, batch_pairs: int, seed: int) -> Iterator[np.ndarray]:
@@ -255,9 +247,10 @@ def start(model: ModelConfig | str, tokenizer: tokenizer_lib.Tokenizer, cfg, ste
 
 def fit_spec(loss, graphdef, cfg) -> supervised.Fit:
     """What a scalar head's training step is compiled for: `loss` (`bradley_terry.loss`,
-    `prm.loss`) over `HeadSpec(graphdef, cfg.remat)`, AdamW from `cfg` (`TrainSettings`), the
+    `prm.loss`) over `ForwardSpec(graphdef, cfg.remat)`, AdamW from `cfg` (`TrainSettings`), the
     LM head frozen."""
-    return supervised.Fit(loss, HeadSpec(graphdef, cfg.remat), cfg.optim_settings(), FROZEN)
+    spec = decoder.ForwardSpec(graphdef, cfg.remat)
+    return supervised.Fit(loss, spec, cfg.optim_settings(), FROZEN)
 
 
 def fit(loss, graphdef, cfg, params, next_batch, heldout_accuracy, steps, log=None):

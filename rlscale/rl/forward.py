@@ -3,7 +3,7 @@ a distillation teacher compute them: `logp` of each completion token under the s
 logits transform, `entropy` and `value`, from packed forward rows built on the device
 (`packed_micro`, from `batch_layout.plan`), the vocabulary-sized terms in chunks
 (`vocab_token_terms`); `no_grad_terms` runs such passes over a batch's micro-batches.
-`ForwardSpec` is what such a pass is compiled for.
+`decoder.ForwardSpec` is what such a pass is compiled for.
 
 Dimension letters: N rows, L tokens of a batch row, P prompt tokens of a batch row (L - M), M
 completion length, O optimizer steps, R forward rows and T tokens per forward row, d batch
@@ -11,27 +11,13 @@ shards, X tokens per batch shard, Y chunks of them and k tokens per chunk
 (`vocab_token_terms`), V vocab, D model width.
 """
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from rlscale import sharding
 from rlscale.model import decoder
-from rlscale.sampling import SamplingConfig, transform_logits
-
-
-class ForwardSpec(NamedTuple):
-    """What a forward pass over sampled rows is compiled for (hashable: a jit static
-    argument)."""
-
-    graphdef: Any
-    logits_cfg: SamplingConfig  # The sampler's logits transform: the distribution sampled.
-    mesh: Any
-    pack_length: int  # Tokens per forward row (`batch_layout.Plan.T`).
-    pack_rows: int  # Forward rows per batch shard in a micro-batch.
-    chunk: int  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
-    remat: str  # The decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
+from rlscale.model.decoder import ForwardSpec
+from rlscale.sampling import transform_logits
 
 
 def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):

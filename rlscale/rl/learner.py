@@ -16,9 +16,10 @@ import numpy as np
 import optax
 
 from rlscale import faults, sharding
+from rlscale.model.decoder import ForwardSpec
 from rlscale.rl import batch_layout
 from rlscale.rl import rollouts as rollouts_lib
-from rlscale.rl.forward import ForwardSpec, no_grad_terms, packed_micro, token_terms
+from rlscale.rl.forward import no_grad_terms, packed_micro, token_terms
 from rlscale.rl.logp_match import logp_match_stats
 from rlscale.sampling import SamplingConfig
 

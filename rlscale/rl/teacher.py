@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from rlscale import sharding
+from rlscale.model import decoder
 from rlscale.rl import batch_layout, forward
 from rlscale.rl.rollouts import Rollouts
 from rlscale.sampling import SamplingConfig
@@ -23,7 +24,7 @@ from rlscale.scaling import compute
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def teacher_logp(params, batch, place, count, *, spec: forward.ForwardSpec):
+def teacher_logp(params, batch, place, count, *, spec: decoder.ForwardSpec):
     """[N, M]: the logprob under `params` of each completion token of the batch's rows
     (`batch`: `tokens`, `attn` [N, L] and `mask` [N, M]; `place` and `count`, one step of
     `batch_layout.pack`), computed by the learner's own code (`forward.no_grad_terms`) under
@@ -58,7 +59,7 @@ class Teacher:
     ):
         self.params, self.programs, self.model_cfg = params, programs, model_cfg
         self.layout = layout
-        self.spec = forward.ForwardSpec(
+        self.spec = decoder.ForwardSpec(
             graphdef=graphdef,
             logits_cfg=SamplingConfig(temperature=temperature),
             mesh=mesh,
