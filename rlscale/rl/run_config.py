@@ -78,28 +78,6 @@ class RunConfig:
         return json.loads(self.raw.to_json_best_effort())
 
 
-def _values(node) -> dict:
-    """A section's values, tuples for lists (a ConfigDict may hold either)."""
-    d = node.to_dict() if hasattr(node, "to_dict") else dict(node)
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-
-
-def _sections(config, problems: list[str]) -> dict:
-    """Every section built from its keys (its checks deferred), and each one's problems added
-    to `problems`. A key the dataclass does not know is a problem too."""
-    built = {}
-    with sections.deferred():
-        for key, cls in SECTIONS.items():
-            values = _values(config[key])
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(values) - names)
-            if unknown:
-                problems.append(f"{key}: unknown keys {unknown}; keys: {', '.join(sorted(names))}")
-            built[key] = cls(**{k: v for k, v in values.items() if k in names})
-            problems += built[key].problems()
-    return built
-
-
 def _model(config, problems: list[str]) -> model.ModelConfig | None:
     try:
         return model.from_dict(config.model)
@@ -131,7 +109,7 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
       sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
     """
     problems = []
-    built = _sections(config, problems)
+    built = sections.build(config, SECTIONS, problems)
     with sections.deferred():
         built["batch"] = _samples_per_prompt(built)
     problems += sections.at_least("steps", config.steps, 1)

@@ -351,7 +351,9 @@ def build(config, workdir: str) -> Setup:
         tokenizer = tokenizer_lib.load(hf_init)
     else:
         tokenizer = _tokenizer(config.tokenizer, config.task, workdir, splits["train"])
-    scfg = saved_policy.sampling_config(config, tokenizer, config.batch.samples_per_prompt)
+    scfg = saved_policy.sampling_config(
+        config.sampling, config.task, tokenizer, config.batch.samples_per_prompt
+    )
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
