@@ -236,7 +236,7 @@ def sampling_config(config) -> SamplingConfig:
     them."""
     think = config.sampling.think_budget
     return SamplingConfig(
-        **saved_policy.sampling_settings(config, config.batch.samples_per_prompt),
+        **saved_policy.sampling_settings(config.sampling, config.batch.samples_per_prompt),
         interrupt_ids=(1,) if think else (),
         think_end_tokens=(2,) if think else (),
         stop_tokens=(0,),

@@ -1,13 +1,16 @@
 """A saved policy and its task, as the commands that sample one load them (evaluation, step
-labels, best-of-N): the run's sampling settings for a tokenizer, a params checkpoint loaded on
-the config's mesh in the sampling layout with its tokenizer, the task's problems of a split and
-its verifier pool. The RL run builds its sampling settings here too (`rl.setup`).
+labels, best-of-N): their config's sections (`resolve`: mesh, task, sampling, reward), the
+run's sampling settings for a tokenizer, a params checkpoint loaded on the config's mesh in the
+sampling layout with its tokenizer, the task's problems of a split and its verifier pool. The
+RL run builds its sampling settings here too (`rl.setup`).
 """
 
 import contextlib
 import dataclasses
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import ml_collections
 
 from rlscale import chat, checkpoint, sections, sharding
 from rlscale import tokenizer as tokenizer_lib
@@ -44,15 +47,45 @@ class SamplingSettings(sections.Section):
         )
 
 
-# The functions below read `config.sampling`, `config.task`, `config.mesh` and
-# `config.reward` of a resolved run (`rl.resolve.RunConfig`) or, for the commands that sample
-# a saved policy, of the raw ConfigDict: both name them alike.
+@dataclasses.dataclass(frozen=True)
+class SavedPolicyConfig:
+    """The sections of a config that a command sampling a saved policy reads (`resolve`):
+    `mesh` (`sharding.MeshConfig`), `task` (a frozen ConfigDict: its keys depend on its kind),
+    `sampling` and `reward` (`isolation.RewardConfig`: the verifier pool)."""
+
+    mesh: sharding.MeshConfig
+    task: Any
+    sampling: SamplingSettings
+    reward: isolation.RewardConfig
 
 
-def sampling_settings(config, num_samples: int) -> dict:
-    """The `SamplingConfig` fields `config.sampling` gives as they are, with `num_samples`
+# The sections `resolve` builds: config key -> the dataclass that owns it.
+SECTIONS = {
+    "mesh": sharding.MeshConfig,
+    "sampling": SamplingSettings,
+    "reward": isolation.RewardConfig,
+}
+
+
+def resolve(config: ml_collections.ConfigDict) -> SavedPolicyConfig:
+    """The sections of an RL config (`configs/*.py`) that the commands sampling a saved policy
+    read, each checking its own keys (not the rules of an RL run, `rl.resolve`).
+
+    Raises:
+      sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
+    """
+    problems = []
+    built = sections.build(config, SECTIONS, problems)
+    task = ml_collections.FrozenConfigDict(config.task)
+    problems += data_load.task_problems(task)
+    sections.raise_if(problems)
+    return SavedPolicyConfig(task=task, **built)
+
+
+def sampling_settings(sampling: SamplingSettings, num_samples: int) -> dict:
+    """The `SamplingConfig` fields the sampling section gives as they are, with `num_samples`
     completions per prompt: all but the token ids, which come from a tokenizer."""
-    s = config.sampling
+    s = sampling
     return dict(
         think_budget=s.think_budget,
         max_new_tokens=s.max_new_tokens,
@@ -64,23 +97,25 @@ def sampling_settings(config, num_samples: int) -> dict:
     )
 
 
-def sampling_config(config, tokenizer, num_samples: int) -> SamplingConfig:
-    """The run's `SamplingConfig` with `num_samples` completions per prompt: `config.sampling`
-    with its texts (the forced-interruption
-    phrase and end-of-thinking marker) encoded by the run's tokenizer.
+def sampling_config(
+    sampling: SamplingSettings, task, tokenizer, num_samples: int
+) -> SamplingConfig:
+    """The run's `SamplingConfig` with `num_samples` completions per prompt: the sampling
+    section with its texts (the forced-interruption phrase and end-of-thinking marker)
+    encoded by the run's tokenizer; `task` (the task section) names its chat template.
 
     Completions stop at the EOS and, for a chat-formatted task, at the template's end-of-turn
     token. Tokenizers without a pad token (Llama 3) left-pad with the EOS (padding is masked).
     """
-    s = config.sampling
+    s = sampling
     stop = (tokenizer.eos_id,)
-    template = data_load.chat_template(config.task)
+    template = data_load.chat_template(task)
     if template is not None:
         try:
             stop = chat.stop_token_ids(tokenizer, template)
         except ValueError:  # The end-of-turn marker is not one token: not this model's format.
             raise ValueError(
-                f"task.chat_template={config.task.chat_template!r}: the tokenizer has no "
+                f"task.chat_template={task.chat_template!r}: the tokenizer has no "
                 f"{template.end_of_turn!r} token to end the assistant's turn, so the model does "
                 "not use this chat template; set the model's family, or "
                 "task.chat_template='' for text prompts"
@@ -96,7 +131,7 @@ def sampling_config(config, tokenizer, num_samples: int) -> SamplingConfig:
             )
     try:
         return SamplingConfig(
-            **sampling_settings(config, num_samples),
+            **sampling_settings(s, num_samples),
             interrupt_ids=interrupt_ids,
             think_end_tokens=think_end,
             stop_tokens=stop,
@@ -131,9 +166,12 @@ class Policy(NamedTuple):
 
 
 def load_policy(
-    config, checkpoint_dir: str, workdir: str, tokenizer_path: str | None = None
+    mesh_cfg: sharding.MeshConfig,
+    checkpoint_dir: str,
+    workdir: str,
+    tokenizer_path: str | None = None,
 ) -> Policy:
-    """The checkpoint's params on the config's mesh in the sampling layout, its tokenizer
+    """The checkpoint's params on the mesh `mesh_cfg` in the sampling layout, its tokenizer
     (`tokenizer_path`, else `default_tokenizer_path`) and a `Sampler` for them.
 
     Raises:
@@ -142,7 +180,7 @@ def load_policy(
     """
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"--checkpoint={checkpoint_dir}: no such directory")
-    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    mesh = sharding.make_mesh(tuple(mesh_cfg.shape))
     rules = sharding.SAMPLE_RULES
     model_cfg, graphdef, params = checkpoint.load_params(checkpoint_dir, mesh, rules)
     tokenizer_path = tokenizer_path or default_tokenizer_path(checkpoint_dir, workdir)
@@ -156,17 +194,18 @@ def load_policy(
     return Policy(model_cfg, graphdef, params, tokenizer, tokenizer_path, sampler)
 
 
-def load_problems(config, workdir: str, split: str, n: int):
-    """(task, problems): the config's task (`data.load.load_task`, materialized in `workdir`)
-    and the first `n` problems of its `split`; ValueError naming `--split` when it has none."""
-    task, splits = data_load.load_task(config.task, workdir)
+def load_problems(task_cfg, workdir: str, split: str, n: int):
+    """(task, problems): the task section's task (`data.load.load_task`, materialized in
+    `workdir`) and the first `n` problems of its `split`; ValueError naming `--split` when it
+    has none."""
+    task, splits = data_load.load_task(task_cfg, workdir)
     if split not in splits:
         raise ValueError(f"--split={split!r} is not one of {sorted(splits)}")
     return task, splits[split][:n]
 
 
-def verifier_pool(config):
-    """The config's verifier pool (`reward.workers` worker processes) as a context manager,
-    or None in-process when `reward.workers` is 0."""
-    workers = config.reward.workers
+def verifier_pool(reward: isolation.RewardConfig):
+    """The reward section's verifier pool (`reward.workers` worker processes) as a context
+    manager, or None in-process when `reward.workers` is 0."""
+    workers = reward.workers
     return isolation.verifier_pool(workers) if workers else contextlib.nullcontext()

@@ -2,8 +2,10 @@
 a minority of held-out problems, so RL has something to improve. A stage of the run's cache
 (`stage_cache.WARM_START`, WORKDIR/sft: a params checkpoint).
 
-`train_or_load` returns the cached warm start, or trains (`supervised.fit`) and caches it;
-`reuse` copies another run's. Dimension letters: B problems (one SFT batch).
+Its section is `SFTConfig` (`config.sft`). `settings` records what a warm start depends on
+(the sections of the run it reads); `train_or_load` returns the cached warm start, or trains
+(`supervised.fit`) and caches it; `reuse` copies another run's. Dimension letters: B problems
+(one SFT batch).
 """
 
 import dataclasses
@@ -12,7 +14,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from rlscale import checkpoint, model, next_token, optim, stage_cache, supervised
+from rlscale import checkpoint, model, next_token, optim, sections, stage_cache, supervised
 from rlscale.data import tasks
 from rlscale.eval import heldout
 from rlscale.sampling import Sampler, SamplingConfig, scoring
@@ -42,56 +44,111 @@ def _batch(tokenizer, problems, length, bare_B=None):
 COMPUTE_ONLY = ("dtype", "fp32_lm_head")
 
 
-def settings(config) -> dict:
-    """The config sections a warm start depends on (with its data and tokenizer)."""
-    sft = {k: v for k, v in config.sft.to_dict().items() if k != "reuse_from"}
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(sections.Section):
+    """`config.sft`: the supervised warm start. Up to `max_steps` steps of `batch_size`
+    demonstrations at `lr` (`optim.warmup_cosine`), held-out pass@1 measured every
+    `eval_every` steps, stopped once it reaches `target_pass`; `answer_line_fraction` of the
+    demonstrations end with the graded "Answer: N" line. `reuse_from`: another run's workdir
+    whose data, tokenizer and warm start to copy (`reuse`); `seed`: the warm start's own."""
+
+    max_steps: int = 900
+    batch_size: int = 64
+    lr: float = 3e-3
+    eval_every: int = 300
+    target_pass: float = 0.5
+    answer_line_fraction: float = 0.25
+    reuse_from: str = ""
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        problems = sections.at_least("sft.max_steps", self.max_steps, 0)
+        problems += sections.at_least("sft.batch_size", self.batch_size, 1)
+        problems += sections.at_least("sft.eval_every", self.eval_every, 1)
+        f = self.answer_line_fraction
+        if not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            problems.append(f"sft.answer_line_fraction={f!r} must be a number in [0, 1]")
+        if not isinstance(self.reuse_from, str):
+            problems.append(f"sft.reuse_from={self.reuse_from!r} must be a workdir or ''")
+        return problems
+
+
+def model_settings(name: str, model_cfg) -> dict:
+    """The model section as a config gives it (`config_lib.model_config`): its `name` and
+    every field, as a stage's settings record it."""
+    return {"name": name, **model.as_dict(model_cfg)}
+
+
+def settings(sft: SFTConfig, task, tokenizer, model_name: str, model_cfg, eval_cfg, sampling):
+    """What a warm start depends on (with its data and tokenizer), from the run's sections:
+    `task` (a frozen ConfigDict), `tokenizer` (`rl.setup.TokenizerConfig`), the model as
+    configured (`model_name`, `model_cfg`: before the tokenizer sets its vocabulary), `eval`
+    (`heldout.EvalConfig`) and `sampling` (`saved_policy.SamplingSettings`)."""
+    m = model_settings(model_name, model_cfg)
     return {
-        "task": config.task.to_dict(),
-        "tokenizer": config.tokenizer.to_dict(),
-        "model": {k: v for k, v in config.model.to_dict().items() if k not in COMPUTE_ONLY},
-        "sft": sft,
-        "eval": {"prompts": config.eval.prompts, "samples": config.eval.samples},
-        "sampling": {"max_new_tokens": config.sampling.max_new_tokens},
+        "task": task.to_dict(),
+        "tokenizer": dataclasses.asdict(tokenizer),
+        "model": {k: v for k, v in m.items() if k not in COMPUTE_ONLY},
+        "sft": {k: v for k, v in dataclasses.asdict(sft).items() if k != "reuse_from"},
+        "eval": {"prompts": eval_cfg.prompts, "samples": eval_cfg.samples},
+        "sampling": {"max_new_tokens": sampling.max_new_tokens},
     }
 
 
-def reuse(config, workdir) -> None:
-    """Copies the data, tokenizer and warm start of `config.sft.reuse_from` (another run's
-    workdir) into `workdir`, so runs that differ only after the warm start (a sweep over RL
-    settings) train it once. Fails, listing the differences, unless that warm start was made
-    with the same task, tokenizer, model and SFT settings."""
-    src = config.sft.reuse_from
+def reuse(sft: SFTConfig, inputs: dict, workdir) -> None:
+    """Copies the data, tokenizer and warm start of `sft.reuse_from` (another run's workdir)
+    into `workdir`, so runs that differ only after the warm start (a sweep over RL settings)
+    train it once. Fails, listing the differences, unless that warm start was made with the
+    same settings `inputs` (`settings`: task, tokenizer, model and SFT)."""
+    src = sft.reuse_from
     if not src or stage_cache.record(workdir, stage_cache.WARM_START) is not None:
         return
     stage_cache.copy(
         src,
         workdir,
         stage_cache.WARM_START,
-        settings(config),
+        inputs,
         "sft.reuse_from",
         with_files=("data", "tokenizer.model"),
     )
     logging.info("copied the warm start, data and tokenizer of %s", src)
 
 
-def train_or_load(config, workdir, model_cfg, mesh, tokenizer, task, train_problems, test_problems):
-    """(graphdef, params, summary): from the stage cache, or trained now and cached.
+def train_or_load(
+    sft: SFTConfig,
+    eval_cfg,
+    sampling,
+    inputs: dict,
+    workdir,
+    model_cfg,
+    mesh,
+    tokenizer,
+    task,
+    train_problems,
+    test_problems,
+):
+    """(graphdef, params, summary): from the stage cache, or trained now and cached, with the
+    stage's settings `inputs` (`settings`). SFT as `sft` says; held-out pass@1 of the first
+    `eval_cfg.prompts` test problems (`heldout.EvalConfig`), `eval_cfg.samples` completions
+    each of `sampling.max_new_tokens` tokens in `sampling.buckets`
+    (`saved_policy.SamplingSettings`).
 
     Raises:
       ValueError: If the cache holds a warm start made with other settings (listing them), or
         for a different model (up to `COMPUTE_ONLY`).
     """
-    inputs = settings(config)
     summary = stage_cache.lookup(workdir, stage_cache.WARM_START, inputs)
     if summary is not None:
         return _load(stage_cache.path(workdir, stage_cache.WARM_START), summary, model_cfg, mesh)
     path = stage_cache.begin(workdir, stage_cache.WARM_START)
-    rng = jax.random.key(config.sft.seed)
+    rng = jax.random.key(sft.seed)
     graphdef, params = model.init_sharded(model_cfg, jax.random.fold_in(rng, 1), mesh)
     summary = {"steps": 0, "pass@1": None}
-    if config.sft.max_steps > 0:
+    if sft.max_steps > 0:
         params, summary = _train(
-            config,
+            sft,
+            eval_cfg,
+            sampling,
             graphdef,
             params,
             model_cfg,
@@ -123,24 +180,34 @@ def _load(path, summary: dict, model_cfg, mesh):
 
 
 def _train(
-    config, graphdef, params, model_cfg, mesh, rng, tokenizer, task, train_problems, test_problems
+    c: SFTConfig,
+    eval_cfg,
+    sampling,
+    graphdef,
+    params,
+    model_cfg,
+    mesh,
+    rng,
+    tokenizer,
+    task,
+    train_problems,
+    test_problems,
 ):
-    """(params, summary) after SFT on the demonstrations (`config.sft`), stopped at
-    `sft.max_steps` or once held-out pass@1, measured every `sft.eval_every` steps with keys
-    folded from `rng`, reaches `sft.target_pass`."""
-    c = config.sft
+    """(params, summary) after SFT on the demonstrations (`c`), stopped at `sft.max_steps` or
+    once held-out pass@1, measured every `sft.eval_every` steps with keys folded from `rng`,
+    reaches `sft.target_pass`."""
     lengths = [
         len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2 for p in train_problems
     ]
     length = -(-max(lengths) // 8) * 8
     sampler = Sampler(graphdef, model_cfg, mesh)
     scfg = SamplingConfig(
-        max_new_tokens=config.sampling.max_new_tokens,
+        max_new_tokens=sampling.max_new_tokens,
         temperature=1.0,
-        num_samples=config.eval.samples,
+        num_samples=eval_cfg.samples,
         stop_tokens=(tokenizer.eos_id,),
         pad_id=tokenizer.pad_id,
-        buckets=tuple(config.sampling.buckets),
+        buckets=tuple(sampling.buckets),
     )
     order_rng = np.random.default_rng([c.seed, 7])
 
@@ -158,7 +225,7 @@ def _train(
             sampler,
             params,
             tokenizer,
-            test_problems[: config.eval.prompts],
+            test_problems[: eval_cfg.prompts],
             jax.random.fold_in(rng, progress.step),
             scfg,
             scoring.Scorer(task.verify),

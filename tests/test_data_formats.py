@@ -325,7 +325,9 @@ def test_chat_prompts_from_scratch_tokenizer_and_stop_tokens(tmp_path):
     end = tok.encode("<|im_end|>")
     assert len(end) == 1 and tok.decode(end) == "<|im_end|>"
     assert problems["train"][0].prompt.count("<|im_end|>") == 2  # System and user turns.
-    assert saved_policy.sampling_config(config, tok, 1).stop_tokens == (end[0], tok.eos_id)
+    saved = saved_policy.resolve(config)
+    scfg = saved_policy.sampling_config(saved.sampling, saved.task, tok, 1)
+    assert scfg.stop_tokens == (end[0], tok.eos_id)
     (tmp_path / "plain").mkdir()
     plain_config = _files_config(path, path)
     plain_dir = str(tmp_path / "plain")
@@ -334,7 +336,7 @@ def test_chat_prompts_from_scratch_tokenizer_and_stop_tokens(tmp_path):
     assert len(plain.encode("<|im_end|>")) > 1  # Without a template it is ordinary text.
     # A model whose tokenizer lacks the template's end-of-turn token does not use that template.
     with pytest.raises(ValueError, match=re.escape("task.chat_template='qwen2.5': the tokenizer")):
-        saved_policy.sampling_config(config, plain, 1)
+        saved_policy.sampling_config(saved.sampling, saved.task, plain, 1)
 
 
 def test_bad_files_task_config_lists_every_problem(tmp_path):

@@ -308,9 +308,11 @@ def _model_dir(path, file, vocab_size):
 
 
 def _teacher_config(path):
+    """The teacher and init sections `checks.teacher_problems` reads: the distill smoke
+    config's, with `teacher.checkpoint` = `path`."""
     config = load_config("distill", "smoke")
-    config.teacher.checkpoint = path
-    return config
+    init = setup.InitConfig(**config.init)
+    return setup.TeacherConfig(checkpoint=path), init
 
 
 def test_a_teacher_with_another_tokenizer_fails_naming_both(tokenizers, tmp_path):
@@ -320,7 +322,7 @@ def test_a_teacher_with_another_tokenizer_fails_naming_both(tokenizers, tmp_path
     final = _model_dir(tmp_path / "run" / "final", "model_config.json", V)
     with open(tmp_path / "run" / "tokenizer.model", "wb") as f:
         f.write(theirs.serialized)
-    (problem,) = checks.teacher_problems(_teacher_config(final), ours, "w/tokenizer.model")
+    (problem,) = checks.teacher_problems(*_teacher_config(final), ours, "w/tokenizer.model")
     token = lambda t, i: t.to_hf().backend.id_to_token(i)  # noqa: E731
     differ = next(i for i in range(V) if token(ours, i) != token(theirs, i))
     assert problem.startswith(
@@ -334,28 +336,28 @@ def test_a_teacher_with_another_tokenizer_fails_naming_both(tokenizers, tmp_path
     assert "--config.sft.reuse_from=TEACHER_RUN_WORKDIR" in problem
     with open(tmp_path / "run" / "tokenizer.model", "wb") as f:
         f.write(ours.serialized)
-    assert checks.teacher_problems(_teacher_config(final), ours, "w/tokenizer.model") == []
+    assert checks.teacher_problems(*_teacher_config(final), ours, "w/tokenizer.model") == []
     # A Hugging Face directory: its own tokenizer.json (the same tokenizer, exported, passes).
     hf_dir = _model_dir(tmp_path / "hf", "config.json", V)
     theirs.to_hf().save(hf_dir)
-    (problem,) = checks.teacher_problems(_teacher_config(hf_dir), ours, "w/tokenizer.model")
+    (problem,) = checks.teacher_problems(*_teacher_config(hf_dir), ours, "w/tokenizer.model")
     assert f"the teacher's tokenizer ({hf_dir}: {V} ids) is not the run's" in problem
     ours.to_hf().save(hf_dir)
-    assert checks.teacher_problems(_teacher_config(hf_dir), ours, "w/tokenizer.model") == []
+    assert checks.teacher_problems(*_teacher_config(hf_dir), ours, "w/tokenizer.model") == []
 
 
 def test_a_teacher_without_a_tokenizer_or_with_a_smaller_vocabulary_fails(tokenizers, tmp_path):
     ours, _ = tokenizers
     V = ours.vocab_size
     bare = _model_dir(tmp_path / "bare" / "final", "model_config.json", V - 8)
-    assert checks.teacher_problems(_teacher_config(bare), ours, "w/tokenizer.model") == [
+    assert checks.teacher_problems(*_teacher_config(bare), ours, "w/tokenizer.model") == [
         f"teacher.checkpoint='{bare}' has {V - 8} token ids, fewer than the {V} the policy "
         "samples from: it cannot score every token the student may sample",
         f"teacher.checkpoint='{bare}': no tokenizer (tokenizer.json or tokenizer.model) in "
         f"{bare} or {tmp_path}/bare, so nothing shows that the teacher shares the run's "
         f"tokenizer; copy the tokenizer it was trained with into {bare}",
     ]
-    assert checks.teacher_problems(_teacher_config("self"), ours, "w/tokenizer.model") == []
+    assert checks.teacher_problems(*_teacher_config("self"), ours, "w/tokenizer.model") == []
 
 
 def test_the_teacher_section_is_a_shared_default():

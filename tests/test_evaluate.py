@@ -278,6 +278,11 @@ def _quickstart_smoke():
     return module.get_config("smoke")
 
 
+def _resolved_smoke():
+    """The quickstart smoke config's sections, as the evaluate command resolves them."""
+    return saved_policy.resolve(_quickstart_smoke())
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tok):
     """What an RL run leaves in its workdir: the tokenizer and the final params (0 steps)."""
@@ -433,7 +438,7 @@ def test_test_time_curves_of_an_evaluation_against_enumerated_subsets(
     config.reward.workers = 0  # The verifier in-process: no worker processes to start.
     k = 4
     report = harness.run(
-        config,
+        saved_policy.resolve(config),
         str(run_dir / "final"),
         split="t",
         k=k,
@@ -494,7 +499,7 @@ def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
     path = tmp_path / "bigger.model"
     path.write_bytes(bigger.serialized)
     with pytest.raises(ValueError, match="not the tokenizer this checkpoint was trained with"):
-        harness.run(_quickstart_smoke(), str(run_dir / "final"), k=2, n=2, tokenizer_path=path)
+        harness.run(_resolved_smoke(), str(run_dir / "final"), k=2, n=2, tokenizer_path=path)
 
 
 @pytest.mark.parametrize(
@@ -544,14 +549,14 @@ def test_cli_rejects_a_tokenizer_larger_than_the_model(run_dir, tmp_path, tok):
 def test_bad_test_time_flags_fail_before_anything_loads(tmp_path, flags, message):
     # The checkpoint does not exist: the flags are checked first.
     with pytest.raises(ValueError) as e:
-        harness.run(_quickstart_smoke(), str(tmp_path / "nosuch"), k=4, n=2, **flags)
+        harness.run(_resolved_smoke(), str(tmp_path / "nosuch"), k=4, n=2, **flags)
     assert str(e.value) == message
 
 
 def test_a_bad_reward_model_fails_before_sampling(run_dir, rm_dir, tmp_path):
     def run(rm, config=None):
         harness.run(
-            config or _quickstart_smoke(),
+            saved_policy.resolve(config or _quickstart_smoke()),
             str(run_dir / "final"),
             k=2,
             n=2,
@@ -602,7 +607,8 @@ def test_load_task_reads_a_math_dataset_with_its_chat_template(tmp_path):
     tok = train_sentencepiece(
         CORPUS, 300, user_defined_symbols=["<|im_end|>"], hard_vocab_limit=False
     )
-    scfg = saved_policy.sampling_config(config, tok, 5)
+    saved = saved_policy.resolve(config)
+    scfg = saved_policy.sampling_config(saved.sampling, saved.task, tok, 5)
     assert scfg.num_samples == 5
     assert scfg.stop_tokens == (tok.token_id("<|im_end|>"), tok.eos_id)
     assert scfg.max_new_tokens == config.sampling.max_new_tokens

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, random_decoder_params, random_policy
 
-from rlscale import chat, cli
+from rlscale import chat, cli, saved_policy
 from rlscale import objectives as obj
 from rlscale import tokenizer as tokenizer_lib
 from rlscale.data import load as data_load
@@ -823,7 +823,7 @@ def test_cli_train_writes_a_prm_that_evaluate_scores_with(
     config = cli.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
     config.reward.workers = 0
     report = harness.run(
-        config,
+        saved_policy.resolve(config),
         str(warm / "final"),
         k=2,
         n=2,

@@ -373,7 +373,7 @@ def test_bad_step_search_flags_fail_before_anything_loads(tmp_path, flags, messa
     """Checked with the other test-time flags, before the (missing) checkpoint is read."""
     config = cli.load_config(f"{QUICKSTART}:smoke")
     with pytest.raises(ValueError) as e:
-        harness.run(config, str(tmp_path / "nosuch"), k=4, n=2, **flags)
+        harness.run(saved_policy.resolve(config), str(tmp_path / "nosuch"), k=4, n=2, **flags)
     assert str(e.value).startswith(message)
 
 
@@ -382,7 +382,9 @@ def test_step_search_flag_errors_are_one_line(tmp_path, capsys):
     alone (no --best_of, no --scorer=prm) is no mistake."""
     config = cli.load_config(f"{QUICKSTART}:smoke")
     with pytest.raises(SystemExit):
-        cli.guard(harness.run)(config, str(tmp_path), k=2, n=2, step_search="2,2")
+        cli.guard(harness.run)(
+            saved_policy.resolve(config), str(tmp_path), k=2, n=2, step_search="2,2"
+        )
     assert capsys.readouterr().err == (
         "error: --step_search=2,2 needs --prm DIR: the process reward model that scores each step\n"
     )
@@ -407,6 +409,7 @@ def test_evaluate_step_search_on_the_warm_start(warm, prm_dir, tmp_path):
     fold_in(key, r), cut at max_new_tokens; the same texts and sampled tokens."""
     config = cli.load_config(f"{QUICKSTART}:smoke", ["--config.mesh.shape=(1,1,1)"])
     config.reward.workers = 0
+    config = saved_policy.resolve(config)
     n, seed = 3, 0
     report = harness.run(
         config, str(warm / "final"), k=2, n=n, best_of=[1, 2], scorers=["logprob"],
@@ -414,7 +417,7 @@ def test_evaluate_step_search_on_the_warm_start(warm, prm_dir, tmp_path):
         plot=str(tmp_path / "curves.png"), seed=seed,
     )  # fmt: skip
     s = report["step_search"]
-    task, problems = saved_policy.load_problems(config, str(warm), "test", n)
+    task, problems = saved_policy.load_problems(config.task, str(warm), "test", n)
     texts, rewards = s["per_problem"]["texts"], s["per_problem"]["rewards"]
     assert rewards == [task.verify(t, p) for t, p in zip(texts, problems)]
     assert s["accuracy"] == np.mean(np.array(rewards) > 0)
@@ -426,9 +429,9 @@ def test_evaluate_step_search_on_the_warm_start(warm, prm_dir, tmp_path):
     assert table[0].startswith("  step_search(beam=1, expand=1, prm_last): accuracy ")
     assert table[2].split() == ["N", "tokens", "best_of/logprob"] and len(table) == 5
 
-    policy = saved_policy.load_policy(config, str(warm / "final"), str(warm))
+    policy = saved_policy.load_policy(config.mesh, str(warm / "final"), str(warm))
     tok = policy.tokenizer
-    cfg = saved_policy.sampling_config(config, tok, 1)
+    cfg = saved_policy.sampling_config(config.sampling, config.task, tok, 1)
     # "=" ends a step as the learned piece or as the byte piece <0x3D>.
     delimiter_ids = (tok.token_id("<0x3D>"), tok.token_id("="))
     assert step_search.step_stop_tokens(tok, "=") == delimiter_ids

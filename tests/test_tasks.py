@@ -93,11 +93,17 @@ def test_bad_task_arguments():
 def test_a_stale_warm_start_is_refused(tmp_path):
     """A cached warm start made with other settings is refused, the differences listed, not
     silently reused."""
-    from rlscale import config_lib, stage_cache, warm_start
+    from rlscale import config_lib, rl, stage_cache, warm_start
+    from rlscale.rl import setup
 
     config = config_lib.rl_config()
+    made = setup.stage_settings(rl.resolve(config))[stage_cache.WARM_START]
     stage_cache.begin(str(tmp_path), stage_cache.WARM_START)
-    stage_cache.complete(str(tmp_path), stage_cache.WARM_START, warm_start.settings(config), {})
+    stage_cache.complete(str(tmp_path), stage_cache.WARM_START, made, {})
     config.sft.answer_line_fraction = 1.0
+    run = rl.resolve(config)
+    inputs = setup.stage_settings(run)[stage_cache.WARM_START]
     with pytest.raises(ValueError, match="sft.answer_line_fraction: 0.25 -> 1.0"):
-        warm_start.train_or_load(config, str(tmp_path), None, None, None, None, [], [])
+        warm_start.train_or_load(
+            run.sft, run.eval, run.sampling, inputs, str(tmp_path), None, None, None, None, [], []
+        )

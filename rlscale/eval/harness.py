@@ -84,11 +84,12 @@ def answers_of(samples: scoring.Samples, k: int, answer_fn) -> list[list[str | N
     return [answers[b : b + k] for b in range(0, len(answers), k)]
 
 
-def answer_fn_for(config, task):
-    """The answer extractor for majority voting, or None when the task has none."""
+def answer_fn_for(task_name: str, task):
+    """The answer extractor for majority voting of `task` (named `task_name` by the task
+    section), or None when the task has none."""
     if hasattr(task, "extract_answer"):
         return task.extract_answer
-    return _ANSWER_FNS.get(config.task.name)
+    return _ANSWER_FNS.get(task_name)
 
 
 # ==========================================================================================
@@ -117,9 +118,9 @@ def run(
     step_search: str | Sequence | None = None,
     step_search_aggregation: str = step_search_lib.DEFAULT_AGGREGATION,
 ) -> dict:
-    """Evaluates a checkpoint (see the module docstring); writes the JSON report and returns
-    it (`metrics`, `test_time` with `best_of`, `step_search` with `step_search`,
-    `--step_search` as "W,E" or (W, E))."""
+    """Evaluates a checkpoint (see the module docstring) with the sections of `config`
+    (`saved_policy.resolve`); writes the JSON report and returns it (`metrics`, `test_time`
+    with `best_of`, `step_search` with `step_search`, `--step_search` as "W,E" or (W, E))."""
     t_start = time.time()
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
@@ -137,18 +138,19 @@ def run(
         step_search,
         step_search_aggregation,
     )
-    policy = saved_policy.load_policy(config, checkpoint_dir, workdir, tokenizer_path)
-    task, problems = saved_policy.load_problems(config, workdir, split, n)
-    cfg = saved_policy.sampling_config(config, policy.tokenizer, k)
+    policy = saved_policy.load_policy(config.mesh, checkpoint_dir, workdir, tokenizer_path)
+    task, problems = saved_policy.load_problems(config.task, workdir, split, n)
+    cfg = saved_policy.sampling_config(config.sampling, config.task, policy.tokenizer, k)
     rm, prm = _scoring_models(  # Before sampling anything.
         ns, scorers, step_search, reward_model_dir, prm_dir, policy.tokenizer, problems, cfg
     )
+    reward = config.reward  # The verifier pool's section.
     samples, searched = _sample_and_search(
-        config, policy, task, problems, cfg, prm, seed, batch, step_search, step_search_aggregation
+        reward, policy, task, problems, cfg, prm, seed, batch, step_search, step_search_aggregation
     )
-    answer_fn = answer_fn_for(config, task)
+    answer_fn = answer_fn_for(config.task.name, task)
     result = metrics(samples, k, answer_fn)
-    report = _report(config, checkpoint_dir, policy.tokenizer_path, split, seed, cfg, result)
+    report = _report(config.task, checkpoint_dir, policy.tokenizer_path, split, seed, cfg, result)
     report["per_prompt"] = {"rewards": samples.reward_N.reshape(-1, k).tolist()}
     if ns is not None:
         chosen = best_of_n.rankers(scorers, rm, prm, list(prm_aggregation))
@@ -191,13 +193,13 @@ def _scoring_models(ns, scorers, step_search, reward_model_dir, prm_dir, tokeniz
 
 
 def _sample_and_search(
-    config, policy, task, problems, cfg, prm, seed, batch, step_search, aggregation
+    reward, policy, task, problems, cfg, prm, seed, batch, step_search, aggregation
 ) -> tuple[scoring.Samples, dict | None]:
-    """`run`'s samples, scored by the task's verifier in the config's verifier pool
+    """`run`'s samples, scored by the task's verifier in the reward section's verifier pool
     (`reward.workers`, `reward.timeout`), and with `step_search` the report's `step_search`
     entry (`step_search.summary`): the PRM-guided beam search over steps of every problem,
     with a key other than the samples'."""
-    with saved_policy.verifier_pool(config) as pool:
+    with saved_policy.verifier_pool(reward) as pool:
         samples = scoring.sample_and_score(
             policy.sampler,
             policy.params,
@@ -205,7 +207,7 @@ def _sample_and_search(
             problems,
             jax.random.key(seed),
             cfg,
-            scoring.Scorer(task.verify, pool, config.reward.timeout),
+            scoring.Scorer(task.verify, pool, reward.timeout),
             chunk=batch,
         )
         if step_search is None:
@@ -224,18 +226,18 @@ def _sample_and_search(
             rng=jax.random.fold_in(jax.random.key(seed), 1),  # Not the samples' key.
             aggregation=aggregation,
             pool=pool,
-            timeout=config.reward.timeout,
+            timeout=reward.timeout,
             chunk=batch,
         )
     return samples, step_search_lib.summary(searched, beam, expand, aggregation)
 
 
-def _report(config, checkpoint_dir, tokenizer_path, split, seed, cfg, result: dict) -> dict:
-    """The report's settings and `metrics` (`result`)."""
+def _report(task_cfg, checkpoint_dir, tokenizer_path, split, seed, cfg, result: dict) -> dict:
+    """The report's settings (`task_cfg`: the task section) and `metrics` (`result`)."""
     return {
         "checkpoint": checkpoint_dir,
         "tokenizer": os.path.abspath(tokenizer_path),
-        "task": config.task.to_dict(),
+        "task": task_cfg.to_dict(),
         "split": split,
         "seed": seed,
         "sampling": {

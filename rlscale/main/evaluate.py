@@ -10,7 +10,7 @@ report (default WORKDIR/eval_{split}.json). See docs/evaluation.md.
 
 from absl import flags
 
-from rlscale import cli
+from rlscale import cli, saved_policy
 from rlscale.eval import best_of_n, harness, step_search
 
 
@@ -93,7 +93,7 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
 
 def main(f: flags.FlagValues) -> dict:
     report = harness.run(
-        f.config,
+        saved_policy.resolve(f.config),
         f.checkpoint,
         split=f.split,
         k=f.k,

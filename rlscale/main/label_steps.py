@@ -15,7 +15,7 @@ import os
 import jax
 from absl import flags
 
-from rlscale import cli
+from rlscale import cli, saved_policy
 from rlscale.reward_models import step_labels
 
 _INT_FLAGS = {
@@ -53,7 +53,7 @@ def main(fv: flags.FlagValues) -> dict:
         raise ValueError(f"--out={fv.out} is a directory: name the labels file to write")
     cli.make_dir(os.path.dirname(out), "--out")
     rows = step_labels.label_policy(
-        fv.config,
+        saved_policy.resolve(fv.config),
         fv.checkpoint,
         split=fv.split,
         delimiter=fv.delimiter,

@@ -342,7 +342,7 @@ def label_policy(
     split from `seed`.
 
     Args:
-      config: an RL config (`configs/*.py`): its task, model mesh, sampling and reward pool.
+      config: an RL config's task, mesh, sampling and reward pool (`saved_policy.resolve`).
       checkpoint_dir: a params checkpoint (`checkpoint.save_params`), e.g. a run's
         WORKDIR/final.
       delimiter: what ends a step; default `TASK_DELIMITERS[config.task.name]`, else
@@ -361,17 +361,17 @@ def label_policy(
         delimiter that occurs in no completion (`check_delimiter`, naming it), or as
         `saved_policy.load_policy` and `saved_policy.load_problems`.
     """
-    delimiter = _label_delimiter(config, delimiter, n, k, rollouts, batch)
+    delimiter = _label_delimiter(config.task.name, delimiter, n, k, rollouts, batch)
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     workdir = os.path.abspath(workdir or os.path.dirname(checkpoint_dir))
-    policy = saved_policy.load_policy(config, checkpoint_dir, workdir, tokenizer_path)
-    task, problems = saved_policy.load_problems(config, workdir, split, n)
+    policy = saved_policy.load_policy(config.mesh, checkpoint_dir, workdir, tokenizer_path)
+    task, problems = saved_policy.load_problems(config.task, workdir, split, n)
     if not problems:
         raise ValueError(f"--split={split!r} has no problems")
-    cfg = saved_policy.sampling_config(config, policy.tokenizer, k)
+    cfg = saved_policy.sampling_config(config.sampling, config.task, policy.tokenizer, k)
     sample_key, rollout_key = jax.random.split(jax.random.key(seed))
     timeout = config.reward.timeout
-    with saved_policy.verifier_pool(config) as pool:
+    with saved_policy.verifier_pool(config.reward) as pool:
         samples = scoring.sample_and_score(
             policy.sampler,
             policy.params,
@@ -401,16 +401,16 @@ def label_policy(
 
 
 def _label_delimiter(
-    config, delimiter: str | None, n: int, k: int, rollouts: int, batch: int
+    task_name: str, delimiter: str | None, n: int, k: int, rollouts: int, batch: int
 ) -> str:
-    """`label_policy`'s delimiter (its default filled in), once its counts and the delimiter
-    are checked."""
+    """`label_policy`'s delimiter (its default filled in for the task `task_name`), once its
+    counts and the delimiter are checked."""
     if min(n, k, rollouts, batch) < 1:
         raise ValueError(
             f"--n={n}, --k={k}, --rollouts={rollouts} and --batch={batch} must be >= 1"
         )
     if delimiter is None:
-        delimiter = TASK_DELIMITERS.get(config.task.name, DEFAULT_DELIMITER)
+        delimiter = TASK_DELIMITERS.get(task_name, DEFAULT_DELIMITER)
     _check_delimiter_text(delimiter)
     return delimiter
 

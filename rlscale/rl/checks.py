@@ -192,9 +192,11 @@ def learned_reward_tokenizer_problems(reward, tokenizer) -> list[str]:
     return problems
 
 
-def teacher_problems(config, tokenizer, source: str) -> list[str]:
-    """What keeps `teacher.checkpoint` from scoring the run's tokens, known once the run has
-    its tokenizer (`tokenizer`, read from `source`) and before any weights are read: a
+def teacher_problems(teacher, init, tokenizer, source: str) -> list[str]:
+    """What keeps `teacher.checkpoint` (of the teacher section, `rl.setup.TeacherConfig`)
+    from scoring the run's tokens, known once the run has its tokenizer (`tokenizer`, read
+    from `source`, or from `init.hf_checkpoint` of the init section, `rl.setup.InitConfig`)
+    and before any weights are read: a
     tokenizer other than the run's, or fewer token ids than the policy samples from. Nothing
     to check without a teacher or with 'self'.
 
@@ -204,12 +206,12 @@ def teacher_problems(config, tokenizer, source: str) -> list[str]:
     holds `tokenizer.model` beside `final/` and `sft/`). They are compared id by id;
     special-token roles may differ (a base and an instruct model of one family do).
     """
-    path = config.teacher.checkpoint
+    path = teacher.checkpoint
     if path in ("", TEACHER_SELF):
         return []
     key = f"teacher.checkpoint={path!r}"
     problems = []
-    hf_init = config.init.hf_checkpoint
+    hf_init = init.hf_checkpoint
     policy_V = _vocab_size(hf_init) if hf_init else tokenizer.vocab_size
     teacher_V = _vocab_size(path)
     if teacher_V < policy_V:

@@ -82,11 +82,10 @@ class PreferenceConfig(sections.Section):
 
 def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     """Runs (or resumes) a preference run in `workdir`; returns the summary. `config`: the
-    resolved run (`rl.resolve.RunConfig`); the pair source (`rl.pairs`) still reads the raw
-    ConfigDict (`config.raw`)."""
+    resolved run (`rl.resolve.RunConfig`)."""
     lp = loop.Loop(config, workdir, allow_config_change)
-    s, run, comp = lp.s, lp.run, lp.comp
-    source = pairs.PairSource(config.raw, s, lp.source, workdir)
+    s, run, comp, c = lp.s, lp.run, lp.comp, lp.config  # `c`: its prompt pool filled.
+    source = pairs.PairSource(c.preference, c.batch, c.seed, s, lp.source, workdir)
     every, devices = config.preference.iterations_every, s.mesh.devices.size
     with lp.running():
         source.start(run, comp, fresh=lp.start == 0)

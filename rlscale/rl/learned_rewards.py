@@ -59,66 +59,70 @@ class StepRewards:
         return reward_NM, mask_NM, _flops(prm.model_cfg, lengths_N)
 
 
-def load_outcome(config, mesh) -> OutcomeReward | None:
-    """`reward.model`'s reward model when it names a directory (None without one, or for
-    `TRAIN_AT_SETUP`, which `made_outcome` trains once the run has its policy)."""
-    path = config.reward.model
+def load_outcome(reward, mesh) -> OutcomeReward | None:
+    """`reward.model`'s reward model (of the reward section, `isolation.RewardConfig`) when it
+    names a directory (None without one, or for `TRAIN_AT_SETUP`, which `made_outcome` trains
+    once the run has its policy)."""
+    path = reward.model
     if path in ("", TRAIN_AT_SETUP):
         return None
     return OutcomeReward(bradley_terry.load(path, mesh))
 
 
-def load_steps(config, mesh) -> StepRewards | None:
+def load_steps(reward, mesh) -> StepRewards | None:
     """`reward.prm`'s process reward model (None without one)."""
-    return StepRewards(prm_lib.load(config.reward.prm, mesh)) if config.reward.prm else None
+    return StepRewards(prm_lib.load(reward.prm, mesh)) if reward.prm else None
 
 
-def made_settings(config) -> dict:
-    """What the reward model trained at set-up depends on: the settings of its stage (its
-    pairs' and its training's)."""
-    c = config.reward
-    train = {k: c[k] for k in ("model_steps", "model_batch_pairs", "model_lr")}
-    return {"pairs": pairs_lib.made_settings(config), "reward": train}
+def made_settings(reward, pair_settings: dict) -> dict:
+    """What the reward model trained at set-up depends on: the settings of its stage, its
+    pairs' (`pair_settings`: `rl.pairs.made_settings`) and its training's (of the reward
+    section)."""
+    train = {k: getattr(reward, k) for k in ("model_steps", "model_batch_pairs", "model_lr")}
+    return {"pairs": pair_settings, "reward": train}
 
 
-def made_outcome(config, setup, source, run, comp, workdir: str, fresh: bool) -> OutcomeReward:
+def made_outcome(
+    reward, seed: int, setup, pair_source, run, comp, workdir: str, fresh: bool
+) -> OutcomeReward:
     """The reward model `reward.model` = `TRAIN_AT_SETUP` names: trained now on pairs sampled
-    from the warm start (`source` samples them), or read from the stage cache where an earlier
-    start of the run left it. A fresh run adds its making (sampling, training) to `comp`; the
+    from the warm start (`pair_source`, an `rl.pairs.PairSource`, samples them), or read from
+    the stage cache where an earlier start of the run left it (its settings:
+    `setup.stage_settings`). A fresh run adds its making (sampling, training) to `comp`; the
     stage's record holds the cost and the held-out pair accuracy (`summary`)."""
     stage = stage_cache.REWARD_MODEL
     path = stage_cache.path(workdir, stage)
-    record = stage_cache.lookup(workdir, stage, made_settings(config))
+    record = stage_cache.lookup(workdir, stage, setup.stage_settings[stage])
     if record is None:
         if not fresh:
             raise ValueError(
                 f"reward.model={TRAIN_AT_SETUP!r}: the reward model this run trained with "
                 f"({path}) is missing; start a new workdir"
             )
-        record = _make(config, setup, source, run, workdir)
+        record = _make(reward, seed, setup, pair_source, run, workdir)
     if fresh:
         for k in ("compute/sample_flops", "compute/train_flops", "compute/device_seconds"):
             comp.counters[k] += record[k]
     return OutcomeReward(bradley_terry.load(path, setup.mesh))
 
 
-def _make(config, setup, source, run, workdir: str) -> dict:
-    """Trains and saves the `TRAIN_AT_SETUP` reward model in its stage, from the warm start's
-    stage; returns the stage's record."""
-    t, c = time.time(), config.reward
+def _make(c, seed: int, setup, pair_source, run, workdir: str) -> dict:
+    """Trains and saves the `TRAIN_AT_SETUP` reward model (of the reward section `c`) in its
+    stage, from the warm start's stage; returns the stage's record."""
+    t, M = time.time(), setup.scfg.max_new_tokens
     # The pairs (cached by an earlier start that stopped before the model was saved, or made
     # now) and what sampling them cost.
-    made = pairs_lib.read_made(workdir, config)
-    pairs, made_record = made or pairs_lib.PairSource(config, setup, source, workdir).make(run)
-    ctx = made_record["prompt_len"] + config.sampling.max_new_tokens / 2
+    made = pairs_lib.read_made(workdir, pair_source.settings)
+    pairs, made_record = made or pair_source.make(run)
+    ctx = made_record["prompt_len"] + M / 2
     sample_flops = compute.forward_flops(setup.model_cfg, made_record["sampled_tokens"], ctx)
     heldout = pairs[::HELDOUT_EVERY]
     train = [p for i, p in enumerate(pairs) if i % HELDOUT_EVERY]
     cfg = bradley_terry.RMConfig(
-        seq_len=setup.generator.max_prompt_len + config.sampling.max_new_tokens + 1,
+        seq_len=setup.generator.max_prompt_len + M + 1,
         batch_pairs=c.model_batch_pairs,
         lr=c.model_lr,
-        seed=config.seed,
+        seed=seed,
         eval_every=c.model_steps,
     )
     trained = bradley_terry.train(
@@ -144,7 +148,8 @@ def _make(config, setup, source, run, workdir: str) -> dict:
         "heldout_pairs": len(heldout),
         "heldout_accuracy": trained.history[-1].heldout_accuracy,
     }
-    stage_cache.complete(workdir, stage_cache.REWARD_MODEL, made_settings(config), record)
+    stage = stage_cache.REWARD_MODEL
+    stage_cache.complete(workdir, stage, setup.stage_settings[stage], record)
     return record
 
 

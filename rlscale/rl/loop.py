@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlscale import faults, metrics, preemption
-from rlscale.rl import learned_rewards, report, setup, state
+from rlscale.rl import learned_rewards, pairs, report, setup, state
 
 
 class Loop:
@@ -38,8 +38,10 @@ class Loop:
         )
         self.source = s.rollout_source(self.run.stream, self.run.history)
         if config.reward.model == learned_rewards.TRAIN_AT_SETUP:  # From the warm start.
+            c = self.config
+            made = pairs.PairSource(c.preference, c.batch, c.seed, s, self.source, workdir)
             self.source.outcome_model = learned_rewards.made_outcome(
-                config.raw, s, self.source, self.run, self.comp, workdir, fresh=self.start == 0
+                c.reward, c.seed, s, made, self.run, self.comp, workdir, fresh=self.start == 0
             )
         is_main = jax.process_index() == 0
         self.writer = metrics.MetricWriter(workdir, config.steps, is_main, self.run.metrics_offset)

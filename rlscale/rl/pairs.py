@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale import chat, sharding, stage_cache
+from rlscale import chat, sharding, stage_cache, warm_start
 from rlscale.data import filters, preferences
 from rlscale.data.preferences import Pair
 from rlscale.rl import rollouts
@@ -44,12 +44,13 @@ def digest(token_pairs) -> str:
     return h.hexdigest()[:16]
 
 
-def read_file(config, tokenizer, scfg) -> tuple[list[TokenPair], list[str]]:
-    """(The pairs of `preference.file`, encoded; problems naming the key): its malformed rows
-    (each by file and line, from `read_pairs`, which also drops ties with one warning) and
-    prompts longer than the largest sampling bucket. No pairs and no problems for a run
-    without a file, or with pairs it makes itself (those are read by `PairSource.start`)."""
-    path = config.preference.file
+def read_file(preference, tokenizer, scfg) -> tuple[list[TokenPair], list[str]]:
+    """(The pairs of `preference.file` (`rl.dpo.PreferenceConfig`), encoded; problems naming
+    the key): its malformed rows (each by file and line, from `read_pairs`, which also drops
+    ties with one warning) and prompts longer than the largest sampling bucket. No pairs and
+    no problems for a run without a file, or with pairs it makes itself (those are read by
+    `PairSource.start`)."""
+    path = preference.file
     if not path or path == SAMPLE_AT_SETUP:
         return [], []
     try:
@@ -246,24 +247,43 @@ def round_seed(seed: int, round_index: int) -> int:
     return int(np.random.SeedSequence([seed, round_index + 1]).generate_state(1)[0])
 
 
-def made_settings(config) -> dict:
-    """What pairs sampled from the warm start depend on: the settings of their stage."""
-    c = json.loads(config.to_json_best_effort())
-    keys = ("seed", "task", "tokenizer", "model", "sft", "init", "sampling")
+def made_settings(
+    *,
+    seed: int,
+    task,
+    tokenizer,
+    model_name: str,
+    model,
+    sft,
+    init,
+    sampling,
+    batch,
+    reward,
+    preference,
+) -> dict:
+    """What pairs sampled from the warm start depend on: the settings of their stage, from the
+    run's sections as configured (`model` before the tokenizer sets its vocabulary,
+    `batch.prompt_pool` before set-up fills it: 0 for every training problem)."""
+    pref = dataclasses.asdict(preference)
     return {
-        **{k: c[k] for k in keys},
-        "prompt_pool": c["batch"]["prompt_pool"],
-        "reward.fn": c["reward"]["fn"],
-        "preference": {k: v for k, v in c["preference"].items() if k != "iterations_every"},
+        "seed": seed,
+        "task": task.to_dict(),
+        "tokenizer": dataclasses.asdict(tokenizer),
+        "model": warm_start.model_settings(model_name, model),
+        **{k: dataclasses.asdict(v) for k, v in (("sft", sft), ("init", init))},
+        "sampling": dataclasses.asdict(sampling),
+        "prompt_pool": batch.prompt_pool,
+        "reward.fn": reward.fn,
+        "preference": {k: v for k, v in pref.items() if k != "iterations_every"},
     }
 
 
-def read_made(workdir: str, config) -> tuple[list[Pair], dict] | None:
+def read_made(workdir: str, settings: dict) -> tuple[list[Pair], dict] | None:
     """The pairs sampled from the warm start and cached in `workdir`, with their record, or
     None when the stage is not complete (`stage_cache.lookup`, which refuses pairs made with
-    other settings)."""
+    other `settings` than these, `made_settings`)."""
     stage = stage_cache.PREFERENCE_PAIRS
-    record = stage_cache.lookup(workdir, stage, made_settings(config))
+    record = stage_cache.lookup(workdir, stage, settings)
     if record is None:
         return None
     return preferences.read_pairs(
@@ -271,12 +291,13 @@ def read_made(workdir: str, config) -> tuple[list[Pair], dict] | None:
     ), record
 
 
-def write_made(workdir: str, config, pairs, record: dict) -> None:
-    """Caches pairs sampled from the warm start: the pairs, then the stage's marker."""
+def write_made(workdir: str, settings: dict, pairs, record: dict) -> None:
+    """Caches pairs sampled from the warm start (with `settings`, `made_settings`): the
+    pairs, then the stage's marker."""
     stage = stage_cache.PREFERENCE_PAIRS
     path = stage_cache.begin(workdir, stage)
     preferences.write_pairs(os.path.join(path, PAIRS_FILE), pairs)
-    stage_cache.complete(workdir, stage, made_settings(config), record)
+    stage_cache.complete(workdir, stage, settings, record)
 
 
 class PairSource:
@@ -284,28 +305,33 @@ class PairSource:
     start, or each round's) and drawn into learner rows.
 
     Args:
-      config: the run's config.
-      setup: its parts (`setup.Setup`: the file's pairs, tokenizer, generator, learner).
+      preference: the run's `preference` section (`rl.dpo.PreferenceConfig`).
+      batch: its `batch` section (`rollouts.BatchConfig`), `prompt_pool` filled at set-up.
+      seed: the run's seed.
+      setup: its parts (`setup.Setup`: the file's pairs, tokenizer, generator, learner, and
+        the settings of the stage that caches pairs made from the warm start).
       source: its `RolloutSource`, which samples and scores the completions pairs are formed
         from, drawing a round's prompts from the run's prompt stream.
       workdir: where pairs made from the warm start are cached.
     """
 
-    def __init__(self, config, setup, source, workdir: str):
-        self.config, self.s, self.source, self.workdir = config, setup, source, workdir
+    def __init__(self, preference, batch, seed: int, setup, source, workdir: str):
+        self.preference, self.batch_cfg, self.seed = preference, batch, seed
+        self.s, self.source, self.workdir = setup, source, workdir
+        self.settings = setup.stage_settings[stage_cache.PREFERENCE_PAIRS]
 
     def start(self, run, comp, fresh: bool) -> None:
         """Puts a file's pairs in force (`preference.file`; sampled from the warm start and
         cached first when it is `SAMPLE_AT_SETUP`): from the start of their draw in a fresh run
         (pairs made by the run add their sampling to the compute counters), or checked
         against the checkpoint's in a resumed one. Nothing for iterative rounds."""
-        path = self.config.preference.file
+        path = self.preference.file
         if not path:
             return
         token_pairs, cost = self.s.preference_pairs, None
         stats = {"pairs": len(token_pairs)}
         if path == SAMPLE_AT_SETUP:
-            made = read_made(self.workdir, self.config)
+            made = read_made(self.workdir, self.settings)
             # Every process samples (the generator spans them), so all make the pairs unless
             # every one has them.
             if int(sharding.sum_over_processes(np.int32(made is None))):
@@ -322,7 +348,7 @@ class PairSource:
         if not fresh:
             run.pairs.attach(token_pairs, f"preference.file={path!r}")
             return
-        run.pairs.use(token_pairs, seed=round_seed(self.config.seed, -1), stats=stats)
+        run.pairs.use(token_pairs, seed=round_seed(self.seed, -1), stats=stats)
         if cost is not None:  # The pairs' sampling, counted as a round's is.
             comp.add_sampling(self.s.model_cfg, cost["sampled_tokens"], cost["prompt_len"])
             comp.add_seconds(cost["seconds"], cost["devices"])
@@ -330,13 +356,12 @@ class PairSource:
     def make(self, run) -> tuple[list[Pair], dict]:
         """Pairs from the warm start's samples of the first `preference.prompts` training
         prompts of the pool (0: all), cached in the workdir; and their record."""
-        c, s = self.config, self.s
+        p, s = self.preference, self.s
         t = time.time()
-        pool = c.batch.prompt_pool or len(s.train_problems)
-        ids = list(range(c.preference.prompts or pool))
+        ids = list(range(p.prompts or self.batch_cfg.prompt_pool))
         params, _ = s.generator_params(run.train.params)
         pairs, _, stats = sample_pairs(
-            self.source, params, ids, jax.random.fold_in(run.rng, 0), 0, c.preference.pairs
+            self.source, params, ids, jax.random.fold_in(run.rng, 0), 0, p.pairs
         )
         record = {
             **{k: stats[k] for k in ("prompts", "pairs", "prompts_without_pair")},
@@ -349,12 +374,12 @@ class PairSource:
         if not pairs:
             raise ValueError(
                 f"preference.file={SAMPLE_AT_SETUP!r}: the warm start's {len(ids)} x "
-                f"{c.preference.samples} samples (preference.prompts x preference.samples) "
+                f"{p.samples} samples (preference.prompts x preference.samples) "
                 f"formed no pair (pass rate {record['pass_rate']:.3f}): every prompt's samples "
                 "scored alike; sample more"
             )
         if jax.process_index() == 0:
-            write_made(self.workdir, c, pairs, record)
+            write_made(self.workdir, self.settings, pairs, record)
         return pairs, record
 
     def new_round(self, run, comp, step: int) -> dict:
@@ -363,11 +388,10 @@ class PairSource:
         from the run's prompt stream) sampled with the current policy and scored, pairs
         formed and put in force, their sampling counted as the online loop counts it, and the
         reference set to the current policy. Returns the round's stats (`sample_pairs`)."""
-        c, s, source = self.config, self.s, self.source
-        p = c.preference
+        p, s, source = self.preference, self.s, self.source
         params, _ = s.generator_params(run.train.params)
         version = int(sharding.fetch(run.train.step))
-        ids = source.stream.next(p.prompts or p.iterations_every * c.batch.prompts)
+        ids = source.stream.next(p.prompts or p.iterations_every * self.batch_cfg.prompts)
         rng = jax.random.fold_in(run.rng, step)
         _, token_pairs, stats = sample_pairs(source, params, ids, rng, version, p.pairs)
         comp.add_sampling(
@@ -375,7 +399,7 @@ class PairSource:
         )
         r = run.pairs.round + 1
         kept = {k: stats[k] for k in ("prompts", "pairs", "prompts_without_pair")}
-        run.pairs.use(token_pairs, seed=round_seed(c.seed, r), stats=kept, round=r, saved=True)
+        run.pairs.use(token_pairs, seed=round_seed(self.seed, r), stats=kept, round=r, saved=True)
         if run.ref is not None:  # The reference of this round: the policy at its start.
             run.ref = s.learner.reference(run.train.params)
         return stats
@@ -383,7 +407,7 @@ class PairSource:
     def batch(self, pair_set) -> tuple[rollouts.Rollouts | None, list[int]]:
         """The next `batch.prompts` pairs' rows and their indices (None, [] when there are no
         pairs: a round whose samples all scored alike)."""
-        ids = pair_set.draw(self.config.batch.prompts)
+        ids = pair_set.draw(self.batch_cfg.prompts)
         if not ids:
             return None, []
         return pair_rollouts([pair_set.pairs[i] for i in ids], self.s.scfg), ids

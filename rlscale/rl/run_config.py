@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from rlscale import checkpoint, faults, model, optim, sections, sharding
+from rlscale import checkpoint, faults, model, optim, sections, sharding, warm_start
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.eval import heldout
@@ -24,6 +24,7 @@ SECTIONS = {
     "mesh": sharding.MeshConfig,
     "tokenizer": setup.TokenizerConfig,
     "init": setup.InitConfig,
+    "sft": warm_start.SFTConfig,
     "batch": rollouts.BatchConfig,
     "sampling": SamplingSettings,
     "learner": setup.LearnerConfig,
@@ -43,11 +44,11 @@ SECTIONS = {
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A resolved RL run: one attribute per config section, named as the ConfigDict names
-    them. `task` and `sft` stay frozen ConfigDicts (the task's keys depend on its kind; the
-    warm start reads its own); `model` is the policy's `ModelConfig` (its vocabulary set
-    from the tokenizer at set-up). `raw`: the whole config, frozen, for what a checkpoint
-    records and for the stage modules that still read it (`warm_start`, `rl.pairs`,
-    `rl.learned_rewards`)."""
+    them. `task` stays a frozen ConfigDict (its keys depend on its kind); `model` is the
+    policy's `ModelConfig` (its vocabulary set from the tokenizer at set-up), `model_name` the
+    name the config gives it (`model.name`, recorded with the settings of the stages made
+    from it). `raw`: the whole config, frozen, only for what a checkpoint records
+    (`to_dict`)."""
 
     seed: int
     steps: int
@@ -56,8 +57,9 @@ class RunConfig:
     tokenizer: setup.TokenizerConfig
     init: setup.InitConfig
     task: Any
-    sft: Any
+    sft: warm_start.SFTConfig
     model: model.ModelConfig | None
+    model_name: str
     batch: rollouts.BatchConfig
     sampling: SamplingSettings
     learner: setup.LearnerConfig
@@ -76,28 +78,6 @@ class RunConfig:
     def to_dict(self) -> dict:
         """The config as it was given (JSON values): what a checkpoint records."""
         return json.loads(self.raw.to_json_best_effort())
-
-
-def _values(node) -> dict:
-    """A section's values, tuples for lists (a ConfigDict may hold either)."""
-    d = node.to_dict() if hasattr(node, "to_dict") else dict(node)
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-
-
-def _sections(config, problems: list[str]) -> dict:
-    """Every section built from its keys (its checks deferred), and each one's problems added
-    to `problems`. A key the dataclass does not know is a problem too."""
-    built = {}
-    with sections.deferred():
-        for key, cls in SECTIONS.items():
-            values = _values(config[key])
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(values) - names)
-            if unknown:
-                problems.append(f"{key}: unknown keys {unknown}; keys: {', '.join(sorted(names))}")
-            built[key] = cls(**{k: v for k, v in values.items() if k in names})
-            problems += built[key].problems()
-    return built
 
 
 def _model(config, problems: list[str]) -> model.ModelConfig | None:
@@ -131,7 +111,7 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
       sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
     """
     problems = []
-    built = _sections(config, problems)
+    built = sections.build(config, SECTIONS, problems)
     with sections.deferred():
         built["batch"] = _samples_per_prompt(built)
     problems += sections.at_least("steps", config.steps, 1)
@@ -140,8 +120,8 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
         steps=config.steps,
         recipe=config.get("recipe", ""),
         task=ml_collections.FrozenConfigDict(config.task),
-        sft=ml_collections.FrozenConfigDict(config.sft),
         model=_model(config, problems),
+        model_name=config.model.get("name", ""),
         raw=ml_collections.FrozenConfigDict(config),
         **built,
     )

@@ -32,6 +32,7 @@ from rlscale import (
     saved_policy,
     sections,
     sharding,
+    stage_cache,
     warm_start,
 )
 from rlscale import tokenizer as tokenizer_lib
@@ -154,6 +155,7 @@ class Setup:
     eval_scorer: scoring.Scorer
     programs: programs.Programs
     preference_pairs: list  # `preference.file`'s pairs (read at set-up); empty without one.
+    stage_settings: dict  # Stage (`stage_cache.STAGES`) -> its settings (`stage_settings`).
 
     def close(self):
         if self.pool is not None:
@@ -305,9 +307,9 @@ def _check_with_data(config, tokenizer, tokenizer_source: str, scfg, longest: in
     the tokenizer pass: packing the longest prompt (`longest` tokens), the teacher's and the
     learned rewards' tokenizers, the pair file. Raises ValueError listing every problem."""
     problems = checks.pack_problems(config.learner, config.batch, config.sampling, longest)
-    problems += checks.teacher_problems(config, tokenizer, tokenizer_source)
+    problems += checks.teacher_problems(config.teacher, config.init, tokenizer, tokenizer_source)
     problems += checks.learned_reward_tokenizer_problems(config.reward, tokenizer)
-    preference_pairs, trouble = pairs.read_file(config.raw, tokenizer, scfg)
+    preference_pairs, trouble = pairs.read_file(config.preference, tokenizer, scfg)
     problems += trouble
     if problems:  # Before the warm start's training.
         raise ValueError("; ".join(problems))
@@ -323,10 +325,39 @@ def _verifier_pool(reward: isolation.RewardConfig, reward_fn, task):
     return isolation.verifier_pool(reward.workers, preload=modules)
 
 
-def _policy(config, workdir: str, mesh, tokenizer, task, splits) -> tuple[Any, Any, Any, dict]:
+def stage_settings(config) -> dict:
+    """What each stage of the run's cache (`stage_cache.STAGES`) is made with, from the
+    resolved run's sections as configured (before set-up fills `batch.prompt_pool`)."""
+    c = config
+    start = warm_start.settings(
+        c.sft, c.task, c.tokenizer, c.model_name, c.model, c.eval, c.sampling
+    )
+    made_pairs = pairs.made_settings(
+        seed=c.seed,
+        task=c.task,
+        tokenizer=c.tokenizer,
+        model_name=c.model_name,
+        model=c.model,
+        sft=c.sft,
+        init=c.init,
+        sampling=c.sampling,
+        batch=c.batch,
+        reward=c.reward,
+        preference=c.preference,
+    )
+    return {
+        stage_cache.WARM_START: start,
+        stage_cache.PREFERENCE_PAIRS: made_pairs,
+        stage_cache.REWARD_MODEL: learned_rewards.made_settings(c.reward, made_pairs),
+    }
+
+
+def _policy(
+    config, workdir: str, mesh, tokenizer, task, splits, start: dict
+) -> tuple[Any, Any, Any, dict]:
     """(model_cfg, graphdef, params, warm-start summary) of the policy the run starts from:
     `init.hf_checkpoint` (placed directly on the mesh; no summary), else the SFT warm start
-    (trained now, or cached in WORKDIR/sft, by `warm_start`, which reads the raw ConfigDict)."""
+    (trained now, or cached in WORKDIR/sft, by `warm_start`; `start`: its settings)."""
     if config.init.hf_checkpoint:
         model_cfg, graphdef, params = hf.load_hf(
             config.init.hf_checkpoint, mesh, dtype=config.model.dtype
@@ -334,7 +365,17 @@ def _policy(config, workdir: str, mesh, tokenizer, task, splits) -> tuple[Any, A
         return model_cfg, graphdef, params, {}
     model_cfg = dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size)
     graphdef, params, summary = warm_start.train_or_load(
-        config.raw, workdir, model_cfg, mesh, tokenizer, task, splits["train"], splits["test"]
+        config.sft,
+        config.eval,
+        config.sampling,
+        start,
+        workdir,
+        model_cfg,
+        mesh,
+        tokenizer,
+        task,
+        splits["train"],
+        splits["test"],
     )
     return model_cfg, graphdef, params, summary
 
@@ -343,7 +384,8 @@ def build(config, workdir: str) -> Setup:
     """Every part of the run, from the resolved run (`rl.resolve.resolve`)."""
     pipe = config.pipeline
     mesh, gen_mesh = sharding.role_meshes(config.mesh.shape, pipe.generator_devices)
-    warm_start.reuse(config.raw, workdir)
+    settings = stage_settings(config)  # Before the prompt pool is filled.
+    warm_start.reuse(config.sft, settings[stage_cache.WARM_START], workdir)
     task, splits = data_load.load_task(config.task, workdir)
     config = dataclasses.replace(config, batch=config.batch.with_pool(len(splits["train"])))
     hf_init = config.init.hf_checkpoint
@@ -351,14 +393,18 @@ def build(config, workdir: str) -> Setup:
         tokenizer = tokenizer_lib.load(hf_init)
     else:
         tokenizer = _tokenizer(config.tokenizer, config.task, workdir, splits["train"])
-    scfg = saved_policy.sampling_config(config, tokenizer, config.batch.samples_per_prompt)
+    scfg = saved_policy.sampling_config(
+        config.sampling, config.task, tokenizer, config.batch.samples_per_prompt
+    )
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
     progs = programs.Programs(mesh)
     reward_fn = isolation.import_function(config.reward.fn) if config.reward.fn else task.verify
     pool = _verifier_pool(config.reward, reward_fn, task)
-    model_cfg, graphdef, params, summary = _policy(config, workdir, mesh, tokenizer, task, splits)
+    model_cfg, graphdef, params, summary = _policy(
+        config, workdir, mesh, tokenizer, task, splits, settings[stage_cache.WARM_START]
+    )
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
     generator = Generator(
         graphdef,
@@ -388,8 +434,8 @@ def build(config, workdir: str) -> Setup:
         params=params,
         ref_params=ref,
         teacher=teacher,
-        outcome_model=learned_rewards.load_outcome(config.raw, mesh),
-        step_rewards=learned_rewards.load_steps(config.raw, mesh),
+        outcome_model=learned_rewards.load_outcome(config.reward, mesh),
+        step_rewards=learned_rewards.load_steps(config.reward, mesh),
         warm_start_summary=summary,
         scfg=scfg,
         eval_scfg=dataclasses.replace(scfg, num_samples=config.eval.samples),
@@ -403,4 +449,5 @@ def build(config, workdir: str) -> Setup:
         eval_scorer=scoring.Scorer(task.verify, pool, config.reward.timeout),
         programs=progs,
         preference_pairs=preference_pairs,
+        stage_settings=settings,
     )
