@@ -75,7 +75,9 @@ def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
         mets.update(logp_match.logp_match(chunks))
     if ran is not None:  # Per micro-batch metrics past a step's count are zeros: left out.
         mets = {k: v[ran] if np.shape(v) == ran.shape else v for k, v in mets.items()}
-    means = {k: float(np.mean(v, dtype=np.float64)) for k, v in mets.items()}
+    # A batch whose every group was filtered runs no micro-batch: its metrics are 0, as its
+    # loss is (no token contributes to either).
+    means = {k: float(np.mean(v, dtype=np.float64)) if np.size(v) else 0.0 for k, v in mets.items()}
     return loss_sum / max(denom, 1.0), means
 
 
