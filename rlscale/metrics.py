@@ -5,11 +5,29 @@ line per step (`console.StepLines`). Every record carries `step`, `compute/flops
 import json
 import math
 import os
+import sys
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from rlscale import console
+
+
+def _import_tensorboardx():
+    """tensorboardX, imported without torch where torch is installed but not yet imported:
+    tensorboardX imports it (2-3 s, at every command's start) only to accept torch tensors,
+    which this writer never passes."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is here.
+    try:
+        import tensorboardX
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return tensorboardX
+
+
+SummaryWriter = _import_tensorboardx().SummaryWriter
 
 
 def _plain(v):

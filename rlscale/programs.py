@@ -6,12 +6,18 @@ a sharded program) is recorded, so the work a mesh divides is read from the prog
 on a new signature (shapes, dtypes, shardings of `args`; the values of `static`), keeps the
 executable and calls it; `prefetch` compiles a signature in the background ahead of its first
 `run`; `write(path)` saves one JSON entry per compiled program.
+
+Executables are kept for the process, shared by every `Programs`: a second run in the same
+process (a notebook's next cell, a sweep, the tests) reuses what the first compiled, where
+JAX's own caches would still trace and lower each program again.
 """
 
+import collections
 import concurrent.futures
 import copy
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -37,6 +43,10 @@ def _signature(args, static) -> tuple:
     return (treedef, tuple(map(leaf, leaves)), tuple(sorted(static.items(), key=lambda kv: kv[0])))
 
 
+def _lower(fn, args, static):
+    return lambda: fn.lower(*args, **static)
+
+
 def cost(compiled) -> dict:
     """Per-device FLOPs, bytes accessed and memory of a compiled program."""
     analysis = compiled.cost_analysis()
@@ -51,6 +61,32 @@ def cost(compiled) -> dict:
         "output_bytes": int(getattr(memory, "output_size_in_bytes", 0)),
         "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0)),
     }
+
+
+class _Compiled:
+    """The process's executables by (function, signature), the most recently used `size`."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._executables: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, fn, signature, lower):
+        key = (fn, signature)
+        with self._lock:
+            executable = self._executables.get(key)
+            if executable is not None:
+                self._executables.move_to_end(key)
+                return executable
+        executable = lower().compile()  # Outside the lock: other programs compile meanwhile.
+        with self._lock:
+            self._executables[key] = executable
+            while len(self._executables) > self.size:
+                self._executables.popitem(last=False)
+        return executable
+
+
+_COMPILED = _Compiled(size=256)
 
 
 class Programs:
@@ -84,7 +120,9 @@ class Programs:
             return
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, "rlscale-compile")
-        self._pending[key] = self._compiler.submit(lambda: fn.lower(*args, **static).compile())
+        self._pending[key] = self._compiler.submit(
+            _COMPILED.get, fn, key[1], _lower(fn, args, static)
+        )
 
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
         """`fn(*args, **static)` through an executable compiled for this signature."""
@@ -93,7 +131,10 @@ class Programs:
         executable = self._executables.get(key)
         if executable is None:
             pending = self._pending.pop(key, None)
-            executable = pending.result() if pending else fn.lower(*args, **static).compile()
+            if pending:
+                executable = pending.result()
+            else:
+                executable = _COMPILED.get(fn, key[1], _lower(fn, args, static))
             self._executables[key] = executable
             self.entries.append(
                 {

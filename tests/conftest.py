@@ -5,9 +5,20 @@ import shutil
 import subprocess
 import sys
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# The caller's XLA flags (.ci/run's `--xla_cpu_max_isa=AVX2`) reach every test and every run a
+# test starts. XLA's LLVM backend compiles at -O0 here: the tests' programs are tiny and run
+# for milliseconds, so compiling them is most of the suite's time, and -O0 halves it; the
+# HLO passes (fusion, layout, sharding) are the production ones, and the tolerances between
+# machines already allow another order of float32 sums.
+XLA_FLAGS = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process with `devices` CPU devices."""
+    return f"{XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import filelock  # noqa: E402
@@ -99,6 +110,17 @@ def rounding(n_terms: int) -> float:
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(devices: int = 1, **extra) -> dict:
+    """The environment of a run a test starts: the repository and tests/ importable, on
+    `devices` CPU devices (one by default: faster, and as on a laptop), with the suite's
+    XLA flags."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices), **extra)
+    return env
+
+
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 # Wall-clock fields differ between any two runs; everything else in metrics.jsonl must not.
 TIMING = ("time/", "compute/device_seconds")
@@ -151,7 +173,7 @@ WARM_COMMAND = (
 def _warm_run(workdir):
     """The golden quickstart smoke run, as a user starts it (`python -m rlscale.main`); its
     console is kept in WORKDIR/console.txt (stderr, then stdout) for the test that reads it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env = subprocess_env(devices=8)
     r = subprocess.run(
         [sys.executable, *WARM_COMMAND, "--workdir", str(workdir)],
         cwd=ROOT,

@@ -13,6 +13,7 @@ from fractions import Fraction
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from test_main import one_error_line
 
 from rlscale import chat, checkpoint, config_lib, model, saved_policy, sharding
@@ -328,7 +329,7 @@ def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
         [sys.executable, "-m", "rlscale.main.evaluate", "--config", "configs/quickstart.py:smoke"]
         + ["--checkpoint", str(tmp_path / checkpoint)],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=""),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -339,7 +340,7 @@ def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
 @pytest.mark.slow
 def test_cli_end_to_end_on_an_untrained_checkpoint(run_dir, rm_dir, prm_dir):
     k, n = 4, 6
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    env = subprocess_env()
     r = subprocess.run(
         [
             sys.executable,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from rlscale import model, sharding
 from rlscale.model import hf
@@ -167,7 +168,7 @@ def test_convert_tool_round_trip(tmp_path):
     special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(special))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="")
+    env = subprocess_env()
     for args in (
         ["--from", "hf", "--to", "rlscale", tmp_path / "hf", tmp_path / "ours"],
         ["--from", "rlscale", "--to", "hf", tmp_path / "ours", tmp_path / "back"],

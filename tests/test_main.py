@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 from rlscale import config_lib, stage_cache
 
@@ -15,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _command(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

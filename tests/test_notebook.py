@@ -5,7 +5,7 @@ import os
 
 import nbclient
 import nbformat
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 from rlscale import stage_cache
 
@@ -23,7 +23,7 @@ def test_quickstart_notebook_executes(warm, tmp_path, monkeypatch):
     monkeypatch.setenv("RLSCALE_NB_SMOKE", "1")
     monkeypatch.setenv("RLSCALE_NB_REUSE_FROM", str(warm))
     monkeypatch.setenv("RLSCALE_NB_ROOT", str(tmp_path))
-    monkeypatch.setenv("XLA_FLAGS", "")  # One CPU device in the kernel, as on a laptop.
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # One CPU device in the kernel, as on a laptop.
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,

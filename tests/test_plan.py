@@ -5,14 +5,13 @@ flag checks, the verdict, the JSON, and the CLI's bad input."""
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ROOT, load_config
+from conftest import ROOT, load_config, subprocess_env
 
 from rlscale import model, plan_inputs, plan_report, planner, rl, sharding
 from rlscale.rl import checks
@@ -314,7 +313,7 @@ def test_update_flops_match_the_analytic_count(shape, learner):
 
 
 def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, "-m", "rlscale.main.plan", *args],
         cwd=ROOT,

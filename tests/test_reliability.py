@@ -18,12 +18,11 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, subprocess_env
 
 from rlscale import config_lib, rl
 from rlscale.data import filters
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 STEPS = 6
 # Wall-clock measurements differ between any two runs, resumed or not; everything else
 # (rewards, losses, gradient norms, evals, FLOP counters, filter counts) must not.
@@ -45,16 +44,10 @@ def _command(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     ]
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = ""  # One device: faster, and the same for every run.
-    return env
-
-
 def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     out = subprocess.run(
         _command(workdir, *overrides, steps=steps, variant=variant),
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -87,7 +80,7 @@ def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync"
     step in metrics.jsonl just after the signal (the run had not gone further when it came)."""
     proc = subprocess.Popen(
         _command(workdir, *overrides, variant=variant),
-        env=_env(),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -225,6 +218,7 @@ def _config(**overrides):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config("smoke,sync")
+    c.mesh.shape = (1, 1, 1)  # One device, as the subprocess runs.
     c.steps = 4
     c.learner.minibatches = 1  # One optimizer step per RL step: the NaN schedules count them.
     for k, v in overrides.items():

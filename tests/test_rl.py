@@ -10,7 +10,15 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import GOLDEN, ROOT, golden_config, load_config, metric_lines, rounding
+from conftest import (
+    GOLDEN,
+    ROOT,
+    golden_config,
+    load_config,
+    metric_lines,
+    rounding,
+    subprocess_env,
+)
 
 from rlscale import rl
 from rlscale.rl import checks, logp_match, rollouts
@@ -200,10 +208,8 @@ def _launch(workdir, processes, steps, warm):
     too, so both sides sum across devices with the same collectives (gloo): XLA's in-process
     CPU all-reduce adds in another order, which moves the last bits of a sum."""
     port = 20000 + (os.getpid() + 97 * processes + steps) % 20000
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    env.update(
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+    env = subprocess_env(
+        8 // processes,
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES=str(processes),
         JAX_INITIALIZATION_TIMEOUT="60",
@@ -234,20 +240,22 @@ def _launch(workdir, processes, steps, warm):
 
 
 def test_two_processes_equal_one_and_resume_under_one(warm, tmp_path):
+    """Three launches: one process for 3 steps (checkpoint at step 2), two processes for 2
+    steps (the same lines, the same checkpoint), then that checkpoint resumed by one process
+    to step 3 (the one-process run's step 3, exactly)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    _launch(one, 1, 2, warm)
+    _launch(one, 1, 3, warm)
     _launch(two, 2, 2, warm)
-    assert metric_lines(two) == metric_lines(one)
-    assert metric_lines(two)[-1]["train/reward_mean"] is not None
+    reference = metric_lines(one)
+    assert metric_lines(two) == reference[:3]
+    assert reference[2]["train/reward_mean"] is not None
     # The two checkpoints hold the same state: every array's fingerprint agrees.
     meta = [json.load(open(d / "checkpoints" / "2" / "meta" / "metadata")) for d in (one, two)]
     assert meta[0]["arrays"] == meta[1]["arrays"] and len(meta[0]["arrays"]) > 10
     # Written by two processes, restored (and its fingerprints checked) by one.
     _, err = _launch(two, 1, 3, warm)[0]
     assert "resuming from the checkpoint at step 2" in err
-    lines = metric_lines(two)
-    assert [x["step"] for x in lines] == [0, 1, 2, 3]
-    assert lines[:3] == metric_lines(one) and np.isfinite(lines[3]["train/loss"])
+    assert metric_lines(two) == reference
 
 
 def _main_with_env(tmp_path, **env):

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, subprocess_env
 
 
 def test_rl_sanity_smoke(tmp_path, warm):
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    env = subprocess_env()
     r = subprocess.run(
         [
             sys.executable,

@@ -1,7 +1,6 @@
 """Run checkpoints: exact round trip onto a mesh, retention, async saves, damaged checkpoints."""
 
 import logging
-import os
 import pathlib
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from conftest import subprocess_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -271,7 +271,7 @@ os._exit(0)  # The process dies right after starting the second save, without wa
 def test_save_killed_midway_is_ignored_and_cleaned(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED_MID_SAVE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
+    env = subprocess_env()
     subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, check=True)
     # Orbax wrote step 2 into a temporary directory and never renamed it.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1", "2.orbax-checkpoint-tmp"]

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from rlscale import cli, scaling
 from rlscale.scaling import fit
@@ -272,7 +273,7 @@ rl.run = fake_run
 sys.argv = ["main", "--config", "configs/quickstart.py:smoke", "--workdir", {str(tmp_path)!r}]
 cli.run_command(train.define_flags, train.main)
 """
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = subprocess_env()
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 from rlscale import workdir_lock
 
@@ -45,7 +46,7 @@ def holder(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(workdir)],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -64,7 +65,7 @@ def test_second_run_fails_naming_the_holder_and_a_killed_holders_lock_is_taken(h
     r = subprocess.run(
         [sys.executable, "-m", "rlscale.main", "--config", "configs/quickstart.py",
          "--workdir", str(workdir)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+        cwd=ROOT, env=subprocess_env(),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = r.stdout + r.stderr
