@@ -25,7 +25,7 @@ setuptools.setup(
         # Math answer checking; the extra pins the ANTLR runtime its LaTeX parser needs.
         "math-verify[antlr4_13_2]==0.9.0",
         "sentencepiece==0.2.3",
-        "tokenizers==0.23.3",  # Hugging Face tokenizer.json files (rlscale.tokenizer.HFTokenizer).
+        "tokenizers==0.23.3",  # Hugging Face tokenizer.json files (rlscale.tokenizers.HFTokenizer).
         "ml-collections==1.1.0",
         "absl-py==2.5.1",
         "numpy==2.4.6",

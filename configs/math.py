@@ -26,8 +26,9 @@ stays at 0).
 import importlib.util
 import os
 
-from rlscale import chat, config_lib
+from rlscale import config_lib
 from rlscale.rewards import math as math_reward
+from rlscale.tokenizers import chat
 
 RECIPES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "scalerl")
 

@@ -81,8 +81,9 @@ def files_task(**overrides) -> ml_collections.ConfigDict:
     Keys: `files` ({split: path}: .jsonl, .json, .parquet or a `datasets` directory), `format`
     ("auto", or gsm8k | math | polaris | verl | trl | fields), `fields` (the column names of
     the `fields` layout: prompt, answer, demo), `verifier` (auto | math | exact | gsm8k),
-    `chat_template` (a family of `rlscale.chat`, "" for text prompts), `instruction` (appended
-    to text prompts, "" for none), `system` (a system message, "" for none).
+    `chat_template` (a family of `rlscale.tokenizers.chat`, "" for text prompts),
+    `instruction` (appended to text prompts, "" for none), `system` (a system message, "" for
+    none).
     """
     c = dict(
         name="files",

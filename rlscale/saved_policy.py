@@ -12,13 +12,14 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from rlscale import chat, checkpoint, sections, sharding
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import checkpoint, sections, sharding
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.model.config import ModelConfig
 from rlscale.rewards import isolation
 from rlscale.sampling import Sampler, SamplingConfig
 from rlscale.sampling.sampler import think_budget_problems
+from rlscale.tokenizers import chat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,7 +235,7 @@ def untrained_prm(warm, path: str, seq_len: int) -> str:
     nothing, its shapes and plumbing are what tests read. Returns `path`."""
     import jax
 
-    from rlscale import tokenizer as tokenizer_lib
+    from rlscale import tokenizers as tokenizer_lib
     from rlscale.reward_models import prm, scalar_head, step_labels
 
     tok = tokenizer_lib.load(str(warm / "tokenizer.model"))

@@ -10,8 +10,7 @@ templates themselves are not vendored here.
 
 import pytest
 
-from rlscale import chat
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import chat, train_sentencepiece
 
 SYS = {"role": "system", "content": "Be brief."}
 Q = {"role": "user", "content": "What is 1+1?"}

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from conftest import load_config, metric_lines
 
-from rlscale import chat, config_lib, rl, stage_cache
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import config_lib, rl, stage_cache
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import formats, math_data
+from rlscale.tokenizers import chat
 
 # verl's examples/data_preprocess/gsm8k.py, verbatim in what it writes.
 VERL_GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

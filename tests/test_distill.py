@@ -20,7 +20,7 @@ from rlscale.objectives import registry
 from rlscale.rl import batch_layout, checks, rollouts, setup
 from rlscale.rl.teacher import Teacher
 from rlscale.sampling import Sampler, SamplingConfig
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import train_sentencepiece
 
 CHAIN = "distill_advantage | token_ratio | cispo(eps_max=4.0) | aggregate(mode=token_mean)"
 

@@ -16,14 +16,14 @@ import pytest
 from conftest import subprocess_env
 from test_main import one_error_line
 
-from rlscale import chat, checkpoint, config_lib, model, saved_policy, sharding
+from rlscale import checkpoint, config_lib, model, saved_policy, sharding
 from rlscale.data import load as data_load
 from rlscale.data import math_data, tasks
 from rlscale.eval import estimators, harness
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import chat, train_sentencepiece
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

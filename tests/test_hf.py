@@ -186,7 +186,7 @@ def test_convert_tool_round_trip(tmp_path):
     np.testing.assert_array_equal(_hf_logits(back, tokens), _hf_logits(m, tokens))
     # The tokenizer came along both ways, and its ids went into the configs. (Read with
     # rlscale's loader: transformers 5.23 gives every qwen2 directory Qwen's own pipeline.)
-    from rlscale import tokenizer as tokenizer_lib
+    from rlscale import tokenizers as tokenizer_lib
 
     assert tokenizer_lib.load(tmp_path / "back").encode("hello tokens world") == [4, 6, 5]
     config = json.loads((tmp_path / "back" / "generation_config.json").read_text())
@@ -198,9 +198,8 @@ def test_export_serves_like_the_sampler(tmp_path):
     """A policy with a SentencePiece tokenizer and two stop tokens (the EOS and an end-of-turn
     stand-in), exported: transformers' tokenizer gives rlscale's ids, and transformers'
     greedy `generate` gives rlscale's greedy sampler's completions, stopping where it stops."""
-    from rlscale import chat
     from rlscale.sampling import Sampler, SamplingConfig
-    from rlscale.tokenizer import train_sentencepiece
+    from rlscale.tokenizers import chat, train_sentencepiece
 
     rng = np.random.default_rng(0)
     corpus = [

@@ -9,8 +9,8 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 
-from rlscale import tokenizer as tokenizer_lib
-from rlscale.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from rlscale import tokenizers as tokenizer_lib
+from rlscale.tokenizers import HFTokenizer, SentencePieceTokenizer, Tokenizer
 
 BOS, EOS, EOT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"
 SPECIALS = [BOS, EOS, EOT, "<|start_header_id|>", "<|end_header_id|>", PAD]

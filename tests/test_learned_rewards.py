@@ -9,11 +9,11 @@ import pytest
 from conftest import load_config, metric_lines, untrained_prm
 
 from rlscale import rl, sharding, stage_cache
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.reward_models import prm as prm_lib
 from rlscale.rl import checks, learned_rewards
 from rlscale.rl.rollouts import Rollouts
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import train_sentencepiece
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlscale import chat
 from rlscale.data import formats, math_data
 from rlscale.rewards import isolation
 from rlscale.rewards import math as math_reward
+from rlscale.tokenizers import chat
 
 N = 20
 INSTRUCTION = math_data.DEFAULT_INSTRUCTION

@@ -1,4 +1,4 @@
-"""The AOT planner (`rlscale.planner`, `plan_inputs`, `plan_report`; `python -m
+"""The AOT planner (`rlscale.planning`: `planner`, `inputs`, `report`; `python -m
 rlscale.main.plan`): per-device bytes against the model's own parameter count and against
 the arrays a run really allocates, FLOPs per step independent of how the batch is split, the
 flag checks, the verdict, the JSON, and the CLI's bad input."""
@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 from conftest import ROOT, load_config, subprocess_env
 
-from rlscale import model, plan_inputs, plan_report, planner, rl, sharding
+from rlscale import model, rl, sharding
+from rlscale.planning import inputs, planner, report
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import generator
@@ -120,8 +121,8 @@ def tiny_plan():
 @pytest.mark.slow
 def test_plan_json_and_terms(tiny_plan):
     config, cfg, p = tiny_plan
-    h100 = plan_report.ACCELERATORS["h100"]
-    out = json.loads(json.dumps(plan_report.to_json(p, h100, model="tiny")))
+    h100 = report.ACCELERATORS["h100"]
+    out = json.loads(json.dumps(report.to_json(p, h100, model="tiny")))
     b = out["per_device_bytes"]
     assert {"params", "opt_state", "grads", "temp", "kv_cache", "total"} <= set(b)
     norms = _norm_params(cfg)
@@ -181,34 +182,34 @@ def test_check_target_defaults_and_every_problem_at_once():
         config_mesh=(1, 4, 2),
         buckets=(16, 64),
     )
-    problems, target = plan_inputs.check_target(**flag_values)
+    problems, target = inputs.check_target(**flag_values)
     assert problems == []
-    assert target == plan_inputs.Target(
-        (1, 4, 2), 8, "tpu_v5p", plan_report.ACCELERATORS["tpu_v5p"].hbm_bytes, 64
+    assert target == inputs.Target(
+        (1, 4, 2), 8, "tpu_v5p", report.ACCELERATORS["tpu_v5p"].hbm_bytes, 64
     )
     bad = {**flag_values, "mesh": "2,x,1", "accelerator": "a100", "prompt_len": 65}
-    problems, _ = plan_inputs.check_target(**bad)
+    problems, _ = inputs.check_target(**bad)
     assert problems == [
         "--mesh=2,x,1: expected three positive sizes data,fsdp,tensor",
         "--accelerator=a100: not one of h100, h200, tpu_v5e, tpu_v5p, tpu_v6e",
         "--prompt_len=65 is longer than the largest prompt bucket (sampling.buckets=(16, 64))",
     ]
-    problems, target = plan_inputs.check_target(**{**flag_values, "hbm_gib": 0.5})
-    assert problems == [] and target.hbm_bytes == plan_report.GIB / 2
+    problems, target = inputs.check_target(**{**flag_values, "hbm_gib": 0.5})
+    assert problems == [] and target.hbm_bytes == report.GIB / 2
 
 
 def test_verdict_names_the_largest_term_and_its_knobs(tiny_plan):
     _, _, p = tiny_plan
     total = p.per_device_bytes["total"]
-    assert plan_report.verdict(p, total) == (
+    assert report.verdict(p, total) == (
         True,
-        f"FITS: {plan_report.size(total)} of {plan_report.size(total)} per device",
+        f"FITS: {report.size(total)} of {report.size(total)} per device",
     )
-    fits, message = plan_report.verdict(p, total - 1)
+    fits, message = report.verdict(p, total - 1)
     big = max(planner.TERMS, key=lambda k: p.per_device_bytes[k])
     assert not fits
     assert f"the largest term is {big}" in message
-    assert plan_report.advice(big, p.info["settings"]) in message
+    assert report.advice(big, p.info["settings"]) in message
 
 
 def _pack_problems(config, longest_prompt):
@@ -259,13 +260,13 @@ def test_temp_advice_names_each_knob_with_its_value():
         "slots": 32,
         "max_new_tokens": 32,
     }
-    assert plan_report.advice("temp", settings) == (
+    assert report.advice("temp", settings) == (
         "learner.pack_rows=8 (now 16), learner.remat=dots (now none), "
         "learner.logprob_chunk=256 (now 1024), more data x fsdp devices (--mesh=2,4,1)"
     )
     # Every knob at its limit: only more devices are left.
     spent = {**settings, "next_pack_rows": 0, "remat": "full", "logprob_chunk": 1}
-    assert plan_report.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
+    assert report.advice("temp", spent) == "more data x fsdp devices (--mesh=2,4,1)"
 
 
 @pytest.mark.slow
@@ -358,9 +359,7 @@ def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
     big = max(planner.TERMS, key=lambda k: b[k])
     assert "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(
-        f"error: DOES NOT FIT: {plan_report.size(b['total'])} per device > 1.0 MiB"
-    )
+    assert line.startswith(f"error: DOES NOT FIT: {report.size(b['total'])} per device > 1.0 MiB")
     assert f"the largest term is {big}" in line
     assert "params" in r.stdout and "kv_cache" in r.stdout  # The table comes first.
     assert saved["fits"] is False and saved["flops_per_device"] > 0

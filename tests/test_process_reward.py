@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, random_decoder_params, random_policy
 
-from rlscale import chat, cli, saved_policy
+from rlscale import cli, saved_policy
 from rlscale import objectives as obj
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.eval import harness
 from rlscale.main import label_steps, train_prm
@@ -48,7 +48,7 @@ from rlscale.reward_models import prm as prm_lib
 from rlscale.sampling import Sampler, SamplingConfig
 from rlscale.sampling.sampler import SampleOutput
 from rlscale.sampling.scoring import completions_text
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import chat, train_sentencepiece
 
 SHAPE = dict(d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=48)
 CFG = prm_lib.PRMConfig(

@@ -23,14 +23,14 @@ import numpy as np
 import pytest
 from conftest import random_policy
 
-from rlscale import chat, checkpoint, cli, supervised
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import checkpoint, cli, supervised
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data.preferences import Pair
 from rlscale.main import train_reward_model
 from rlscale.model import config as model_config
 from rlscale.model import decoder
 from rlscale.reward_models import bradley_terry, scalar_head
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import chat, train_sentencepiece
 
 DIGITS = "37"
 CFG = bradley_terry.RMConfig(seq_len=16, batch_pairs=32, eval_every=40, lr=3e-3)

@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 from conftest import ROOT, untrained_prm
 
-from rlscale import chat, cli, saved_policy
+from rlscale import cli, saved_policy
 from rlscale.eval import best_of_n, harness, step_search
 from rlscale.reward_models import prm as prm_lib
 from rlscale.reward_models import step_labels
 from rlscale.sampling import SamplingConfig
 from rlscale.sampling.sampler import SampleOutput
 from rlscale.sampling.scoring import completions_text
-from rlscale.tokenizer import train_sentencepiece
+from rlscale.tokenizers import chat, train_sentencepiece
 
 PROMPT_RE = re.compile(r"bad (\d), (\d) steps:(.*)$", re.S)
 

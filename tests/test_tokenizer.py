@@ -1,4 +1,4 @@
-"""Tests for rlscale.tokenizer."""
+"""Tests for rlscale.tokenizers."""
 
 import json
 import os
@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from rlscale import tokenizer as tokenizer_lib
-from rlscale.tokenizer import SentencePieceTokenizer, Tokenizer, train_sentencepiece
+from rlscale import tokenizers as tokenizer_lib
+from rlscale.tokenizers import SentencePieceTokenizer, Tokenizer, train_sentencepiece
 
 VOCAB_SIZE = 400
 SYMBOLS = ("<think>", "</think>")
@@ -157,7 +157,7 @@ def test_training_is_deterministic_across_processes(tmp_path):
     corpus_path, model_path = tmp_path / "corpus.json", tmp_path / "other.model"
     corpus_path.write_text(json.dumps(make_corpus()))
     script = (
-        "import json, sys; from rlscale.tokenizer import train_sentencepiece; "
+        "import json, sys; from rlscale.tokenizers import train_sentencepiece; "
         "corpus = json.load(open(sys.argv[1])); "
         f"t = train_sentencepiece(corpus, {VOCAB_SIZE}, user_defined_symbols={SYMBOLS!r}); "
         "open(sys.argv[2], 'wb').write(t.serialized)"

@@ -18,7 +18,7 @@ import os
 from absl import flags
 
 from rlscale import checkpoint, cli, saved_policy
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.model import hf
 
 FORMATS = ["hf", "rlscale"]

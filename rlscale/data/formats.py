@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping
 
 from absl import logging
 
-from rlscale import chat
 from rlscale.rewards import math as math_reward
+from rlscale.tokenizers import chat
 
 FORMATS = ("gsm8k", "math", "polaris", "verl", "trl", "fields")
 EXTENSIONS = (".jsonl", ".json", ".parquet")

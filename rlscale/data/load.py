@@ -2,8 +2,8 @@
 
 import os
 
-from rlscale import chat
 from rlscale.data import builders, formats, math_data, tasks
+from rlscale.tokenizers import chat
 
 # The files task (`math_data.FilesTask`); "math" is its name from when it read math files only.
 FILE_TASKS = ("files", "math")

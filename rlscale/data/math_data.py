@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from rlscale import chat
 from rlscale.data import builders, formats, tasks
 from rlscale.rewards import math as math_reward
+from rlscale.tokenizers import chat
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

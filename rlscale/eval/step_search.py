@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.reward_models import prm as prm_lib
 from rlscale.reward_models import step_labels
 from rlscale.sampling import scoring

@@ -27,7 +27,7 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_integer(
         "n", 64, "Prompts: the first n of the split (all if fewer).", flag_values=fv
     )
-    flags.DEFINE_string("tokenizer", None, "Tokenizer path (see tokenizer.load).", flag_values=fv)
+    flags.DEFINE_string("tokenizer", None, "Tokenizer path (see tokenizers.load).", flag_values=fv)
     flags.DEFINE_string(
         "workdir",
         None,

@@ -8,7 +8,7 @@ from absl import flags
 
 from rlscale import cli, saved_policy
 from rlscale import model as model_lib
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.reward_models import scalar_head
 
 
@@ -23,7 +23,7 @@ def define(fv: flags.FlagValues, defaults, ints: tuple, floats: tuple = ("lr", "
     flags.DEFINE_string(
         "tokenizer",
         None,
-        "Tokenizer path (tokenizer.load); default: the --init checkpoint's own, else its "
+        "Tokenizer path (tokenizers.load); default: the --init checkpoint's own, else its "
         "run's WORKDIR/tokenizer.model.",
         flag_values=fv,
     )

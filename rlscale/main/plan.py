@@ -8,9 +8,9 @@ target mesh, from its programs compiled ahead of time on this machine.
 The architecture is `--model`'s; everything else is the config's. The programs compile for
 `--devices` fake CPU devices (set here, before JAX starts), or with `--platform gpu|tpu` on
 that many attached devices (else on fake CPU devices, saying why). It prints the table
-(`rlscale.plan_report`), then FITS, or one `error: DOES NOT FIT: ...` line naming the largest
-term and its knobs with exit status 1; bad input gives `error:` lines and status 2. `--out`
-writes the plan as JSON. See docs/pods_and_planning.md.
+(`rlscale.planning.report`), then FITS, or one `error: DOES NOT FIT: ...` line naming the
+largest term and its knobs with exit status 1; bad input gives `error:` lines and status 2.
+`--out` writes the plan as JSON. See docs/pods_and_planning.md.
 """
 
 import os
@@ -65,8 +65,9 @@ if __name__ == "__main__":
 
 from absl import flags  # noqa: E402  (JAX starts after XLA_FLAGS, from here on)
 
-from rlscale import cli, plan_inputs, plan_report, planner, sharding  # noqa: E402
+from rlscale import cli, sharding  # noqa: E402
 from rlscale.model.config import NAMES  # noqa: E402
+from rlscale.planning import inputs, planner, report  # noqa: E402
 
 
 def define_flags(fv: flags.FlagValues, argv) -> None:
@@ -84,7 +85,7 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_string(
         "accelerator",
         None,
-        f"Peaks for the step-time bound: one of {', '.join(plan_report.ACCELERATORS)} "
+        f"Peaks for the step-time bound: one of {', '.join(report.ACCELERATORS)} "
         "(default: h100, or tpu_v5p with --platform tpu).",
         flag_values=fv,
     )
@@ -105,15 +106,15 @@ def _compiled_on(platform: str, n: int) -> str:
     """Where the programs compile, in words. When `platform` lacks the `n` devices, first
     runs this command again on fake CPU devices (JAX picks its platform once, at start)."""
     fallback = os.environ.get(_FALLBACK)
-    why = None if fallback or platform == "cpu" else plan_inputs.missing_devices(platform, n)
+    why = None if fallback or platform == "cpu" else inputs.missing_devices(platform, n)
     if why:
         argv = [sys.executable, "-m", __spec__.name, *sys.argv[1:]]
         os.execve(sys.executable, argv, {**os.environ, _FALLBACK: why})
-    return plan_inputs.devices_used(platform, n, fallback)
+    return inputs.devices_used(platform, n, fallback)
 
 
 def main(fv: flags.FlagValues) -> None:
-    problems, config, target, model_cfg = plan_inputs.resolve(
+    problems, config, target, model_cfg = inputs.resolve(
         fv.config,
         fv.model,
         mesh=fv.mesh,
@@ -126,17 +127,17 @@ def main(fv: flags.FlagValues) -> None:
     if problems:
         cli.fail("\n  ".join(problems), status=2)
     where = _compiled_on(fv.platform, target.devices)
-    acc = plan_report.ACCELERATORS[target.accelerator]
+    acc = report.ACCELERATORS[target.accelerator]
     train_mesh, gen_mesh = sharding.role_meshes(target.mesh, config.pipeline.generator_devices)
     p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, target.prompt_len)
-    fits, line = plan_report.verdict(p, target.hbm_bytes)
-    print(plan_report.table(p, acc, target.hbm_bytes, where, fv.model, config.recipe), flush=True)
+    fits, line = report.verdict(p, target.hbm_bytes)
+    print(report.table(p, acc, target.hbm_bytes, where, fv.model, config.recipe), flush=True)
     if fits:
         print("\n" + line)
     else:  # One line on stderr, as for bad input, after the table that explains it.
         print(f"error: {line}", file=sys.stderr)
     if fv.out:
-        plan_report.write(
+        report.write(
             fv.out,
             p,
             acc,

@@ -350,7 +350,7 @@ def save_hf(
       params: its params (any sharding; gathered one tensor at a time).
       family: the `model_type` to write (default: `family_of(cfg)`).
       max_shard_bytes: the largest safetensors file.
-      tokenizer: an `rlscale.tokenizer.Tokenizer`, written as `tokenizer.json` +
+      tokenizer: an `rlscale.tokenizers.Tokenizer`, written as `tokenizer.json` +
         `tokenizer_config.json` (`Tokenizer.to_hf`: a SentencePiece model is converted); its
         bos/eos/pad ids go into `config.json` and `generation_config.json`.
       stop_tokens: the ids rlscale's sampler stops at (`SamplingConfig.stop_tokens`: the EOS

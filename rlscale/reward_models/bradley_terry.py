@@ -27,12 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from rlscale import chat, checkpoint, sharding
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import checkpoint, sharding
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import preferences
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
 from rlscale.reward_models import scalar_head
+from rlscale.tokenizers import chat
 
 FORMAT = 1  # Version of reward_model.json's layout.
 META_FILE = "reward_model.json"

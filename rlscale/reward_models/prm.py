@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from rlscale import chat
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
 from rlscale.reward_models import bradley_terry as rm
 from rlscale.reward_models import scalar_head, step_labels
+from rlscale.tokenizers import chat
 
 FORMAT = 1  # Version of process_reward.json's layout.
 META_FILE = "process_reward.json"

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlscale import checkpoint, optim, sharding, supervised
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.model import decoder
 from rlscale.model.config import ModelConfig
 
@@ -372,7 +372,7 @@ def has_tokenizer(directory: str) -> bool:
 
 
 def check_tokenizer(rm_dir: str, tokenizer: tokenizer_lib.Tokenizer | str) -> None:
-    """Raises ValueError, naming both, unless `tokenizer` (an object or a `tokenizer.load`
+    """Raises ValueError, naming both, unless `tokenizer` (an object or a `tokenizers.load`
     path) is the one the reward model in `rm_dir` was trained with (`same_tokenizer`).
 
     Both are compared as loaded now, not against the hash in reward_model.json: another
@@ -398,7 +398,7 @@ def check_tokenizer(rm_dir: str, tokenizer: tokenizer_lib.Tokenizer | str) -> No
 
 
 def save_tokenizer(path: str, tokenizer: tokenizer_lib.Tokenizer) -> None:
-    """A copy where `tokenizer.load(path)` finds it; the other kind's files are removed (a
+    """A copy where `tokenizers.load(path)` finds it; the other kind's files are removed (a
     stale tokenizer.json would win over a new tokenizer.model)."""
     sp = os.path.join(path, tokenizer_lib.SENTENCEPIECE_FILE)
     hf_files = [

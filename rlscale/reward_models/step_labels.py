@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 
 from rlscale import saved_policy
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import formats
 from rlscale.sampling import scoring
 from rlscale.sampling.sampler import SamplingConfig

@@ -10,7 +10,7 @@ import os
 import jax
 
 from rlscale import objectives, sharding
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.objectives import preference as preference_losses
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib

@@ -16,10 +16,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale import chat, sharding, stage_cache, warm_start
+from rlscale import sharding, stage_cache, warm_start
 from rlscale.data import filters, preferences
 from rlscale.data.preferences import Pair
 from rlscale.rl import rollouts
+from rlscale.tokenizers import chat
 
 # `preference.file` naming pairs the run samples from its warm start at set-up, cached in
 # the stage `stage_cache.PREFERENCE_PAIRS` (PAIRS_FILE, in the stage's directory).

@@ -35,7 +35,7 @@ from rlscale import (
     stage_cache,
     warm_start,
 )
-from rlscale import tokenizer as tokenizer_lib
+from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.eval import heldout
@@ -240,7 +240,7 @@ def _tokenizer(tok: TokenizerConfig, task, workdir, problems):
 
 def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
     """The run's learner from the resolved run's objective, batch, sampling, learner and optim
-    sections (`build`, and `rlscale.planner` for the same program)."""
+    sections (`build`, and `rlscale.planning` for the same program)."""
     G, M, u = config.batch.group_size, config.sampling.max_new_tokens, config.learner
     return learner.Learner(
         graphdef=graphdef,

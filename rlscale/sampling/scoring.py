@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from rlscale import chat, sharding
+from rlscale import sharding
 from rlscale.rewards import isolation
 from rlscale.sampling.sampler import Sampler, SamplingConfig
+from rlscale.tokenizers import chat
 
 
 @dataclasses.dataclass

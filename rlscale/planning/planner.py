@@ -36,8 +36,8 @@ worst-case batch (every completion `max_new_tokens` long); an update's micro-bat
 loops (also `while_loop`s) count as many trips as that batch fills micro-batches.
 
 What a plan says against an accelerator (the table, the verdict on a memory budget, the
-knobs to turn, the step-time bound) is `plan_report`'s; the checks of what a plan is asked
-for are `plan_inputs`'.
+knobs to turn, the step-time bound) is `report`'s; the checks of what a plan is asked for
+are `inputs`'.
 """
 
 import dataclasses
@@ -322,9 +322,9 @@ class Plan:
       programs: per compiled program its cost entry (`programs.cost`, per call, loop bodies
         counted once), `loop_factor`, calls per step and FLOPs per step.
       decode_bytes: per device, what each decode step reads: the generator's weights and the
-        engine state (the memory traffic of `plan_report.estimate`'s bound).
+        engine state (the memory traffic of `report.estimate`'s bound).
       info: the shapes planned (prompt length, completion length, rows, slots, ...) and, as
-        `settings`, the knob values `plan_report.advice` names.
+        `settings`, the knob values `report.advice` names.
     """
 
     per_device_bytes: dict
@@ -374,7 +374,7 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
     accounts its memory and work per device (`Plan`).
 
     Args:
-      config: the resolved run (`rl.resolve`, `plan_inputs.resolve`).
+      config: the resolved run (`rl.resolve`, `inputs.resolve`).
       model_cfg: the policy's architecture and numerics (`model_config`).
       train_mesh, gen_mesh: `sharding.role_meshes(config.mesh.shape, generator_devices)`.
       prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
@@ -481,7 +481,7 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
 
 
 def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
-    """The run's values of the knobs `plan_report.advice` names, and the next values of
+    """The run's values of the knobs `report.advice` names, and the next values of
     those the run's checks constrain, on the trainer `mesh`."""
     return {
         "mesh": tuple(config.mesh.shape),

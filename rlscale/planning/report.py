@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 
-from rlscale import planner
+from rlscale.planning import planner
 
 GIB = 1 << 30
 

@@ -15,8 +15,8 @@ import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 
-from rlscale.hf_tokenizer import SPECIAL_ROLES, HFTokenizer
-from rlscale.tokenizer_interface import Tokenizer, add_specials
+from rlscale.tokenizers.hf import SPECIAL_ROLES, HFTokenizer
+from rlscale.tokenizers.interface import Tokenizer, add_specials
 
 PAD_ID = 0
 UNK_ID = 1

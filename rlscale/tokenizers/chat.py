@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from rlscale.tokenizer import Tokenizer
+from rlscale.tokenizers.interface import Tokenizer
 
 Message = Mapping[str, str]
 ROLES = ("system", "user", "assistant")

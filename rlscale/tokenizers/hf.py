@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import tokenizers
 
-from rlscale.tokenizer_interface import Tokenizer, add_specials
+from rlscale.tokenizers.interface import Tokenizer, add_specials
 
 # Files of a Hugging Face tokenizer directory.
 HF_TOKENIZER_FILE = "tokenizer.json"

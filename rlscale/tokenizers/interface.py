@@ -1,8 +1,8 @@
 """The `Tokenizer` interface: what the rest of rlscale sees of a tokenizer.
 
 Text to ids and back, the special ids and a lookup for marker pieces such as `</think>`.
-The backends live in `sentencepiece_tokenizer` and `hf_tokenizer`; `rlscale.tokenizer`
-is the public entry (`load` and these names).
+The backends live in `sentencepiece` and `hf`; the package, `rlscale.tokenizers`, is the
+public entry (`load` and these names).
 """
 
 from __future__ import annotations

@@ -1,25 +1,28 @@
 """Tokenizers: the public entry, `load` and the names callers use.
 
-The rest of rlscale only sees `Tokenizer` (`tokenizer_interface`). `SentencePieceTokenizer`
-and `train_sentencepiece` (`sentencepiece_tokenizer`) wrap and build a SentencePiece model;
-`HFTokenizer` (`hf_tokenizer`) wraps a Hugging Face `tokenizer.json`. `load(path)` picks the
-backend from what is on disk. `Tokenizer.to_hf()` gives any of them as an `HFTokenizer` (a
-SentencePiece model converted to an equivalent `tokenizer.json`), which `HFTokenizer.save`
-writes where transformers' `AutoTokenizer` reads it: how an exported policy carries its
-tokenizer.
+The rest of rlscale only sees `Tokenizer` (`interface`). `SentencePieceTokenizer` and
+`train_sentencepiece` (`sentencepiece`) wrap and build a SentencePiece model; `HFTokenizer`
+(`hf`) wraps a Hugging Face `tokenizer.json`. `load(path)` picks the backend from what is on
+disk. `Tokenizer.to_hf()` gives any of them as an `HFTokenizer` (a SentencePiece model
+converted to an equivalent `tokenizer.json`), which `HFTokenizer.save` writes where
+transformers' `AutoTokenizer` reads it: how an exported policy carries its tokenizer.
+
+`chat` turns a conversation into the text a tokenizer encodes (each family's chat template,
+the reasoning format) and gives the ids a prompt starts with and a turn ends with.
 """
 
 from __future__ import annotations
 
 import os
 
-from rlscale.hf_tokenizer import (
+from rlscale.tokenizers.hf import (
     HF_CONFIG_FILE,
     HF_SPECIAL_TOKENS_FILE,
     HF_TOKENIZER_FILE,
     HFTokenizer,
 )
-from rlscale.sentencepiece_tokenizer import (
+from rlscale.tokenizers.interface import Tokenizer
+from rlscale.tokenizers.sentencepiece import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -28,7 +31,6 @@ from rlscale.sentencepiece_tokenizer import (
     SentencePieceTokenizer,
     train_sentencepiece,
 )
-from rlscale.tokenizer_interface import Tokenizer
 
 __all__ = [
     "BOS_ID",

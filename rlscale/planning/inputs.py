@@ -10,8 +10,9 @@ import difflib
 import jax
 import ml_collections
 
-from rlscale import plan_report, planner, rl, sections
+from rlscale import rl, sections
 from rlscale.model.config import NAMES
+from rlscale.planning import planner, report
 from rlscale.rl import checks
 from rlscale.rl import run_config as resolve_lib
 
@@ -23,7 +24,7 @@ class Target:
     Attributes:
       mesh: data, fsdp and tensor sizes.
       devices: the devices planned for (the mesh's product).
-      accelerator: a key of `plan_report.ACCELERATORS`.
+      accelerator: a key of `report.ACCELERATORS`.
       hbm_bytes: memory per device.
       prompt_len: the longest prompt, in tokens.
     """
@@ -74,12 +75,12 @@ def check_target(
         problems.append(f"--model={model}: no such model; {hint}known: {', '.join(NAMES)}")
     accelerator = accelerator or ("tpu_v5p" if platform == "tpu" else "h100")
     hbm = None
-    if accelerator not in plan_report.ACCELERATORS:
-        known = ", ".join(plan_report.ACCELERATORS)
+    if accelerator not in report.ACCELERATORS:
+        known = ", ".join(report.ACCELERATORS)
         problems.append(f"--accelerator={accelerator}: not one of {known}")
     else:
-        acc = plan_report.ACCELERATORS[accelerator]
-        hbm = (hbm_gib * plan_report.GIB) if hbm_gib is not None else acc.hbm_bytes
+        acc = report.ACCELERATORS[accelerator]
+        hbm = (hbm_gib * report.GIB) if hbm_gib is not None else acc.hbm_bytes
         if hbm_gib is not None and hbm_gib <= 0:
             problems.append(f"--hbm_gib={hbm_gib}: must be > 0")
     longest = prompt_len or (max(buckets) if buckets else 0)
