@@ -1,7 +1,8 @@
-"""The generator engine's device side: continuous batching over fixed decode slots sharing one
-ring KV cache, with weights that can change between decode calls (each token records its
-version): its state and module-level jitted programs; the host `Generator` that drives them is
-in `sampling.generator`. See docs/model_and_sampling.md.
+"""The generator engine's device side: continuous batching over fixed decode slots, each
+owning its row of one preallocated KV cache (its own write position: a prompt at columns
+[0, P), then one column per token), with weights that can change between decode calls (each
+token records its version): its state and module-level jitted programs; the host `Generator`
+that drives them is in `sampling.generator`. See docs/model_and_sampling.md.
 
 Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill call,
 P their padded prompt length, G samples per request, N = R x G.
@@ -91,7 +92,7 @@ def insert(
 ):
     """Prefills R left-padded prompts once and writes sample g of row r into slot
     `slot_RG[r, g]` (an index >= S writes nothing: a padding row, or a sample another row
-    places), behind the ring's write index. `keydata_R` holds the rows' request keys as
+    places), its prompt at the slot's columns [0, P). `keydata_R` holds the rows' request keys as
     `jax.random.key_data`; sample g draws with fold_in(key, g).
 
     On a mesh the rows split over the batch axes as the slots do, and every slot of a row
@@ -145,7 +146,7 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
     shard's: its slot i is slot `first_slot` + i of the engine; a slot outside it writes
     nothing.
 
-    A new slot gets the prompt's KV columns (just behind the write index) and a validity row
+    A new slot gets the prompt's KV at columns [0, P), its write index P, and a validity row
     that is False everywhere else. Its other KV columns keep what an earlier sequence wrote
     there: attention gives a column that is not valid a weight of exactly 0 (its score is
     the float32 minimum), so those finite values add exactly 0, and no full-width row is
@@ -157,29 +158,29 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
     local_N = slot_RG.reshape(-1) - first_slot
     slot_N = jnp.where((local_N >= 0) & (local_N < S), local_N, S)
     tile = functools.partial(jnp.repeat, repeats=G, axis=0)
-    cols_P = (state.cache.index - P + jnp.arange(P)) % C
 
     def put(x, update):
         return x.at[slot_N].set(update, mode="drop")
 
-    # The prompt's columns of the new slots: [N, P, ...] updates at (slot, column).
+    # The prompt's columns [0, P) of the new slots.
     k = tuple(
-        ring.at[slot_N[:, None], :, :, cols_P].set(
-            tile(part).transpose(0, 3, 1, 2).astype(ring.dtype), mode="drop"
-        )
-        for ring, part in zip(state.cache.k, new["k"])
+        buf.at[slot_N, :, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+        for buf, part in zip(state.cache.k, new["k"])
     )
     v = tuple(
-        ring.at[slot_N[:, None], :, cols_P].set(
-            tile(part).transpose(0, 2, 1, 3).astype(ring.dtype), mode="drop"
-        )
-        for ring, part in zip(state.cache.v, new["v"])
+        buf.at[slot_N, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+        for buf, part in zip(state.cache.v, new["v"])
     )
-    valid_NC = jnp.zeros((R * G, C), bool).at[:, cols_P].set(tile(new["mask_RP"]))
+    valid_NC = jnp.zeros((R * G, C), bool).at[:, :P].set(tile(new["mask_RP"]))
     keys_N = jax.vmap(jax.random.fold_in)(tile(new["key_R"]), jnp.tile(jnp.arange(G), R))
     fresh = empty_rows(R * G, cfg.max_new_tokens, cfg.pad_id)
     return state._replace(
-        cache=state.cache._replace(k=k, v=v, valid_BS=put(state.cache.valid_BS, valid_NC)),
+        cache=state.cache._replace(
+            k=k,
+            v=v,
+            valid_BS=put(state.cache.valid_BS, valid_NC),
+            index_B=put(state.cache.index_B, jnp.full((R * G,), P, jnp.int32)),
+        ),
         logits_SV=put(state.logits_SV, tile(new["logits_RV"])),
         pos_S=put(state.pos_S, tile(new["pos_R"])),
         key_S=put(state.key_S, keys_N),
@@ -210,7 +211,8 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
     def body(c):
         s, j, n = c
         live_S = ~finished(s)
-        cache = s.cache._replace(index=s.cache.index % C)
+        index_S = s.cache.index_B
+        cache = s.cache._replace(index_B=jnp.where(live_S, index_S, C))  # C: writes nothing.
         carry = {"logits_NV": s.logits_SV, "cache": cache, "pos_N": s.pos_S, **s.rows}
         d = decode_step(graphdef, params, carry, s.key_S, live_S, cfg)
         i_S = s.rows["length_N"]
@@ -219,7 +221,7 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
         rows = {k: d[k] for k in s.rows}
         token_S = d["tokens_NM"][jnp.arange(S), jnp.minimum(i_S, cfg.max_new_tokens - 1)]
         s = s._replace(
-            cache=d["cache"]._replace(index=d["cache"].index % C),
+            cache=d["cache"]._replace(index_B=index_S + live_S),
             logits_SV=d["logits_NV"].astype(jnp.float32),
             pos_S=d["pos_N"],
             last_S=jnp.where(live_S, token_S, s.last_S),
@@ -237,15 +239,16 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
 )
 def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
     """New weights for the live slots: each one's last token is run again under `params` (its
-    own cache column rewritten), so the next token is drawn from the new policy."""
+    own cache column, index - 1, rewritten), so the next token is drawn from the new policy."""
     C = state.cache.valid_BS.shape[1]
     live_S = ~finished(state)
-    cache = state.cache._replace(index=(state.cache.index - 1) % C)
+    index_S = state.cache.index_B
+    cache = state.cache._replace(index_B=jnp.where(live_S, index_S - 1, C))
     logits_S1V, cache = decoder.forward(
         graphdef, params, state.last_S[:, None], (state.pos_S - 1)[:, None], live_S[:, None], cache
     )
     state = state._replace(
-        cache=cache._replace(index=cache.index % C),
+        cache=cache._replace(index_B=index_S),
         logits_SV=jnp.where(live_S[:, None], logits_S1V[:, 0].astype(jnp.float32), state.logits_SV),
         version=jnp.asarray(version, jnp.int32),
     )

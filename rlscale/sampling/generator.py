@@ -247,10 +247,6 @@ class Generator:
         fits = min(len(self.free) // G, len(self.queue))
         if not fits:
             return
-        if not self.running:  # Idle: restart the ring, so the same work computes the same
-            # bits whatever ran before (a resumed run samples as the uninterrupted one did).
-            cache = self.state.cache._replace(index=self._replicated(np.int32(0))[0])
-            self.state = self.state._replace(cache=cache)
         taken, self.queue = self.queue[:fits], self.queue[fits:]
         by_bucket: dict[int, list] = {}
         for r, keydata in taken:

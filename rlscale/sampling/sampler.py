@@ -284,8 +284,10 @@ def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -
     `c` holds `logits_NV` (the next token's logits), `cache`, `pos_N` (the next token's
     position) and the per-row state of `empty_rows`. Row n draws its token from
     `logits_NV[n]` with `row_uniforms(key_N, length_N)`, writes it at column `length_N[n]`,
-    and runs it through the model (cache slot `cache.index`) for the next logits. Rows that
-    are not live write nothing and do not advance.
+    and runs it through the model (cache slot `cache.index_B[n]`) for the next logits. Rows
+    that are not live write nothing to the completion and do not advance; what they write to
+    the cache is the caller's (the static sampler's rows keep one shared index, the engine
+    points a row that is not live past the cache's end).
     """
     i_N = c["length_N"]
     token_N, logp_N = sample_tokens(c["logits_NV"], row_uniforms(key_N, i_N), cfg)
@@ -359,9 +361,7 @@ def generate(
     # n samples per prompt share the prefill: tile the cache along the batch.
     if n > 1:
         tile = functools.partial(jnp.repeat, repeats=n, axis=0)
-        cache = cache._replace(
-            k=tuple(map(tile, cache.k)), v=tuple(map(tile, cache.v)), valid_BS=tile(cache.valid_BS)
-        )
+        cache = decoder.KVCache(*jax.tree.map(tile, tuple(cache)))
         logits_BV, pos_B = tile(logits_BV), tile(pos_B)
     cache = _constrain(cache, cache_axes, layout)
     key_N = row_keys(rng, B, n)
