@@ -4,6 +4,10 @@ owning its row of one preallocated KV cache (its own write position: a prompt at
 token records its version): its state and module-level jitted programs; the host `Generator`
 that drives them is in `sampling.generator`. See docs/model_and_sampling.md.
 
+A slot is live (decodes) while its sample is neither finished nor waiting: a sample waits
+once its tokens of the current turn end with one of `SamplingConfig.action_stops`, until the
+environment's reply arrives.
+
 Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill call,
 P their padded prompt length, G samples per request, N = R x G.
 """
@@ -14,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from rlscale import sharding
@@ -31,8 +36,9 @@ class EngineState(NamedTuple):
     """Everything on the device; rows are slots.
 
     `limit_S` is each slot's token budget (0 for an empty slot, so it counts as finished);
-    `last_S` the last token run through the model (re-run under new weights); `version` the
-    policy version of the current params."""
+    `last_S` the last token run through the model (re-run under new weights); `waiting_S`
+    which samples stopped at an action; `turn_S` the completion column where each sample's
+    current turn began; `version` the policy version of the current params."""
 
     cache: decoder.KVCache
     logits_SV: jax.Array
@@ -41,6 +47,8 @@ class EngineState(NamedTuple):
     limit_S: jax.Array
     last_S: jax.Array
     version_SM: jax.Array
+    waiting_S: jax.Array
+    turn_S: jax.Array
     rows: dict  # `sampler.empty_rows` fields, N = S.
     version: jax.Array
 
@@ -48,6 +56,25 @@ class EngineState(NamedTuple):
 def finished(state: EngineState):
     """Each slot's sample is done: stopped, or its token budget spent (an empty slot too)."""
     return state.rows["done_N"] | (state.rows["length_N"] >= state.limit_S)
+
+
+def live(state: EngineState):
+    """The slots that decode: their samples neither finished nor waiting for a reply."""
+    return ~finished(state) & ~state.waiting_S
+
+
+def action_stopped(tokens_SM, length_S, turn_S, action_stops):
+    """[S] whether each sample's tokens of its current turn (columns turn_S .. length_S - 1)
+    end with one of the `action_stops` sequences: the last W = the longest's length columns
+    compared with every sequence, right-aligned."""
+    W = max(map(len, action_stops))
+    stops_AW = np.full((len(action_stops), W), -1, np.int32)
+    for a, seq in enumerate(action_stops):
+        stops_AW[a, W - len(seq) :] = seq
+    cols_SW = length_S[:, None] - W + jnp.arange(W)
+    tokens_SW = jnp.take_along_axis(tokens_SM, jnp.clip(cols_SW, 0, tokens_SM.shape[1] - 1), 1)
+    hit_SAW = (tokens_SW[:, None] == stops_AW) & (cols_SW >= turn_S[:, None])[:, None]
+    return jnp.any(jnp.all(hit_SAW | (stops_AW < 0), axis=-1), axis=-1)
 
 
 def _state_axes(model_cfg: ModelConfig, state: EngineState):
@@ -67,6 +94,8 @@ def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layo
         limit_S=jnp.zeros((S,), jnp.int32),
         last_S=jnp.zeros((S,), jnp.int32),
         version_SM=jnp.zeros((S, M), jnp.int32),
+        waiting_S=jnp.zeros((S,), bool),
+        turn_S=jnp.zeros((S,), jnp.int32),
         rows=empty_rows(S, M, cfg.pad_id),
         version=jnp.zeros((), jnp.int32),
     )
@@ -187,6 +216,8 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
         limit_S=put(state.limit_S, limit_RG.reshape(-1)),
         last_S=put(state.last_S, tile(new["last_R"])),
         version_SM=put(state.version_SM, jnp.zeros_like(fresh["tokens_NM"])),
+        waiting_S=put(state.waiting_S, jnp.zeros((R * G,), bool)),
+        turn_S=put(state.turn_S, jnp.zeros((R * G,), jnp.int32)),
         rows={name: put(x, fresh[name]) for name, x in state.rows.items()},
     )
 
@@ -196,30 +227,32 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
 )
 def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
     """Advances every live slot by up to `steps` tokens; returns (state, steps run, tokens
-    generated). Stops early when every slot is done, or once `wanted` slots have finished in
+    generated). Stops early when no slot is live, or once `wanted` slots have finished in
     this call (a waiting request needs them; 0: never), so it starts without waiting out the
-    call."""
+    call. A slot whose tokens of this turn end with an action stop stops advancing and waits;
+    the others go on."""
     C = state.cache.valid_BS.shape[1]
-    S = state.limit_S.shape[0]
+    S, M = state.limit_S.shape[0], cfg.max_new_tokens
     live0_S = ~finished(state)
 
     def cond(c):
         finished_S = finished(c[0])
         freed = (wanted > 0) & (jnp.sum(live0_S & finished_S) >= wanted)
-        return (c[1] < steps) & ~jnp.all(finished_S) & ~freed
+        return (c[1] < steps) & jnp.any(live(c[0])) & ~freed
 
     def body(c):
         s, j, n = c
-        live_S = ~finished(s)
+        live_S = live(s)
         index_S = s.cache.index_B
         cache = s.cache._replace(index_B=jnp.where(live_S, index_S, C))  # C: writes nothing.
         carry = {"logits_NV": s.logits_SV, "cache": cache, "pos_N": s.pos_S, **s.rows}
         d = decode_step(graphdef, params, carry, s.key_S, live_S, cfg)
         i_S = s.rows["length_N"]
-        col_S = jnp.where(live_S, i_S, cfg.max_new_tokens)
+        col_S = jnp.where(live_S, i_S, M)
         version_SM = s.version_SM.at[jnp.arange(S), col_S].set(s.version, mode="drop")
         rows = {k: d[k] for k in s.rows}
-        token_S = d["tokens_NM"][jnp.arange(S), jnp.minimum(i_S, cfg.max_new_tokens - 1)]
+        at_S = jnp.minimum(i_S, M - 1)
+        token_S = d["tokens_NM"][jnp.arange(S), at_S]
         s = s._replace(
             cache=d["cache"]._replace(index_B=index_S + live_S),
             logits_SV=d["logits_NV"].astype(jnp.float32),
@@ -228,6 +261,11 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
             version_SM=version_SM,
             rows=rows,
         )
+        if cfg.action_stops:  # A forced token never ends a turn (as it never ends a sample).
+            sampled_S = live_S & ~d["forced_NM"][jnp.arange(S), at_S] & ~finished(s)
+            stops = cfg.action_stops
+            acted_S = action_stopped(rows["tokens_NM"], rows["length_N"], s.turn_S, stops)
+            s = s._replace(waiting_S=s.waiting_S | (sampled_S & acted_S))
         return _constrain(s, _state_axes(model_cfg, s), layout), j + 1, n + jnp.sum(live_S)
 
     zero = jnp.zeros((), jnp.int32)
@@ -239,9 +277,10 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
 )
 def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
     """New weights for the live slots: each one's last token is run again under `params` (its
-    own cache column, index - 1, rewritten), so the next token is drawn from the new policy."""
+    own cache column, index - 1, rewritten), so the next token is drawn from the new policy.
+    (A waiting slot's next logits come from its reply, run under the weights of then.)"""
     C = state.cache.valid_BS.shape[1]
-    live_S = ~finished(state)
+    live_S = live(state)
     index_S = state.cache.index_B
     cache = state.cache._replace(index_B=jnp.where(live_S, index_S - 1, C))
     logits_S1V, cache = decoder.forward(

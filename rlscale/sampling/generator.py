@@ -1,6 +1,7 @@
 """The generator engine's host side: `Generator` takes `Request`s in and gives `Completed`
-ones out, keeping the request queue, the free slots, weight changes between decode calls and
-the harvest of finished samples; it drives the device programs of `sampling.engine`, whose
+ones out (and, for multi-turn episodes, the `Turn`s that wait for an environment's reply),
+keeping the request queue, the free slots, weight changes between decode calls and the
+harvest of finished samples; it drives the device programs of `sampling.engine`, whose
 docstring states the engine's invariants.
 
 Dimension letters: S slots, M max new tokens, V vocab, R rows of one prefill call, P their
@@ -55,6 +56,32 @@ class Completed(NamedTuple):
     interrupted_G: np.ndarray
 
 
+class Turn(NamedTuple):
+    """A sample stopped at an action stop (`SamplingConfig.action_stops`): its slot waits for
+    the environment's reply and decodes nothing meanwhile.
+
+    Attributes:
+      slot: the decode slot, the handle of the reply.
+      request: the request the sample belongs to.
+      sample: which of the request's G samples (g).
+      tokens: the turn's tokens as sampled, from the end of the previous reply (or the start
+        of the completion) to the action stop, included.
+    """
+
+    slot: int
+    request: Request
+    sample: int
+    tokens: np.ndarray
+
+
+class Stepped(NamedTuple):
+    """What `Generator.step` returns: the requests whose samples are all done, and the
+    samples that stopped at an action in this step."""
+
+    completed: list[Completed]
+    waiting: list[Turn]
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters since the engine started: decode steps run, slot-steps (steps x slots),
@@ -77,8 +104,8 @@ class Generator:
     """Requests in, completed requests out, over `slots` decode slots.
 
     Host side of the engine: a queue of requests, the free slots, weight changes between
-    decode calls, and harvesting finished samples. Every bad input fails in `submit` or at
-    construction, before anything is compiled.
+    decode calls, and harvesting finished samples and the turns that wait. Every bad input
+    fails in `submit` or at construction, before anything is compiled.
 
     Args:
       graphdef, model_cfg: the policy.
@@ -122,6 +149,10 @@ class Generator:
                 f"prompt bucket {bucket} + max_new_tokens={cfg.max_new_tokens} exceeds the "
                 f"model's max_seq_len={model_cfg.max_seq_len}"
             )
+        V = model_cfg.vocab_size
+        bad = sorted({t for seq in cfg.action_stops for t in seq if t >= V})
+        if bad:
+            problems.append(f"action_stops has token id(s) {bad[:5]} outside [0, {V})")
         if problems:
             raise ValueError("Invalid generator: " + "; ".join(problems))
         self.cfg, self.slots, self.max_prompt_len = cfg, slots, max_prompt_len
@@ -142,6 +173,7 @@ class Generator:
         self.free = list(range(slots))
         self.running: dict[int, tuple[Request, list[int]]] = {}  # Slot -> (request, its slots).
         self.partial: dict[int, dict] = {}  # id(request) -> harvested rows so far.
+        self.waiting: dict[int, Turn] = {}  # Slot -> its turn, reported by `step`.
         self.stats = EngineStats()
 
     # -- host API --------------------------------------------------------------------------
@@ -190,9 +222,10 @@ class Generator:
     def live_slots(self) -> int:
         return self.slots - len(self.free)
 
-    def step(self, max_steps: int) -> list[Completed]:
-        """Admits queued requests into free slots, decodes up to `max_steps` tokens per slot
-        and returns the requests whose samples are all done."""
+    def step(self, max_steps: int) -> Stepped:
+        """Admits queued requests into free slots, decodes up to `max_steps` tokens per live
+        slot and returns the requests whose samples are all done and the samples that
+        stopped at an action (each reported once)."""
         if self.params is None:
             raise ValueError("Generator.step before set_params: no weights to sample with")
         if self._stale:
@@ -208,7 +241,7 @@ class Generator:
             self._stale = False
         self._admit()
         if not self.running:
-            return []
+            return Stepped([], [])
         t = time.perf_counter()
         # Waiting requests: stop once they can start, but admit at least an eighth of the
         # slots at a time (each admission is a prefill program that reads every weight).
@@ -278,11 +311,12 @@ class Generator:
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
 
-    def _harvest(self) -> list[Completed]:
-        finished_S = sharding.fetch(engine.finished(self.state))
+    def _harvest(self) -> Stepped:
+        finished_S, waiting_S = sharding.fetch((engine.finished(self.state), self.state.waiting_S))
         done = [s for s in self.running if finished_S[s]]
-        if not done:
-            return []
+        waits = [s for s in self.running if waiting_S[s] and s not in self.waiting]
+        if not done and not waits:
+            return Stepped([], [])
         rows = self.state.rows
         host = sharding.fetch(
             {
@@ -293,8 +327,13 @@ class Generator:
                 "lengths": rows["length_N"],
                 "stopped": rows["done_N"],
                 "interrupted": rows["interrupted_N"],
+                "turns": self.state.turn_S,
             }
         )
+        for s in sorted(waits):
+            r, own = self.running[s]
+            turn = host["tokens"][s, host["turns"][s] : host["lengths"][s]]
+            self.waiting[s] = Turn(s, r, own.index(s), np.asarray(turn))
         completed = []
         for s in sorted(done):
             r, own = self.running.pop(s)
@@ -305,7 +344,7 @@ class Generator:
                 del self.partial[id(r)]
                 completed.append(self._completed(r, [got[g] for g in range(len(own))]))
         self.free.sort()
-        return completed
+        return Stepped(completed, [self.waiting[s] for s in sorted(waits)])
 
     def _completed(self, r: Request, rows: list[dict]) -> Completed:
         def stack(k):

@@ -41,6 +41,26 @@ def think_budget_problems(
     return []
 
 
+MAX_ACTION_STOP = 8  # The longest action stop sequence (the engine compares this many tokens).
+
+
+def action_stop_problems(action_stops) -> list[str]:
+    """`SamplingConfig.action_stops` must be a tuple of tuples of 1 to `MAX_ACTION_STOP`
+    non-negative integer ids (tuples: the config is hashed as a jit static argument)."""
+    if not isinstance(action_stops, tuple):
+        return [f"action_stops={action_stops!r} must be a tuple of token-id tuples"]
+    problems = []
+    for i, seq in enumerate(action_stops):
+        where = f"action_stops[{i}]={seq!r}"
+        if not isinstance(seq, tuple) or not 1 <= len(seq) <= MAX_ACTION_STOP:
+            problems.append(f"{where} must be a tuple of 1 to {MAX_ACTION_STOP} token ids")
+        elif not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in seq
+        ):
+            problems.append(f"{where} must hold non-negative integer token ids")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Static sampling settings (a change recompiles; values inside them do not vary per call).
@@ -66,6 +86,10 @@ class SamplingConfig:
       interrupt_ids: the end-of-thinking phrase's ids.
       think_end_tokens: ids that close the thinking; a row that samples one is never
         interrupted.
+      action_stops: token-id sequences (each 1 to `MAX_ACTION_STOP` ids) that end a turn of a
+        multi-turn episode in the generator engine: a sample whose tokens of the current turn
+        end with one (its last token sampled, not forced) stops and waits for the
+        environment's reply (`generator.Generator.step`). The static sampler ignores them.
     """
 
     max_new_tokens: int = 64
@@ -80,9 +104,10 @@ class SamplingConfig:
     think_budget: int = 0
     interrupt_ids: tuple[int, ...] = ()
     think_end_tokens: tuple[int, ...] = ()
+    action_stops: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        problems = []
+        problems = action_stop_problems(self.action_stops)
         if self.think_budget < 0:
             problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
         if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):
