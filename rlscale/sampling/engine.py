@@ -6,10 +6,13 @@ that drives them is in `sampling.generator`. See docs/model_and_sampling.md.
 
 A slot is live (decodes) while its sample is neither finished nor waiting: a sample waits
 once its tokens of the current turn end with one of `SamplingConfig.action_stops`, until the
-environment's reply arrives.
+environment's reply is appended to it (`extend`: its KV cache, its completion as environment
+tokens) or its episode ends. A completion's M columns hold its policy and environment tokens
+alike, and so does its cache row: C >= P + M columns hold any sample.
 
-Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill call,
-P their padded prompt length, G samples per request, N = R x G.
+Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill
+call (prompts, or environment replies), P their padded prompt length, T their padded reply
+length, G samples per request, N = R x G.
 """
 
 import functools
@@ -19,7 +22,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from rlscale import sharding
 from rlscale.model import decoder
@@ -38,7 +40,8 @@ class EngineState(NamedTuple):
     `limit_S` is each slot's token budget (0 for an empty slot, so it counts as finished);
     `last_S` the last token run through the model (re-run under new weights); `waiting_S`
     which samples stopped at an action; `turn_S` the completion column where each sample's
-    current turn began; `version` the policy version of the current params."""
+    current turn began; `env_SM` which completion tokens the environment wrote (logprob 0,
+    version -1); `version` the policy version of the current params."""
 
     cache: decoder.KVCache
     logits_SV: jax.Array
@@ -49,6 +52,7 @@ class EngineState(NamedTuple):
     version_SM: jax.Array
     waiting_S: jax.Array
     turn_S: jax.Array
+    env_SM: jax.Array
     rows: dict  # `sampler.empty_rows` fields, N = S.
     version: jax.Array
 
@@ -65,16 +69,16 @@ def live(state: EngineState):
 
 def action_stopped(tokens_SM, length_S, turn_S, action_stops):
     """[S] whether each sample's tokens of its current turn (columns turn_S .. length_S - 1)
-    end with one of the `action_stops` sequences: the last W = the longest's length columns
-    compared with every sequence, right-aligned."""
-    W = max(map(len, action_stops))
-    stops_AW = np.full((len(action_stops), W), -1, np.int32)
+    end with one of the `action_stops` sequences: each sample's last columns, as many as the
+    longest sequence has, compared with every sequence right-aligned."""
+    width = max(map(len, action_stops))
+    table = np.full((len(action_stops), width), -1, np.int32)  # -1: no token there.
     for a, seq in enumerate(action_stops):
-        stops_AW[a, W - len(seq) :] = seq
-    cols_SW = length_S[:, None] - W + jnp.arange(W)
-    tokens_SW = jnp.take_along_axis(tokens_SM, jnp.clip(cols_SW, 0, tokens_SM.shape[1] - 1), 1)
-    hit_SAW = (tokens_SW[:, None] == stops_AW) & (cols_SW >= turn_S[:, None])[:, None]
-    return jnp.any(jnp.all(hit_SAW | (stops_AW < 0), axis=-1), axis=-1)
+        table[a, width - len(seq) :] = seq
+    cols = length_S[:, None] - width + jnp.arange(width)
+    last = jnp.take_along_axis(tokens_SM, jnp.clip(cols, 0, tokens_SM.shape[1] - 1), axis=1)
+    hit = (last[:, None] == table) & (cols >= turn_S[:, None])[:, None]
+    return jnp.any(jnp.all(hit | (table < 0), axis=-1), axis=-1)
 
 
 def _state_axes(model_cfg: ModelConfig, state: EngineState):
@@ -96,6 +100,7 @@ def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layo
         version_SM=jnp.zeros((S, M), jnp.int32),
         waiting_S=jnp.zeros((S,), bool),
         turn_S=jnp.zeros((S,), jnp.int32),
+        env_SM=jnp.zeros((S, M), bool),
         rows=empty_rows(S, M, cfg.pad_id),
         version=jnp.zeros((), jnp.int32),
     )
@@ -141,14 +146,7 @@ def insert(
         "last_R": tokens_RP[:, -1],
         "key_R": jax.random.wrap_key_data(keydata_R),
     }
-    place = functools.partial(_place, cfg=cfg)
-    if layout is None:
-        return place(state, new, slot_RG, limit_RG, first_slot=0)
-    specs = jax.tree.map(
-        lambda s: s.spec,
-        sharding.tree_shardings(state, _state_axes(model_cfg, state), layout.mesh, layout.rules),
-    )
-    batch = specs.limit_S[0]  # The mesh axes the slots split over (None: not split).
+    specs = _state_specs(model_cfg, state, layout)
     new_specs = {
         "k": specs.cache.k,
         "v": specs.cache.v,
@@ -158,16 +156,35 @@ def insert(
         "last_R": specs.last_S,
         "key_R": specs.key_S,
     }
+    place = functools.partial(_place, cfg=cfg)
+    in_specs = (specs, new_specs, specs.version_SM, specs.version_SM)  # Rows as the slots.
+    return _on_shards(place, layout, in_specs, specs)(state, new, slot_RG, limit_RG)
 
-    def local(state, new, slot_RG, limit_RG):
-        S = state.limit_S.shape[0]
-        first = 0 if batch is None else jax.lax.axis_index(batch) * S
-        return place(state, new, slot_RG, limit_RG, first_slot=first)
 
-    rows = PartitionSpec(batch, None)
-    return jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(specs, new_specs, rows, rows), out_specs=specs
-    )(state, new, slot_RG, limit_RG)
+def _state_specs(model_cfg, state: EngineState, layout):
+    """The state's `PartitionSpec`s on the layout's mesh (no layout: None for each)."""
+    if layout is None:
+        return jax.tree.map(lambda _: None, state)
+    shardings = sharding.tree_shardings(
+        state, _state_axes(model_cfg, state), layout.mesh, layout.rules
+    )
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def _on_shards(fn, layout, in_specs, out_specs):
+    """`fn(state, *args, first_slot)` on each shard of the slots, under `shard_map`: a shard's
+    state holds slots `first_slot` ... of the engine (`in_specs[0]`: the state's specs, whose
+    slots split over the mesh axes `limit_S`'s spec names, None: not split). No layout: `fn`
+    on every slot."""
+    if layout is None:
+        return functools.partial(fn, first_slot=0)
+    batch = in_specs[0].limit_S[0]
+
+    def local(state, *args):
+        first = 0 if batch is None else jax.lax.axis_index(batch) * state.limit_S.shape[0]
+        return fn(state, *args, first_slot=first)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot) -> EngineState:
@@ -218,6 +235,7 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
         version_SM=put(state.version_SM, jnp.zeros_like(fresh["tokens_NM"])),
         waiting_S=put(state.waiting_S, jnp.zeros((R * G,), bool)),
         turn_S=put(state.turn_S, jnp.zeros((R * G,), jnp.int32)),
+        env_SM=put(state.env_SM, fresh["forced_NM"]),
         rows={name: put(x, fresh[name]) for name, x in state.rows.items()},
     )
 
@@ -292,6 +310,111 @@ def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
         version=jnp.asarray(version, jnp.int32),
     )
     return _constrain(state, _state_axes(model_cfg, state), layout)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"), donate_argnums=(1,)
+)
+def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_cfg, cfg, layout):
+    """Appends the environment's replies to R waiting slots and clears their wait.
+
+    Row r's tokens (`mask_RT` a prefix: right-padded to T < C) are prefilled at slot
+    `slot_R[r]`'s own write position, attending to the slot's valid columns and causally
+    among themselves; they join its completion as environment tokens (`env_SM`, logprob 0,
+    version -1), the next token's logits come from the last one, and the slot's next turn
+    starts after them. A reply longer than the slot's remaining budget is cut to fit (the
+    slot is then finished, its budget spent). `end_R`: the episode ends instead (the slot
+    finishes as stopped; its tokens are ignored). A slot index >= S writes nothing.
+
+    On a mesh the rows split over the batch axes as the slots do, each in its slot's shard
+    (`prefill_rows` lays them out so): each device gathers its rows' cache rows, the prefill
+    runs split as the rows are, and each device writes its rows back (`_gather_rows`,
+    `_put_rows`, under `shard_map`). Besides the prefill's own, its temporaries hold the
+    gathered rows: R / S of the cache."""
+    T, C = tokens_RT.shape[1], state.cache.valid_BS.shape[1]
+    if T >= C:  # The decoder would take a call of C tokens for a prefill that fills the cache.
+        raise ValueError(f"replies padded to T={T} tokens must be shorter than the C={C} columns")
+    specs = _state_specs(model_cfg, state, layout)
+    row = specs.limit_S  # Rows split as the slots.
+    row_specs = {"cache": specs.cache, "length_R": row, "room_R": row, "pos_R": row}
+    rows = _on_shards(_gather_rows, layout, (specs, row), row_specs)(state, slot_R)
+    n_R = jnp.where(end_R, 0, jnp.minimum(jnp.sum(mask_RT, axis=1), rows["room_R"]))
+    mask_RT = jnp.arange(T) < n_R[:, None]
+    positions_RT = rows["pos_R"][:, None] + jnp.arange(T)
+    cache = _constrain(rows["cache"], decoder.cache_logical_axes(model_cfg), layout)
+    h, cache = decoder.hidden(graphdef, params, tokens_RT, positions_RT, mask_RT, cache)
+    last_R = jnp.maximum(n_R - 1, 0)
+    h_R1D = jnp.take_along_axis(h, last_R[:, None, None], axis=1)
+    new = {
+        **rows,
+        "cache": cache._replace(index_B=rows["cache"].index_B + n_R),
+        "logits_RV": decoder.logits(graphdef, params, h_R1D)[:, 0].astype(jnp.float32),
+        "last_R": jnp.take_along_axis(tokens_RT, last_R[:, None], axis=1)[:, 0],
+        "tokens_RT": tokens_RT,
+        "n_R": n_R,
+        "end_R": end_R,
+    }
+    put = functools.partial(_put_rows, cfg=cfg)
+    new_specs = {
+        **row_specs,
+        "logits_RV": specs.logits_SV,
+        "last_R": row,
+        "tokens_RT": specs.version_SM,
+        "n_R": row,
+        "end_R": row,
+    }
+    return _on_shards(put, layout, (specs, new_specs, row), specs)(state, new, slot_R)
+
+
+def _gather_rows(state: EngineState, slot_R, *, first_slot) -> dict:
+    """The cache rows, completion lengths, remaining budgets and next positions of slots
+    `slot_R` (of the engine: `state` may be one shard's, holding slots `first_slot` ...); a
+    slot outside it gives slot 0's cache row and no room (it writes nothing)."""
+    local_R = slot_R - first_slot
+    ok_R = (local_R >= 0) & (local_R < state.limit_S.shape[0])
+    at_R = jnp.where(ok_R, local_R, 0)
+    length_R = state.rows["length_N"][at_R]
+    return {
+        "cache": jax.tree.map(lambda x: x[at_R], state.cache),
+        "length_R": length_R,
+        "room_R": jnp.where(ok_R, state.limit_S[at_R] - length_R, 0),
+        "pos_R": state.pos_S[at_R],
+    }
+
+
+def _put_rows(state: EngineState, new: dict, slot_R, *, cfg, first_slot) -> EngineState:
+    """Writes `extend`'s rows back into slots `slot_R` (see `_gather_rows`): their cache
+    rows, their replies' first n_R tokens into the completion as environment tokens, and
+    their next logits; clears the wait, and finishes the rows in `end_R` as stopped."""
+    S, M = state.limit_S.shape[0], cfg.max_new_tokens
+    local_R = slot_R - first_slot
+    w_R = jnp.where((local_R >= 0) & (local_R < S), local_R, S)
+    n_R, length_R, T = new["n_R"], new["length_R"], new["tokens_RT"].shape[1]
+    cols_RT = jnp.where(jnp.arange(T) < n_R[:, None], length_R[:, None] + jnp.arange(T), M)
+
+    def put(x, update):
+        return x.at[w_R].set(update, mode="drop")
+
+    def put_cols(x_SM, update):
+        return x_SM.at[w_R[:, None], cols_RT].set(update, mode="drop")
+
+    rows = dict(state.rows)
+    rows["tokens_NM"] = put_cols(rows["tokens_NM"], new["tokens_RT"])
+    rows["logprobs_NM"] = put_cols(rows["logprobs_NM"], 0.0)
+    rows["length_N"] = put(rows["length_N"], length_R + n_R)
+    rows["forced_NM"] = put_cols(rows["forced_NM"], False)
+    rows["done_N"] = put(rows["done_N"], new["end_R"])  # A waiting sample is not done.
+    return state._replace(
+        cache=jax.tree.map(put, state.cache, new["cache"]),
+        logits_SV=put(state.logits_SV, new["logits_RV"]),
+        pos_S=put(state.pos_S, new["pos_R"] + n_R),
+        last_S=put(state.last_S, new["last_R"]),
+        version_SM=put_cols(state.version_SM, -1),
+        waiting_S=put(state.waiting_S, jnp.zeros_like(n_R, bool)),
+        turn_S=put(state.turn_S, length_R + n_R),
+        env_SM=put_cols(state.env_SM, True),
+        rows=rows,
+    )
 
 
 def take_slots(free: list[int], n: int, shard_slots: int) -> list[int]:
