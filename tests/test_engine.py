@@ -42,7 +42,7 @@ def _run(gen, requests, chunk, swap=None):
     while gen.busy:
         if swap is not None and calls == swap[0]:
             gen.set_params(swap[1], swap[2])
-        done += gen.step(chunk)
+        done += gen.step(chunk).completed
         calls += 1
     return sorted(done, key=lambda c: c.request.id)
 

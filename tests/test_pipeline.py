@@ -73,7 +73,7 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
         feed = feeds[0]
         if feed.taken == 0 and feed.next_batch > 1 and 1 not in feed.pending:
             _wait(feed, lambda: feed.published[3] > 0, "the weights trained on batch 1")
-            return []  # The feed takes the new weights before it decodes again.
+            return generator.Stepped([], [])  # The feed takes the new weights first.
         return step(self, max_steps)
 
     monkeypatch.setattr(pipeline.Feed, "__init__", capture)

@@ -205,7 +205,7 @@ def bench_generator(
         gen.submit(reqs)  # Timed, as the static side's checks and padding are.
         done, calls = [], 0
         while gen.busy:
-            done += gen.step(k)
+            done += gen.step(k).completed
             calls += 1
         return time.perf_counter() - t, gen.stats, calls, done
 

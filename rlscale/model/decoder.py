@@ -8,11 +8,12 @@ heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP widt
 X = T * Q a kv head's queries, flattened (`attention`).
 
 Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
-(their RoPE positions). With a KV cache, the T new tokens are written at cache slots
-`cache.index ... cache.index + T - 1` for every row (rows are aligned, prompts left-padded),
-and a token attends to the earlier slots of its row that hold real tokens. A single decoded
-token (T = 1) attends to every real slot of its row, wherever it lies: the generator engine
-keeps its cache as a ring whose write index wraps around.
+(their RoPE positions). With a KV cache, each row has its own write position: row b's T new
+tokens are written at cache slots `cache.index_B[b] ... cache.index_B[b] + T - 1` (a slot
+past the end writes nothing), and a token attends to the slots of its row up to its own that
+hold real tokens. A call of as many tokens as the cache has slots fills it from slot 0 (a
+prefill into a cache of its own size). The static sampler's rows share one position (prompts
+left-padded); the generator engine's slots each advance their own.
 """
 
 import math
@@ -161,13 +162,13 @@ class KVCache(NamedTuple):
       k: per layer [B, K, E, S].
       v: per layer [B, K, S, E].
       valid_BS: which slots hold real (non-padding) tokens.
-      index: next slot to write, shared by all rows.
+      index_B: each row's next slot to write.
     """
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
     valid_BS: Array
-    index: Array
+    index_B: Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
@@ -178,7 +179,7 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
         k=tuple(jnp.zeros((batch, K, E, size), dt) for _ in range(L)),
         v=tuple(jnp.zeros((batch, K, size, E), dt) for _ in range(L)),
         valid_BS=jnp.zeros((batch, size), bool),
-        index=jnp.zeros((), jnp.int32),
+        index_B=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -187,7 +188,7 @@ def cache_logical_axes(cfg: ModelConfig) -> KVCache:
         k=(("batch", "kv_heads", "head_dim", "cache_seq"),) * cfg.num_layers,
         v=(("batch", "kv_heads", "cache_seq", "head_dim"),) * cfg.num_layers,
         valid_BS=("batch", "cache_seq"),
-        index=(),
+        index_B=("batch",),
     )
 
 
@@ -234,6 +235,18 @@ def causal_attention(q_BTHE, k_BKET, v_BKTE, mask_BTT, scale: float, chunk: int 
     return jnp.concatenate(outs, axis=1)
 
 
+def _write_rows(buf, update, slots_BT, axis: int):
+    """`buf` with row b's T entries of `update` written at its slots `slots_BT[b]` along
+    `axis` (a slot past the end writes nothing). One scatter whose rows are a batching
+    dimension (`vmap`), so on a mesh each device writes its own rows."""
+
+    def row(buf, update, slots_T):
+        at = (slice(None),) * (axis - 1) + (slots_T,)
+        return buf.at[at].set(update.astype(buf.dtype), mode="drop")
+
+    return jax.vmap(row)(buf, update, slots_BT)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE, optional q/k/v bias and QK-norm."""
 
@@ -263,7 +276,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(E, cfg, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, index=None):
+    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, slots_BT=None):
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q = project(x_BTD, self.q[...].astype(dt))
         k = project(x_BTD, self.k[...].astype(dt))
@@ -279,15 +292,14 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions_BT, inv_freq, attention_factor)
         k_BKET = jnp.transpose(k, (0, 2, 3, 1))
         v_BKTE = jnp.transpose(v, (0, 2, 1, 3))
-        if kv is not None:
-            # In-place slot write: inside the sampler's while_loop XLA aliases the buffers.
-            k_BKET = jax.lax.dynamic_update_slice(
-                kv[0], k_BKET.astype(kv[0].dtype), (0, 0, 0, index)
-            )
-            v_BKTE = jax.lax.dynamic_update_slice(
-                kv[1], v_BKTE.astype(kv[1].dtype), (0, 0, index, 0)
-            )
-            kv = (k_BKET, v_BKTE)
+        if kv is not None and slots_BT is None:  # The call fills the cache.
+            kv = (k_BKET.astype(kv[0].dtype), v_BKTE.astype(kv[1].dtype))
+            k_BKET, v_BKTE = kv
+        elif kv is not None:
+            # Each row's T tokens at its own slots `slots_BT`: inside the sampler's while_loop
+            # XLA aliases the buffers, so the write is in place.
+            kv = (_write_rows(kv[0], k_BKET, slots_BT, 3), _write_rows(kv[1], v_BKTE, slots_BT, 2))
+            k_BKET, v_BKTE = kv
         scale = 1.0 / math.sqrt(cfg.head_dim)
         if kv is None:  # Training / scoring: causal within this call.
             out = causal_attention(q, k_BKET, v_BKTE, mask_BTS, scale)
@@ -324,8 +336,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, index=None):
-        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, kv, index)
+    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, slots_BT=None):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, kv, slots_BT)
         x_BTD = x_BTD + h
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
 
@@ -393,24 +405,24 @@ class Decoder(nnx.Module):
         if cfg.embed_scale:
             x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.compute_dtype)
         T = tokens_BT.shape[1]
-        if cache is None:
+        slots_BT = None
+        fills = cache is not None and cache.valid_BS.shape[1] == T
+        if cache is None or fills:
             causal_TT = jnp.tril(jnp.ones((T, T), bool))
             if segments_BT is None:
                 mask_BTS = causal_TT[None] & mask_BT[:, None, :]
             else:
                 same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
                 mask_BTS = causal_TT[None] & same_BTT & (segments_BT > 0)[:, None, :]
-            index = None
+            if fills:  # A prefill into a cache of its own size: written whole, no scatter.
+                valid_BS, index_B = mask_BT, jnp.full_like(cache.index_B, T)
         else:
-            index = cache.index
-            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, index))
-            if T == 1:  # Decoding: every real slot is in the past (the cache may be a ring).
-                mask_BTS = valid_BS[:, None, :]
-            else:
-                S = valid_BS.shape[1]
-                slot_T = index + jnp.arange(T)
-                causal_TS = jnp.arange(S)[None, :] <= slot_T[:, None]
-                mask_BTS = causal_TS[None] & valid_BS[:, None, :]
+            slots_BT = cache.index_B[:, None] + jnp.arange(T)
+            valid_BS = _write_rows(cache.valid_BS, mask_BT, slots_BT, 1)
+            S = valid_BS.shape[1]
+            causal_BTS = jnp.arange(S) <= slots_BT[:, :, None]
+            mask_BTS = causal_BTS & valid_BS[:, None, :]
+            index_B = cache.index_B + T
         if cache is None and remat != "none":
             return self.final_norm(
                 _remat_layers(self.layers, x, positions_BT, mask_BTS, remat)
@@ -418,13 +430,13 @@ class Decoder(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions_BT, mask_BTS, kv, index)
+            x, kv = layer(x, positions_BT, mask_BTS, kv, slots_BT)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         h = self.final_norm(x)
         if cache is not None:
-            cache = KVCache(tuple(new_k), tuple(new_v), valid_BS, index + T)
+            cache = KVCache(tuple(new_k), tuple(new_v), valid_BS, index_B)
         return h, cache
 
     def logits(self, h_BTD):

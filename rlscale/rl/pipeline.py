@@ -111,7 +111,7 @@ class Feed(threading.Thread):
                 self._take_weights()
                 self._admit()
                 if self.gen.busy:
-                    for c in self.gen.step(self.chunk):
+                    for c in self.gen.step(self.chunk).completed:
                         self._completed(c)
                 else:
                     with self.cv:

@@ -192,7 +192,7 @@ class RolloutSource:
         gen.submit(self.requests(ids, rng))
         parts, order = [], []
         while len(order) < len(ids):
-            completed = gen.step(self.decode_chunk)
+            completed = gen.step(self.decode_chunk).completed
             if completed:
                 order += sorted(c.request.id[1] for c in completed)  # As `score` orders them.
                 if self._scoring is None:

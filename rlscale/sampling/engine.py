@@ -1,10 +1,18 @@
-"""The generator engine's device side: continuous batching over fixed decode slots sharing one
-ring KV cache, with weights that can change between decode calls (each token records its
-version): its state and module-level jitted programs; the host `Generator` that drives them is
-in `sampling.generator`. See docs/model_and_sampling.md.
+"""The generator engine's device side: continuous batching over fixed decode slots, each
+owning its row of one preallocated KV cache (its own write position: a prompt at columns
+[0, P), then one column per token), with weights that can change between decode calls (each
+token records its version): its state and module-level jitted programs; the host `Generator`
+that drives them is in `sampling.generator`. See docs/model_and_sampling.md.
 
-Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill call,
-P their padded prompt length, G samples per request, N = R x G.
+A slot is live (decodes) while its sample is neither finished nor waiting: a sample waits
+once its tokens of the current turn end with one of `SamplingConfig.action_stops`, until the
+environment's reply is appended to it (`extend`: its KV cache, its completion as environment
+tokens) or its episode ends. A completion's M columns hold its policy and environment tokens
+alike, and so does its cache row: C >= P + M columns hold any sample.
+
+Dimension letters: S slots, C cache columns, M max new tokens, V vocab, R rows of one prefill
+call (prompts, or environment replies), P their padded prompt length, T their padded reply
+length, G samples per request, N = R x G.
 """
 
 import functools
@@ -13,7 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+import numpy as np
 
 from rlscale import sharding
 from rlscale.model import decoder
@@ -30,8 +38,10 @@ class EngineState(NamedTuple):
     """Everything on the device; rows are slots.
 
     `limit_S` is each slot's token budget (0 for an empty slot, so it counts as finished);
-    `last_S` the last token run through the model (re-run under new weights); `version` the
-    policy version of the current params."""
+    `last_S` the last token run through the model (re-run under new weights); `waiting_S`
+    which samples stopped at an action; `turn_S` the completion column where each sample's
+    current turn began; `env_SM` which completion tokens the environment wrote (logprob 0,
+    version -1); `version` the policy version of the current params."""
 
     cache: decoder.KVCache
     logits_SV: jax.Array
@@ -40,6 +50,9 @@ class EngineState(NamedTuple):
     limit_S: jax.Array
     last_S: jax.Array
     version_SM: jax.Array
+    waiting_S: jax.Array
+    turn_S: jax.Array
+    env_SM: jax.Array
     rows: dict  # `sampler.empty_rows` fields, N = S.
     version: jax.Array
 
@@ -47,6 +60,25 @@ class EngineState(NamedTuple):
 def finished(state: EngineState):
     """Each slot's sample is done: stopped, or its token budget spent (an empty slot too)."""
     return state.rows["done_N"] | (state.rows["length_N"] >= state.limit_S)
+
+
+def live(state: EngineState):
+    """The slots that decode: their samples neither finished nor waiting for a reply."""
+    return ~finished(state) & ~state.waiting_S
+
+
+def action_stopped(tokens_SM, length_S, turn_S, action_stops):
+    """[S] whether each sample's tokens of its current turn (columns turn_S .. length_S - 1)
+    end with one of the `action_stops` sequences: each sample's last columns, as many as the
+    longest sequence has, compared with every sequence right-aligned."""
+    width = max(map(len, action_stops))
+    table = np.full((len(action_stops), width), -1, np.int32)  # -1: no token there.
+    for a, seq in enumerate(action_stops):
+        table[a, width - len(seq) :] = seq
+    cols = length_S[:, None] - width + jnp.arange(width)
+    last = jnp.take_along_axis(tokens_SM, jnp.clip(cols, 0, tokens_SM.shape[1] - 1), axis=1)
+    hit = (last[:, None] == table) & (cols >= turn_S[:, None])[:, None]
+    return jnp.any(jnp.all(hit | (table < 0), axis=-1), axis=-1)
 
 
 def _state_axes(model_cfg: ModelConfig, state: EngineState):
@@ -66,6 +98,9 @@ def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layo
         limit_S=jnp.zeros((S,), jnp.int32),
         last_S=jnp.zeros((S,), jnp.int32),
         version_SM=jnp.zeros((S, M), jnp.int32),
+        waiting_S=jnp.zeros((S,), bool),
+        turn_S=jnp.zeros((S,), jnp.int32),
+        env_SM=jnp.zeros((S, M), bool),
         rows=empty_rows(S, M, cfg.pad_id),
         version=jnp.zeros((), jnp.int32),
     )
@@ -91,7 +126,7 @@ def insert(
 ):
     """Prefills R left-padded prompts once and writes sample g of row r into slot
     `slot_RG[r, g]` (an index >= S writes nothing: a padding row, or a sample another row
-    places), behind the ring's write index. `keydata_R` holds the rows' request keys as
+    places), its prompt at the slot's columns [0, P). `keydata_R` holds the rows' request keys as
     `jax.random.key_data`; sample g draws with fold_in(key, g).
 
     On a mesh the rows split over the batch axes as the slots do, and every slot of a row
@@ -111,14 +146,7 @@ def insert(
         "last_R": tokens_RP[:, -1],
         "key_R": jax.random.wrap_key_data(keydata_R),
     }
-    place = functools.partial(_place, cfg=cfg)
-    if layout is None:
-        return place(state, new, slot_RG, limit_RG, first_slot=0)
-    specs = jax.tree.map(
-        lambda s: s.spec,
-        sharding.tree_shardings(state, _state_axes(model_cfg, state), layout.mesh, layout.rules),
-    )
-    batch = specs.limit_S[0]  # The mesh axes the slots split over (None: not split).
+    specs = _state_specs(model_cfg, state, layout)
     new_specs = {
         "k": specs.cache.k,
         "v": specs.cache.v,
@@ -128,16 +156,35 @@ def insert(
         "last_R": specs.last_S,
         "key_R": specs.key_S,
     }
+    place = functools.partial(_place, cfg=cfg)
+    in_specs = (specs, new_specs, specs.version_SM, specs.version_SM)  # Rows as the slots.
+    return _on_shards(place, layout, in_specs, specs)(state, new, slot_RG, limit_RG)
 
-    def local(state, new, slot_RG, limit_RG):
-        S = state.limit_S.shape[0]
-        first = 0 if batch is None else jax.lax.axis_index(batch) * S
-        return place(state, new, slot_RG, limit_RG, first_slot=first)
 
-    rows = PartitionSpec(batch, None)
-    return jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(specs, new_specs, rows, rows), out_specs=specs
-    )(state, new, slot_RG, limit_RG)
+def _state_specs(model_cfg, state: EngineState, layout):
+    """The state's `PartitionSpec`s on the layout's mesh (no layout: None for each)."""
+    if layout is None:
+        return jax.tree.map(lambda _: None, state)
+    shardings = sharding.tree_shardings(
+        state, _state_axes(model_cfg, state), layout.mesh, layout.rules
+    )
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def _on_shards(fn, layout, in_specs, out_specs):
+    """`fn(state, *args, first_slot)` on each shard of the slots, under `shard_map`: a shard's
+    state holds slots `first_slot` ... of the engine (`in_specs[0]`: the state's specs, whose
+    slots split over the mesh axes `limit_S`'s spec names, None: not split). No layout: `fn`
+    on every slot."""
+    if layout is None:
+        return functools.partial(fn, first_slot=0)
+    batch = in_specs[0].limit_S[0]
+
+    def local(state, *args):
+        first = 0 if batch is None else jax.lax.axis_index(batch) * state.limit_S.shape[0]
+        return fn(state, *args, first_slot=first)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot) -> EngineState:
@@ -145,7 +192,7 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
     shard's: its slot i is slot `first_slot` + i of the engine; a slot outside it writes
     nothing.
 
-    A new slot gets the prompt's KV columns (just behind the write index) and a validity row
+    A new slot gets the prompt's KV at columns [0, P), its write index P, and a validity row
     that is False everywhere else. Its other KV columns keep what an earlier sequence wrote
     there: attention gives a column that is not valid a weight of exactly 0 (its score is
     the float32 minimum), so those finite values add exactly 0, and no full-width row is
@@ -157,35 +204,38 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
     local_N = slot_RG.reshape(-1) - first_slot
     slot_N = jnp.where((local_N >= 0) & (local_N < S), local_N, S)
     tile = functools.partial(jnp.repeat, repeats=G, axis=0)
-    cols_P = (state.cache.index - P + jnp.arange(P)) % C
 
     def put(x, update):
         return x.at[slot_N].set(update, mode="drop")
 
-    # The prompt's columns of the new slots: [N, P, ...] updates at (slot, column).
+    # The prompt's columns [0, P) of the new slots.
     k = tuple(
-        ring.at[slot_N[:, None], :, :, cols_P].set(
-            tile(part).transpose(0, 3, 1, 2).astype(ring.dtype), mode="drop"
-        )
-        for ring, part in zip(state.cache.k, new["k"])
+        buf.at[slot_N, :, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+        for buf, part in zip(state.cache.k, new["k"])
     )
     v = tuple(
-        ring.at[slot_N[:, None], :, cols_P].set(
-            tile(part).transpose(0, 2, 1, 3).astype(ring.dtype), mode="drop"
-        )
-        for ring, part in zip(state.cache.v, new["v"])
+        buf.at[slot_N, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+        for buf, part in zip(state.cache.v, new["v"])
     )
-    valid_NC = jnp.zeros((R * G, C), bool).at[:, cols_P].set(tile(new["mask_RP"]))
+    valid_NC = jnp.zeros((R * G, C), bool).at[:, :P].set(tile(new["mask_RP"]))
     keys_N = jax.vmap(jax.random.fold_in)(tile(new["key_R"]), jnp.tile(jnp.arange(G), R))
     fresh = empty_rows(R * G, cfg.max_new_tokens, cfg.pad_id)
     return state._replace(
-        cache=state.cache._replace(k=k, v=v, valid_BS=put(state.cache.valid_BS, valid_NC)),
+        cache=state.cache._replace(
+            k=k,
+            v=v,
+            valid_BS=put(state.cache.valid_BS, valid_NC),
+            index_B=put(state.cache.index_B, jnp.full((R * G,), P, jnp.int32)),
+        ),
         logits_SV=put(state.logits_SV, tile(new["logits_RV"])),
         pos_S=put(state.pos_S, tile(new["pos_R"])),
         key_S=put(state.key_S, keys_N),
         limit_S=put(state.limit_S, limit_RG.reshape(-1)),
         last_S=put(state.last_S, tile(new["last_R"])),
         version_SM=put(state.version_SM, jnp.zeros_like(fresh["tokens_NM"])),
+        waiting_S=put(state.waiting_S, jnp.zeros((R * G,), bool)),
+        turn_S=put(state.turn_S, jnp.zeros((R * G,), jnp.int32)),
+        env_SM=put(state.env_SM, fresh["forced_NM"]),
         rows={name: put(x, fresh[name]) for name, x in state.rows.items()},
     )
 
@@ -195,37 +245,45 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
 )
 def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
     """Advances every live slot by up to `steps` tokens; returns (state, steps run, tokens
-    generated). Stops early when every slot is done, or once `wanted` slots have finished in
+    generated). Stops early when no slot is live, or once `wanted` slots have finished in
     this call (a waiting request needs them; 0: never), so it starts without waiting out the
-    call."""
+    call. A slot whose tokens of this turn end with an action stop stops advancing and waits;
+    the others go on."""
     C = state.cache.valid_BS.shape[1]
-    S = state.limit_S.shape[0]
+    S, M = state.limit_S.shape[0], cfg.max_new_tokens
     live0_S = ~finished(state)
 
     def cond(c):
         finished_S = finished(c[0])
         freed = (wanted > 0) & (jnp.sum(live0_S & finished_S) >= wanted)
-        return (c[1] < steps) & ~jnp.all(finished_S) & ~freed
+        return (c[1] < steps) & jnp.any(live(c[0])) & ~freed
 
     def body(c):
         s, j, n = c
-        live_S = ~finished(s)
-        cache = s.cache._replace(index=s.cache.index % C)
+        live_S = live(s)
+        index_S = s.cache.index_B
+        cache = s.cache._replace(index_B=jnp.where(live_S, index_S, C))  # C: writes nothing.
         carry = {"logits_NV": s.logits_SV, "cache": cache, "pos_N": s.pos_S, **s.rows}
         d = decode_step(graphdef, params, carry, s.key_S, live_S, cfg)
         i_S = s.rows["length_N"]
-        col_S = jnp.where(live_S, i_S, cfg.max_new_tokens)
+        col_S = jnp.where(live_S, i_S, M)
         version_SM = s.version_SM.at[jnp.arange(S), col_S].set(s.version, mode="drop")
         rows = {k: d[k] for k in s.rows}
-        token_S = d["tokens_NM"][jnp.arange(S), jnp.minimum(i_S, cfg.max_new_tokens - 1)]
+        at_S = jnp.minimum(i_S, M - 1)
+        token_S = d["tokens_NM"][jnp.arange(S), at_S]
         s = s._replace(
-            cache=d["cache"]._replace(index=d["cache"].index % C),
+            cache=d["cache"]._replace(index_B=index_S + live_S),
             logits_SV=d["logits_NV"].astype(jnp.float32),
             pos_S=d["pos_N"],
             last_S=jnp.where(live_S, token_S, s.last_S),
             version_SM=version_SM,
             rows=rows,
         )
+        if cfg.action_stops:  # A forced token never ends a turn (as it never ends a sample).
+            sampled_S = live_S & ~d["forced_NM"][jnp.arange(S), at_S] & ~finished(s)
+            stops = cfg.action_stops
+            acted_S = action_stopped(rows["tokens_NM"], rows["length_N"], s.turn_S, stops)
+            s = s._replace(waiting_S=s.waiting_S | (sampled_S & acted_S))
         return _constrain(s, _state_axes(model_cfg, s), layout), j + 1, n + jnp.sum(live_S)
 
     zero = jnp.zeros((), jnp.int32)
@@ -237,19 +295,126 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
 )
 def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
     """New weights for the live slots: each one's last token is run again under `params` (its
-    own cache column rewritten), so the next token is drawn from the new policy."""
+    own cache column, index - 1, rewritten), so the next token is drawn from the new policy.
+    (A waiting slot's next logits come from its reply, run under the weights of then.)"""
     C = state.cache.valid_BS.shape[1]
-    live_S = ~finished(state)
-    cache = state.cache._replace(index=(state.cache.index - 1) % C)
+    live_S = live(state)
+    index_S = state.cache.index_B
+    cache = state.cache._replace(index_B=jnp.where(live_S, index_S - 1, C))
     logits_S1V, cache = decoder.forward(
         graphdef, params, state.last_S[:, None], (state.pos_S - 1)[:, None], live_S[:, None], cache
     )
     state = state._replace(
-        cache=cache._replace(index=cache.index % C),
+        cache=cache._replace(index_B=index_S),
         logits_SV=jnp.where(live_S[:, None], logits_S1V[:, 0].astype(jnp.float32), state.logits_SV),
         version=jnp.asarray(version, jnp.int32),
     )
     return _constrain(state, _state_axes(model_cfg, state), layout)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"), donate_argnums=(1,)
+)
+def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_cfg, cfg, layout):
+    """Appends the environment's replies to R waiting slots and clears their wait.
+
+    Row r's tokens (`mask_RT` a prefix: right-padded to T < C) are prefilled at slot
+    `slot_R[r]`'s own write position, attending to the slot's valid columns and causally
+    among themselves; they join its completion as environment tokens (`env_SM`, logprob 0,
+    version -1), the next token's logits come from the last one, and the slot's next turn
+    starts after them. A reply longer than the slot's remaining budget is cut to fit (the
+    slot is then finished, its budget spent). `end_R`: the episode ends instead (the slot
+    finishes as stopped; its tokens are ignored). A slot index >= S writes nothing.
+
+    On a mesh the rows split over the batch axes as the slots do, each in its slot's shard
+    (`prefill_rows` lays them out so): each device gathers its rows' cache rows, the prefill
+    runs split as the rows are, and each device writes its rows back (`_gather_rows`,
+    `_put_rows`, under `shard_map`). Besides the prefill's own, its temporaries hold the
+    gathered rows: R / S of the cache."""
+    T, C = tokens_RT.shape[1], state.cache.valid_BS.shape[1]
+    if T >= C:  # The decoder would take a call of C tokens for a prefill that fills the cache.
+        raise ValueError(f"replies padded to T={T} tokens must be shorter than the C={C} columns")
+    specs = _state_specs(model_cfg, state, layout)
+    row = specs.limit_S  # Rows split as the slots.
+    row_specs = {"cache": specs.cache, "length_R": row, "room_R": row, "pos_R": row}
+    rows = _on_shards(_gather_rows, layout, (specs, row), row_specs)(state, slot_R)
+    n_R = jnp.where(end_R, 0, jnp.minimum(jnp.sum(mask_RT, axis=1), rows["room_R"]))
+    mask_RT = jnp.arange(T) < n_R[:, None]
+    positions_RT = rows["pos_R"][:, None] + jnp.arange(T)
+    cache = _constrain(rows["cache"], decoder.cache_logical_axes(model_cfg), layout)
+    h, cache = decoder.hidden(graphdef, params, tokens_RT, positions_RT, mask_RT, cache)
+    last_R = jnp.maximum(n_R - 1, 0)
+    h_R1D = jnp.take_along_axis(h, last_R[:, None, None], axis=1)
+    new = {
+        **rows,
+        "cache": cache._replace(index_B=rows["cache"].index_B + n_R),
+        "logits_RV": decoder.logits(graphdef, params, h_R1D)[:, 0].astype(jnp.float32),
+        "last_R": jnp.take_along_axis(tokens_RT, last_R[:, None], axis=1)[:, 0],
+        "tokens_RT": tokens_RT,
+        "n_R": n_R,
+        "end_R": end_R,
+    }
+    put = functools.partial(_put_rows, cfg=cfg)
+    new_specs = {
+        **row_specs,
+        "logits_RV": specs.logits_SV,
+        "last_R": row,
+        "tokens_RT": specs.version_SM,
+        "n_R": row,
+        "end_R": row,
+    }
+    return _on_shards(put, layout, (specs, new_specs, row), specs)(state, new, slot_R)
+
+
+def _gather_rows(state: EngineState, slot_R, *, first_slot) -> dict:
+    """The cache rows, completion lengths, remaining budgets and next positions of slots
+    `slot_R` (of the engine: `state` may be one shard's, holding slots `first_slot` ...); a
+    slot outside it gives slot 0's cache row and no room (it writes nothing)."""
+    local_R = slot_R - first_slot
+    ok_R = (local_R >= 0) & (local_R < state.limit_S.shape[0])
+    at_R = jnp.where(ok_R, local_R, 0)
+    length_R = state.rows["length_N"][at_R]
+    return {
+        "cache": jax.tree.map(lambda x: x[at_R], state.cache),
+        "length_R": length_R,
+        "room_R": jnp.where(ok_R, state.limit_S[at_R] - length_R, 0),
+        "pos_R": state.pos_S[at_R],
+    }
+
+
+def _put_rows(state: EngineState, new: dict, slot_R, *, cfg, first_slot) -> EngineState:
+    """Writes `extend`'s rows back into slots `slot_R` (see `_gather_rows`): their cache
+    rows, their replies' first n_R tokens into the completion as environment tokens, and
+    their next logits; clears the wait, and finishes the rows in `end_R` as stopped."""
+    S, M = state.limit_S.shape[0], cfg.max_new_tokens
+    local_R = slot_R - first_slot
+    w_R = jnp.where((local_R >= 0) & (local_R < S), local_R, S)
+    n_R, length_R, T = new["n_R"], new["length_R"], new["tokens_RT"].shape[1]
+    cols_RT = jnp.where(jnp.arange(T) < n_R[:, None], length_R[:, None] + jnp.arange(T), M)
+
+    def put(x, update):
+        return x.at[w_R].set(update, mode="drop")
+
+    def put_cols(x_SM, update):
+        return x_SM.at[w_R[:, None], cols_RT].set(update, mode="drop")
+
+    rows = dict(state.rows)
+    rows["tokens_NM"] = put_cols(rows["tokens_NM"], new["tokens_RT"])
+    rows["logprobs_NM"] = put_cols(rows["logprobs_NM"], 0.0)
+    rows["length_N"] = put(rows["length_N"], length_R + n_R)
+    rows["forced_NM"] = put_cols(rows["forced_NM"], False)
+    rows["done_N"] = put(rows["done_N"], new["end_R"])  # A waiting sample is not done.
+    return state._replace(
+        cache=jax.tree.map(put, state.cache, new["cache"]),
+        logits_SV=put(state.logits_SV, new["logits_RV"]),
+        pos_S=put(state.pos_S, new["pos_R"] + n_R),
+        last_S=put(state.last_S, new["last_R"]),
+        version_SM=put_cols(state.version_SM, -1),
+        waiting_S=put(state.waiting_S, jnp.zeros_like(n_R, bool)),
+        turn_S=put(state.turn_S, length_R + n_R),
+        env_SM=put_cols(state.env_SM, True),
+        rows=rows,
+    )
 
 
 def take_slots(free: list[int], n: int, shard_slots: int) -> list[int]:

@@ -1,10 +1,12 @@
 """The generator engine's host side: `Generator` takes `Request`s in and gives `Completed`
-ones out, keeping the request queue, the free slots, weight changes between decode calls and
-the harvest of finished samples; it drives the device programs of `sampling.engine`, whose
+ones out (and, for multi-turn episodes, the `Turn`s that wait for an environment's reply),
+keeping the request queue, the free slots, weight changes between decode calls and the
+harvest of finished samples; it drives the device programs of `sampling.engine`, whose
 docstring states the engine's invariants.
 
-Dimension letters: S slots, M max new tokens, V vocab, R rows of one prefill call, P their
-padded prompt length, G samples per request.
+Dimension letters: S slots, M max new tokens, V vocab, R rows of one prefill call (prompts,
+or environment replies), P their padded prompt length, T their padded reply length, G
+samples per request.
 """
 
 import dataclasses
@@ -42,7 +44,12 @@ class Request:
 
 class Completed(NamedTuple):
     """A request's G completions (host arrays, [G, M]); see `sampler.SampleOutput` for the
-    fields they share. `versions_GM` is the policy version that sampled each token."""
+    fields they share. `versions_GM` is the policy version that sampled each token (-1 for
+    environment tokens). In a multi-turn episode the completion holds the policy's turns and
+    the environment's replies between them, each token as it was sampled or replied:
+    `env_GM` is True on the replies' tokens (inside `mask_GM`, logprob 0: a learner leaves
+    them out of the loss), and `truncated_G` is False for an episode the environment
+    ended."""
 
     request: Request
     tokens_GM: np.ndarray
@@ -53,19 +60,52 @@ class Completed(NamedTuple):
     lengths_G: np.ndarray
     truncated_G: np.ndarray
     interrupted_G: np.ndarray
+    env_GM: np.ndarray
+
+
+class Turn(NamedTuple):
+    """A sample stopped at an action stop (`SamplingConfig.action_stops`): its slot waits for
+    the environment's reply and decodes nothing meanwhile.
+
+    Attributes:
+      slot: the decode slot, the handle of the reply.
+      request: the request the sample belongs to.
+      sample: which of the request's G samples (g).
+      tokens: the turn's tokens as sampled, from the end of the previous reply (or the start
+        of the completion) to the action stop, included.
+      room: tokens left in the sample's budget: a longer reply is cut to this many, and the
+        sample then finishes (truncated).
+    """
+
+    slot: int
+    request: Request
+    sample: int
+    tokens: np.ndarray
+    room: int
+
+
+class Stepped(NamedTuple):
+    """What `Generator.step` returns: the requests whose samples are all done, and the
+    samples that stopped at an action in this step."""
+
+    completed: list[Completed]
+    waiting: list[Turn]
 
 
 @dataclasses.dataclass
 class EngineStats:
     """Counters since the engine started: decode steps run, slot-steps (steps x slots),
-    tokens generated (the useful slot-steps), seconds decoding, prefilling and swapping
-    weights (device busy time: each call is waited on)."""
+    tokens generated (the useful slot-steps), environment tokens appended, seconds decoding,
+    prefilling, appending replies and swapping weights (device busy time: each call is
+    waited on)."""
 
     steps: int = 0
     slot_steps: int = 0
     tokens: int = 0
+    env_tokens: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
+    reply_s: float = 0.0
     swap_s: float = 0.0
 
     @property
@@ -77,12 +117,14 @@ class Generator:
     """Requests in, completed requests out, over `slots` decode slots.
 
     Host side of the engine: a queue of requests, the free slots, weight changes between
-    decode calls, and harvesting finished samples. Every bad input fails in `submit` or at
+    decode calls, and harvesting finished samples and the turns that wait. In multi-turn
+    episodes (`cfg.action_stops`) `step` also returns the samples that wait for the
+    environment, and `reply` answers them. Every bad input fails in `submit`, `reply` or at
     construction, before anything is compiled.
 
     Args:
       graphdef, model_cfg: the policy.
-      cfg: sampling settings; `num_samples` is G, `buckets` the prompt lengths.
+      cfg: sampling settings; `num_samples` is G, `buckets` the prompt and reply lengths.
       slots: S, a multiple of G and of the mesh's batch split.
       max_prompt_len: the longest prompt to accept; the cache has bucket(it) + M columns.
       mesh, rules: the generator's device set and its layout (params must be in it).
@@ -122,6 +164,10 @@ class Generator:
                 f"prompt bucket {bucket} + max_new_tokens={cfg.max_new_tokens} exceeds the "
                 f"model's max_seq_len={model_cfg.max_seq_len}"
             )
+        V = model_cfg.vocab_size
+        bad = sorted({t for seq in cfg.action_stops for t in seq if t >= V})
+        if bad:
+            problems.append(f"action_stops has token id(s) {bad[:5]} outside [0, {V})")
         if problems:
             raise ValueError("Invalid generator: " + "; ".join(problems))
         self.cfg, self.slots, self.max_prompt_len = cfg, slots, max_prompt_len
@@ -142,6 +188,11 @@ class Generator:
         self.free = list(range(slots))
         self.running: dict[int, tuple[Request, list[int]]] = {}  # Slot -> (request, its slots).
         self.partial: dict[int, dict] = {}  # id(request) -> harvested rows so far.
+        self.waiting: dict[int, Turn] = {}  # Slot -> its turn, reported by `step`.
+        self.replies: dict[int, np.ndarray | None] = {}  # Slot -> reply (None: end), queued.
+        # Replies go in pieces of at most the largest bucket below the cache's columns
+        # (`engine.extend`).
+        self.reply_chunk = max(b for b in cfg.buckets if b < bucket + cfg.max_new_tokens)
         self.stats = EngineStats()
 
     # -- host API --------------------------------------------------------------------------
@@ -181,18 +232,44 @@ class Generator:
         # Keys as host data: they may live on other devices (the trainer's) than the engine.
         self.queue.extend((r, sharding.fetch(jax.random.key_data(r.key))) for r in requests)
 
+    def reply(self, slot: int, tokens: Sequence[int] | None = None, end: bool = False) -> None:
+        """Queues the environment's reply to the sample waiting in `slot` (a `Turn` that
+        `step` returned); the next `step` appends it before it decodes, batched with the
+        other queued replies, and the sample's next turn starts after it. The reply's tokens
+        join the completion as environment tokens (`Completed.env_GM`) and count against its
+        budget: a reply longer than the turn's `room` is cut to fit, and the sample finishes
+        (truncated). `tokens=None` or `end=True` ends the episode instead: the sample
+        finishes as stopped."""
+        turn = self.waiting.get(slot)
+        if turn is None:
+            queued = " (a reply to it is queued)" if slot in self.replies else ""
+            raise ValueError(f"slot {slot} is not waiting for a reply{queued}")
+        if end or tokens is None:
+            self.replies[slot] = None
+        else:
+            where = f"reply to slot {slot} (request {turn.request.id!r}, sample {turn.sample})"
+            V = self.model_cfg.vocab_size
+            if len(tokens) == 0:
+                raise ValueError(f"{where}: no tokens; end=True ends the episode")
+            bad = [t for t in tokens if not 0 <= int(t) < V]
+            if bad:
+                raise ValueError(f"{where}: token id(s) {bad[:5]} outside [0, {V})")
+            self.replies[slot] = np.asarray(tokens, np.int32)[: turn.room]
+        del self.waiting[slot]
+
     @property
     def busy(self) -> bool:
-        """Requests queued or decoding."""
+        """Requests queued or decoding (a sample waiting for a reply counts)."""
         return bool(self.queue or self.running)
 
     @property
     def live_slots(self) -> int:
         return self.slots - len(self.free)
 
-    def step(self, max_steps: int) -> list[Completed]:
-        """Admits queued requests into free slots, decodes up to `max_steps` tokens per slot
-        and returns the requests whose samples are all done."""
+    def step(self, max_steps: int) -> Stepped:
+        """Admits queued requests into free slots, decodes up to `max_steps` tokens per live
+        slot and returns the requests whose samples are all done and the samples that
+        stopped at an action (each reported once)."""
         if self.params is None:
             raise ValueError("Generator.step before set_params: no weights to sample with")
         if self._stale:
@@ -206,9 +283,10 @@ class Generator:
             else:  # Nothing live: the new version takes effect at the next prefill.
                 self.state = self.state._replace(version=self._replicated(self.version)[0])
             self._stale = False
+        self._apply_replies()
         self._admit()
         if not self.running:
-            return []
+            return Stepped([], [])
         t = time.perf_counter()
         # Waiting requests: stop once they can start, but admit at least an eighth of the
         # slots at a time (each admission is a prefill program that reads every weight).
@@ -247,10 +325,6 @@ class Generator:
         fits = min(len(self.free) // G, len(self.queue))
         if not fits:
             return
-        if not self.running:  # Idle: restart the ring, so the same work computes the same
-            # bits whatever ran before (a resumed run samples as the uninterrupted one did).
-            cache = self.state.cache._replace(index=self._replicated(np.int32(0))[0])
-            self.state = self.state._replace(cache=cache)
         taken, self.queue = self.queue[:fits], self.queue[fits:]
         by_bucket: dict[int, list] = {}
         for r, keydata in taken:
@@ -282,11 +356,47 @@ class Generator:
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
 
-    def _harvest(self) -> list[Completed]:
-        finished_S = sharding.fetch(engine.finished(self.state))
+    def _apply_replies(self):
+        """The queued replies, appended by `engine.extend` in pieces of `reply_chunk` tokens
+        (one call per piece, every slot's next piece together), and the episodes ended."""
+        if not self.replies:
+            return
+        t = time.perf_counter()
+        pending, self.replies = self.replies, {}
+        while pending:
+            slots = sorted(pending)
+            rows = engine.prefill_rows([[s] for s in slots], self.slots, self.shards)
+            pieces = {s: (x if x is None else x[: self.reply_chunk]) for s, x in pending.items()}
+            T = self.cfg.bucket(max([1] + [len(x) for x in pieces.values() if x is not None]))
+            R = len(rows)
+            tokens = np.full((R, T), self.cfg.pad_id, np.int32)
+            mask = np.zeros((R, T), bool)
+            slot_R = np.full((R,), self.slots, np.int32)  # Padding rows write nothing.
+            end_R = np.zeros((R,), bool)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    slot_R[i] = s = slots[row[0]]
+                    end_R[i] = pieces[s] is None
+                    if pieces[s] is not None:
+                        tokens[i, : len(pieces[s])] = pieces[s]
+                        mask[i, : len(pieces[s])] = True
+                        self.stats.env_tokens += len(pieces[s])
+            args = self._rows(tokens, mask, slot_R, end_R)
+            self.state = self._run("engine_extend", engine.extend, args)
+            pending = {
+                s: x[self.reply_chunk :]
+                for s, x in pending.items()
+                if x is not None and len(x) > self.reply_chunk
+            }
+        jax.block_until_ready(self.state)
+        self.stats.reply_s += time.perf_counter() - t
+
+    def _harvest(self) -> Stepped:
+        finished_S, waiting_S = sharding.fetch((engine.finished(self.state), self.state.waiting_S))
         done = [s for s in self.running if finished_S[s]]
-        if not done:
-            return []
+        waits = [s for s in self.running if waiting_S[s] and s not in self.waiting]
+        if not done and not waits:
+            return Stepped([], [])
         rows = self.state.rows
         host = sharding.fetch(
             {
@@ -297,8 +407,16 @@ class Generator:
                 "lengths": rows["length_N"],
                 "stopped": rows["done_N"],
                 "interrupted": rows["interrupted_N"],
+                "turns": self.state.turn_S,
+                "limits": self.state.limit_S,
+                "env": self.state.env_SM,
             }
         )
+        for s in sorted(waits):
+            r, own = self.running[s]
+            n = host["lengths"][s]
+            turn = np.asarray(host["tokens"][s, host["turns"][s] : n])
+            self.waiting[s] = Turn(s, r, own.index(s), turn, int(host["limits"][s] - n))
         completed = []
         for s in sorted(done):
             r, own = self.running.pop(s)
@@ -309,7 +427,7 @@ class Generator:
                 del self.partial[id(r)]
                 completed.append(self._completed(r, [got[g] for g in range(len(own))]))
         self.free.sort()
-        return completed
+        return Stepped(completed, [self.waiting[s] for s in sorted(waits)])
 
     def _completed(self, r: Request, rows: list[dict]) -> Completed:
         def stack(k):
@@ -327,4 +445,5 @@ class Generator:
             lengths_G=lengths,
             truncated_G=~stack("stopped"),
             interrupted_G=stack("interrupted"),
+            env_GM=stack("env"),
         )

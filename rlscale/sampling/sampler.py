@@ -41,6 +41,26 @@ def think_budget_problems(
     return []
 
 
+MAX_ACTION_STOP = 8  # The longest action stop sequence (the engine compares this many tokens).
+
+
+def action_stop_problems(action_stops) -> list[str]:
+    """`SamplingConfig.action_stops` must be a tuple of tuples of 1 to `MAX_ACTION_STOP`
+    non-negative integer ids (tuples: the config is hashed as a jit static argument)."""
+    if not isinstance(action_stops, tuple):
+        return [f"action_stops={action_stops!r} must be a tuple of token-id tuples"]
+    problems = []
+    for i, seq in enumerate(action_stops):
+        where = f"action_stops[{i}]={seq!r}"
+        if not isinstance(seq, tuple) or not 1 <= len(seq) <= MAX_ACTION_STOP:
+            problems.append(f"{where} must be a tuple of 1 to {MAX_ACTION_STOP} token ids")
+        elif not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in seq
+        ):
+            problems.append(f"{where} must hold non-negative integer token ids")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Static sampling settings (a change recompiles; values inside them do not vary per call).
@@ -66,6 +86,10 @@ class SamplingConfig:
       interrupt_ids: the end-of-thinking phrase's ids.
       think_end_tokens: ids that close the thinking; a row that samples one is never
         interrupted.
+      action_stops: token-id sequences (each 1 to `MAX_ACTION_STOP` ids) that end a turn of a
+        multi-turn episode in the generator engine: a sample whose tokens of the current turn
+        end with one (its last token sampled, not forced) stops and waits for the
+        environment's reply (`generator.Generator.step`). The static sampler ignores them.
     """
 
     max_new_tokens: int = 64
@@ -80,9 +104,10 @@ class SamplingConfig:
     think_budget: int = 0
     interrupt_ids: tuple[int, ...] = ()
     think_end_tokens: tuple[int, ...] = ()
+    action_stops: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        problems = []
+        problems = action_stop_problems(self.action_stops)
         if self.think_budget < 0:
             problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
         if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):
@@ -284,8 +309,10 @@ def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -
     `c` holds `logits_NV` (the next token's logits), `cache`, `pos_N` (the next token's
     position) and the per-row state of `empty_rows`. Row n draws its token from
     `logits_NV[n]` with `row_uniforms(key_N, length_N)`, writes it at column `length_N[n]`,
-    and runs it through the model (cache slot `cache.index`) for the next logits. Rows that
-    are not live write nothing and do not advance.
+    and runs it through the model (cache slot `cache.index_B[n]`) for the next logits. Rows
+    that are not live write nothing to the completion and do not advance; what they write to
+    the cache is the caller's (the static sampler's rows keep one shared index, the engine
+    points a row that is not live past the cache's end).
     """
     i_N = c["length_N"]
     token_N, logp_N = sample_tokens(c["logits_NV"], row_uniforms(key_N, i_N), cfg)
@@ -359,9 +386,7 @@ def generate(
     # n samples per prompt share the prefill: tile the cache along the batch.
     if n > 1:
         tile = functools.partial(jnp.repeat, repeats=n, axis=0)
-        cache = cache._replace(
-            k=tuple(map(tile, cache.k)), v=tuple(map(tile, cache.v)), valid_BS=tile(cache.valid_BS)
-        )
+        cache = decoder.KVCache(*jax.tree.map(tile, tuple(cache)))
         logits_BV, pos_B = tile(logits_BV), tile(pos_B)
     cache = _constrain(cache, cache_axes, layout)
     key_N = row_keys(rng, B, n)
