@@ -204,12 +204,12 @@ def test_one_program_per_shape(recipe_runs):
 
 
 def _launch(workdir, processes, steps, warm):
-    """`processes` processes x 8 / processes devices. A 1-process run joins a 1-process job
+    """`processes` processes x 4 / processes devices. A 1-process run joins a 1-process job
     too, so both sides sum across devices with the same collectives (gloo): XLA's in-process
     CPU all-reduce adds in another order, which moves the last bits of a sum."""
     port = 20000 + (os.getpid() + 97 * processes + steps) % 20000
     env = subprocess_env(
-        8 // processes,
+        4 // processes,
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES=str(processes),
         JAX_INITIALIZATION_TIMEOUT="60",
