@@ -43,10 +43,6 @@ def _signature(args, static) -> tuple:
     return (treedef, tuple(map(leaf, leaves)), tuple(sorted(static.items(), key=lambda kv: kv[0])))
 
 
-def _lower(fn, args, static):
-    return lambda: fn.lower(*args, **static)
-
-
 def cost(compiled) -> dict:
     """Per-device FLOPs, bytes accessed and memory of a compiled program."""
     analysis = compiled.cost_analysis()
@@ -71,14 +67,16 @@ class _Compiled:
         self._lock = threading.Lock()
         self._executables: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, fn, signature, lower):
+    def get(self, fn, signature, args, static):
+        """`fn`'s executable for `args` and `static`, whose signature is `signature`."""
         key = (fn, signature)
         with self._lock:
             executable = self._executables.get(key)
             if executable is not None:
                 self._executables.move_to_end(key)
                 return executable
-        executable = lower().compile()  # Outside the lock: other programs compile meanwhile.
+        # Compiled outside the lock: other programs compile meanwhile.
+        executable = fn.lower(*args, **static).compile()
         with self._lock:
             self._executables[key] = executable
             while len(self._executables) > self.size:
@@ -120,9 +118,7 @@ class Programs:
             return
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, "rlscale-compile")
-        self._pending[key] = self._compiler.submit(
-            _COMPILED.get, fn, key[1], _lower(fn, args, static)
-        )
+        self._pending[key] = self._compiler.submit(_COMPILED.get, fn, key[1], args, static)
 
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
         """`fn(*args, **static)` through an executable compiled for this signature."""
@@ -134,7 +130,7 @@ class Programs:
             if pending:
                 executable = pending.result()
             else:
-                executable = _COMPILED.get(fn, key[1], _lower(fn, args, static))
+                executable = _COMPILED.get(fn, key[1], args, static)
             self._executables[key] = executable
             self.entries.append(
                 {
