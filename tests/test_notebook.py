@@ -19,7 +19,7 @@ def _text(cell) -> str:
 
 
 def test_quickstart_notebook_executes(warm, tmp_path, monkeypatch):
-    monkeypatch.setenv("RLSCALE_NB_STEPS", "8")
+    monkeypatch.setenv("RLSCALE_NB_STEPS", "6")
     monkeypatch.setenv("RLSCALE_NB_SMOKE", "1")
     monkeypatch.setenv("RLSCALE_NB_REUSE_FROM", str(warm))
     monkeypatch.setenv("RLSCALE_NB_ROOT", str(tmp_path))
