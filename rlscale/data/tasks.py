@@ -1,6 +1,8 @@
-"""Synthetic, verifiable tasks (arithmetic, countdown) generated deterministically from (task,
-difficulty, seed, split, index), with disjoint splits and grammar-based verifiers that grade only a
-stated `Answer: N`. See docs/data.md.
+"""Synthetic, verifiable tasks (arithmetic, countdown, tool_arithmetic, guess_number) generated
+deterministically from (task, difficulty, seed, split, index), with disjoint splits and
+grammar-based verifiers that grade only a stated `Answer: N` (guess_number: a guess). The tasks
+played with an environment write their demonstrations in the environment's own text formats
+(`rlscale.envs.python_tool`, `rlscale.envs.guess`). See docs/data.md.
 """
 
 import dataclasses
@@ -9,6 +11,8 @@ import re
 from collections.abc import Iterator
 
 import numpy as np
+
+from rlscale.envs import guess, python_tool
 
 ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)\s*$")
 SPLITS = ("train", "test")
@@ -89,6 +93,7 @@ class Task:
     """Base class: `problem(split, index)`, `problems(split, n)` and `verify`."""
 
     name: str
+    max_difficulty: int | None = None  # None: any difficulty >= 1.
 
     def __init__(self, difficulty: int, seed: int = 0, test_fraction: float = 0.2):
         self.difficulty = difficulty
@@ -182,12 +187,124 @@ class Countdown(Task):
         return float(evaluate(numbers, ops) == int(problem.answer))
 
 
-TASKS = {"arithmetic": Arithmetic, "countdown": Countdown}
+class ToolArithmetic(Task):
+    """`a*b+c` or `a*b-c` over numbers of 4 + difficulty digits (difficulty 1 to 5: 5 to 9
+    digits), which a small policy cannot multiply in its head but can by calling the Python
+    tool (`envs.python_tool.PythonTool`). Graded like arithmetic: the stated `Answer: N`.
+
+    A `tool_fraction` of the demonstrations (drawn per problem, after its numbers, so the
+    problems do not depend on it) call the tool: the code block, the tool's reply exactly as
+    the environment writes it, then `Answer: N`:
+
+        ```python\\n48213*99201+55123\\n```\\noutput: 4782832936\\nAnswer: 4782832936
+
+    The rest answer directly, with the correct answer (`Answer: 4782832936`). So every
+    demonstration states a right answer, and the warm start is diffuse rather than
+    confidently wrong: it cannot learn the digits of a direct answer, so its direct answers
+    spread over many numbers (right about as rarely as guesses), while it calls the tool on
+    about a `tool_fraction` of problems and copies the tool's output into the answer. RL then
+    separates the two behaviours it already has, and moves mass to the tool. A demonstration
+    that stated an estimate instead (the leading digits, or a rounded value) would teach the
+    policy a wrong answer that it can learn exactly, and that RL must unlearn.
+
+    The warm start keeps the answer line in only `sft.answer_line_fraction` of its
+    demonstrations, and one without it is empty when direct: train this task's warm start
+    with `sft.answer_line_fraction=1`.
+    """
+
+    name = "tool_arithmetic"
+    max_difficulty = 5
+
+    def __init__(self, difficulty, seed=0, test_fraction=0.2, tool_fraction: float = 0.3):
+        super().__init__(difficulty, seed, test_fraction)
+        if not 0.0 <= tool_fraction <= 1.0:
+            raise ValueError(f"tool_fraction={tool_fraction!r} must be in [0, 1]")
+        self.tool_fraction = tool_fraction
+
+    def _sample(self, rng):
+        digits = 4 + self.difficulty
+        a, b, c = (int(x) for x in rng.integers(10 ** (digits - 1), 10**digits, 3))
+        op = str(rng.choice(["+", "-"]))
+        expr = f"{a}*{b}{op}{c}"
+        value = a * b + c if op == "+" else a * b - c
+        demo = f"Answer: {value}"
+        if rng.random() < self.tool_fraction:
+            reply = python_tool.output_reply(f"{value}\n", python_tool.MAX_REPLY_CHARS)
+            demo = python_tool.tool_call(expr) + reply + demo
+        return Problem(prompt=f"Q: {expr}=", answer=str(value), demo=demo)
+
+    def verify(self, completion, problem):
+        return float(final_answer(completion) == problem.answer)
+
+    extract_answer = staticmethod(final_answer)  # For majority voting (`eval.harness`).
+
+
+class NumberGuessing(Task):
+    """Guess a secret number from 1 to 2**(difficulty + 2) within difficulty + 3 tries, told
+    "higher" or "lower" after each wrong guess: played with `envs.guess.GuessNumber`, whose
+    reward comes only at the end of a dialogue of several turns.
+
+    A prompt names a game number drawn apart from the secret (`Q: game 04821: guess 1 to 16
+    in 5 tries`), so that problems are distinct and the splits (which hash the prompt) are
+    disjoint; the secret is the answer. A demonstration is a won game, played against the
+    environment (its replies are the environment's own): each guess is the middle of the
+    range the replies leave, or, with probability `jitter`, anywhere in that range, a game
+    replayed until it wins within the tries (pure bisection, which always does, after 20
+    replays). So the warm start searches, but not always by halves, and loses some games that
+    RL can teach it to win. The verifier scores 1 when one of the first `tries` turns of the
+    policy's text guesses the secret (`guess.turn_guesses`).
+    """
+
+    name = "guess_number"
+
+    def __init__(self, difficulty, seed=0, test_fraction=0.2, jitter: float = 0.3):
+        super().__init__(difficulty, seed, test_fraction)
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"jitter={jitter!r} must be in [0, 1]")
+        self.jitter = jitter
+
+    def _sample(self, rng):
+        rules = guess.Rules(low=1, high=2 ** (self.difficulty + 2), tries=self.difficulty + 3)
+        game = int(rng.integers(0, 100_000))
+        secret = int(rng.integers(rules.low, rules.high + 1))
+        problem = Problem(f"Q: game {game:05d}: {guess.rules_text(rules)}\n", str(secret), "")
+        return dataclasses.replace(problem, demo=self._won_game(problem, rules, rng))
+
+    def _won_game(self, problem, rules, rng, replays=20):
+        for replay in range(replays + 1):
+            env = guess.GuessNumber()
+            env.reset(problem)
+            low, high, text = rules.low, rules.high, ""
+            while True:
+                middle = replay == replays or rng.random() >= self.jitter
+                g = (low + high) // 2 if middle else int(rng.integers(low, high + 1))
+                reply = env.step(guess.guess_line(g))
+                text += guess.guess_line(g) + reply.text
+                if reply.done:
+                    break
+                low, high = (g + 1, high) if reply.text == guess.HIGHER else (low, g - 1)
+            if reply.reward == 1.0:
+                return text
+        raise AssertionError(f"bisection lost {problem}")  # Unreachable: it takes <= tries.
+
+    def verify(self, completion, problem):
+        tries = guess.rules_of(problem.prompt).tries
+        return float(int(problem.answer) in guess.turn_guesses(completion)[:tries])
+
+
+TASKS = {
+    "arithmetic": Arithmetic,
+    "countdown": Countdown,
+    "tool_arithmetic": ToolArithmetic,
+    "guess_number": NumberGuessing,
+}
 
 
 def get(name: str, difficulty: int, seed: int = 0) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
-    if difficulty < 1:
-        raise ValueError(f"task difficulty={difficulty} must be >= 1")
+    top = TASKS[name].max_difficulty
+    if difficulty < 1 or (top is not None and difficulty > top):
+        bounds = ">= 1" if top is None else f"in [1, {top}]"
+        raise ValueError(f"task difficulty={difficulty} must be {bounds} for {name!r}")
     return TASKS[name](difficulty, seed)
