@@ -250,6 +250,21 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         model_lr=1e-4,
         prm="",
     )
+    # The environment of each episode (docs/environments.md): `name`, a registered one
+    # ("single_turn": the task's verifier scores one completion) or "module.path:ClassName",
+    # built with `kwargs`. Limits: `max_turns` policy turns, `reply_tokens` per reply (cut),
+    # `call_seconds` per environment call and `episode_seconds` per episode (wall-clock);
+    # `workers` threads run the calls. An episode's tokens, the policy's and the replies',
+    # are sampling.max_new_tokens.
+    c.env = dict(
+        name="single_turn",
+        kwargs={},
+        max_turns=4,
+        reply_tokens=256,
+        call_seconds=10.0,
+        episode_seconds=300.0,
+        workers=8,
+    )
     return c
 
 

@@ -28,8 +28,10 @@ class Reply:
 
     Attributes:
       text: appended to the episode after the policy's turn (tokenized without special
-        tokens; out of the loss). Empty for no reply.
-      done: the episode ends after this reply (the policy writes no further turn).
+        tokens, cut to `env.reply_tokens`; out of the loss). Empty: nothing is appended, and
+        the policy writes on.
+      done: the episode ends here: the policy writes no further turn (and `text` is not
+        appended).
       reward: the episode's reward, given when `done`; None leaves it to the task's verifier,
         which reads the policy's text of the whole episode (the environment's replies left
         out, so an answer only counts where the policy stated it).
@@ -44,12 +46,14 @@ class Reply:
 
 
 class Environment(abc.ABC):
-    """One episode's environment: made for one sample, reset once with its problem, then
-    stepped once per turn, from a worker thread (never the decode thread), one turn at a time.
+    """One episode's environment: made for one sample and reset once with its problem, then
+    stepped once per turn, one turn at a time, all from worker threads (never the decode
+    thread; `envs.episodes.Episodes`).
 
     Class attributes:
       stops: the text strings that end a policy turn (each must encode to 1 to 8 tokens; the
-        run checks at start-up that the tokenizer produces them). Empty: single-turn.
+        run checks at start-up that the tokenizer produces them). Empty: single-turn. Read
+        from an instance, so a constructor may set them from its arguments.
     """
 
     stops: tuple[str, ...] = ()

@@ -27,6 +27,7 @@ RESUMABLE_CHANGES = (
     "reward.workers",
     "reward.timeout",
     "pipeline.decode_chunk",  # How often the generator checks for weights: not the samples.
+    "env.workers",  # Threads running environment calls: their speed, not their replies.
 )
 
 
@@ -314,6 +315,11 @@ def problems(config) -> list[str]:
     found = _objective_problems(config)
     found += _batch_problems(config)
     found += _mesh_problems(config)
+    if not config.env.single_turn and config.preference.enabled:
+        found.append(
+            f"env.name={config.env.name!r}: a preference run ({config.preference.key}) trains "
+            "on pairs of single-turn completions; set env.name='single_turn'"
+        )
     f, M = config.filters, config.sampling.max_new_tokens
     if f.overlong_cache and isinstance(M, int) and f.overlong_cache > M:
         found.append(

@@ -58,7 +58,8 @@ class Feed(threading.Thread):
     def __init__(self, s, source, stream, rng, first: int, last: int):
         super().__init__(name="rlscale-generator", daemon=True)
         p = s.config.pipeline
-        self.gen, self.source, self.stream, self.rng = s.generator, source, stream, rng
+        # The engine, driven through the run's environments (`envs.episodes`).
+        self.gen, self.source, self.stream, self.rng = s.episodes, source, stream, rng
         self.mode, self.chunk = p.mode, p.decode_chunk
         u = s.config.learner
         self.ahead = p.max_staleness // (u.epochs * u.minibatches)  # Batches of lead.
@@ -146,13 +147,13 @@ class Feed(threading.Thread):
             ids = self.stream.next(self.source.B, retired)
             rng = jax.random.fold_in(jax.random.fold_in(self.rng, b), 0)  # Round 0 of step b.
             self.pending[b] = {"ids": ids, "stream": self.stream.state(), "completed": []}
-            self.gen.submit(self.source.requests(ids, rng, tag=b))
+            self.source.submit(ids, rng, tag=b)
             self.next_batch += 1
 
-    def _completed(self, c):
-        b = c.request.id[0]
+    def _completed(self, episode):
+        b = episode.request.id[0]
         entry = self.pending[b]
-        entry["completed"].append(c)
+        entry["completed"].append(episode)
         if len(entry["completed"]) == len(entry["ids"]):
             del self.pending[b]
             samples = self.source.score(entry["completed"], entry["ids"])

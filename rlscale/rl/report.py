@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from rlscale import checkpoint
+from rlscale.envs import episodes as env_episodes
 from rlscale.model import hf
 from rlscale.rl import learned_rewards, logp_match
 from rlscale.scaling import compute
@@ -27,10 +28,11 @@ class Compute:
         self.max_new_tokens, self.epochs = max_new_tokens, epochs
 
     def add_step(self, model_cfg, stats, rollouts, passes):
-        """One step's FLOPs: sampling (prompts + generated tokens, and a learned reward's
-        forward passes over them, `scoring_flops`), the learner's `passes` no-grad forward
-        passes (the trainer's old terms, the reference's) and its training passes."""
-        generated = float(stats["lengths"].sum())
+        """One step's FLOPs: sampling (prompts + generated tokens + an environment's reply
+        tokens, and a learned reward's forward passes over them, `scoring_flops`), the
+        learner's `passes` no-grad forward passes (the trainer's old terms, the reference's)
+        and its training passes."""
+        generated = float(stats["lengths"].sum()) + stats["env_tokens"]
         self.add_sampling(model_cfg, stats["prompt_tokens"] + generated, rollouts.prompt_len)
         self.counters["compute/sample_flops"] += stats["scoring_flops"]
         self.add_training(model_cfg, rollouts, passes)
@@ -103,10 +105,13 @@ def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:
 
 def samples_record(stats) -> dict:
     """What a step's samples were (`stats` of `RolloutSource.rollouts` or of
-    `pairs.sample_pairs`): their rewards, pass rate, lengths, the prompts sampled and the
-    verifier's failures."""
+    `pairs.sample_pairs`): their rewards, pass rate, lengths (the policy's tokens), the
+    prompts sampled and the verifier's failures; and, for multi-turn episodes, how they went
+    (`episode_record`)."""
     failures = stats["failures"]
+    episodes = stats.get("episodes")  # Only RL rollouts of a multi-turn environment.
     return {
+        **({} if episodes is None else episode_record(episodes)),
         "train/reward_mean": float(stats["reward"].mean()),
         "train/pass_rate": float(stats["correct"].mean()),
         "train/response_length": float(stats["lengths"].mean()),
@@ -116,6 +121,30 @@ def samples_record(stats) -> dict:
         "reward/failures": sum(failures.values()),
         **{f"reward/failures_{kind}": n for kind, n in failures.items()},
     }
+
+
+def episode_record(episodes: dict) -> dict:
+    """The `env/` metrics of a step's episodes (per sample, `envs.episodes.Episode.stats`):
+    mean policy turns, mean `Environment.step` calls, the fraction of episodes with any,
+    the seconds spent in those calls and each `Reply.info` counter, both summed over the
+    episodes, and the fraction that ended for each reason (`episodes.END_REASONS`)."""
+    record = {
+        f"env/{k.removeprefix('info/')}": float(v.sum())
+        for k, v in episodes.items()
+        if k.startswith("info/")
+    }
+    calls = episodes["calls"]
+    record.update(
+        {
+            "env/turns_mean": float(episodes["turns"].mean()),
+            "env/calls_per_episode": float(calls.mean()),
+            "env/episodes_with_calls": float((calls > 0).mean()),
+            "env/seconds": float(episodes["seconds"].sum()),
+        }
+    )
+    for reason in env_episodes.END_REASONS:
+        record[f"env/ended_{reason}"] = float((episodes["end"] == reason).mean())
+    return record
 
 
 def pair_record(sampled, pair_set, pair_ids, learner_metrics, *, skipped, times) -> dict:

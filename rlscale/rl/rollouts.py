@@ -15,7 +15,13 @@ import numpy as np
 from rlscale import sections
 from rlscale.data import filters
 from rlscale.sampling.generator import Request
-from rlscale.sampling.scoring import Samples, concat, encode_prompts, score_completed
+from rlscale.sampling.scoring import (
+    Samples,
+    concat,
+    concat_episodes,
+    encode_prompts,
+    score_completed,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,8 @@ class Rollouts:
     # (`learned_rewards.StepRewards`); None without one.
     step_reward_NM: np.ndarray | None = None
     step_mask_NM: np.ndarray | None = None
+    # An environment's tokens of multi-turn episodes: context, out of `mask_NM` (None: none).
+    env_NM: np.ndarray | None = None
 
 
 def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
@@ -116,7 +124,7 @@ class RolloutSource:
         batch: BatchConfig,
         filter_cfg: filters.FilterConfig,
         decode_chunk: int,
-        generator,
+        episodes,
         scfg,
         tokenizer,
         problems,
@@ -127,7 +135,8 @@ class RolloutSource:
         outcome_model=None,
         step_rewards=None,
     ):
-        self.generator, self.scfg, self.tokenizer = generator, scfg, tokenizer
+        # The generator engine driven through the run's environments (`envs.episodes`).
+        self.episodes, self.scfg, self.tokenizer = episodes, scfg, tokenizer
         self.problems, self.scorer = problems, scorer
         self.stream, self.history = stream, history
         self.teacher = teacher  # A `teacher.Teacher` when the objective reads `teacher_logp`.
@@ -172,11 +181,25 @@ class RolloutSource:
         prompts = self._encode(ids)
         return [Request((tag, i), p, jax.random.fold_in(rng, i)) for i, p in enumerate(prompts)]
 
-    def score(self, completed, ids) -> Samples:
-        """Scored samples of the completed requests for prompts `ids` (in request order)."""
-        completed = sorted(completed, key=lambda c: c.request.id[1])
-        problems = [self.problems[ids[c.request.id[1]]] for c in completed]
-        return score_completed(self.tokenizer, self.scorer, completed, problems, self.scfg)
+    def submit(self, ids, rng, tag=None) -> None:
+        """Queues the requests for prompts `ids` (`requests`), each sample's episode reset
+        with its problem."""
+        self.episodes.submit(self.requests(ids, rng, tag), [self.problems[i] for i in ids])
+
+    def score(self, episodes, ids) -> Samples:
+        """Scored samples of the finished requests (`envs.episodes.Episode`s) for prompts
+        `ids` (in request order)."""
+        episodes = sorted(episodes, key=lambda e: e.request.id[1])
+        problems = [self.problems[ids[e.request.id[1]]] for e in episodes]
+        stats = [e.stats for e in episodes]
+        return score_completed(
+            self.tokenizer,
+            self.scorer,
+            [e.completed for e in episodes],
+            problems,
+            self.scfg,
+            episodes=None if stats[0] is None else stats,
+        )
 
     def sample(self, params, ids, rng, version) -> Samples:
         """Scored samples of prompts `ids` (`SamplingConfig.num_samples` each, in prompt
@@ -187,12 +210,11 @@ class RolloutSource:
     def _sample(self, params, ids, rng, version) -> Samples:
         """Every request for `ids` generated with `params` (policy `version`), and scored:
         requests that complete early are scored while the engine decodes the rest."""
-        gen = self.generator
-        gen.set_params(params, version)
-        gen.submit(self.requests(ids, rng))
+        self.episodes.set_params(params, version)
+        self.submit(ids, rng)
         parts, order = [], []
         while len(order) < len(ids):
-            completed = gen.step(self.decode_chunk).completed
+            completed = self.episodes.step(self.decode_chunk).completed
             if completed:
                 order += sorted(c.request.id[1] for c in completed)  # As `score` orders them.
                 if self._scoring is None:
@@ -213,9 +235,9 @@ class RolloutSource:
         # give a group of all-correct answers spread that carries no signal about
         # correctness. A reward model's reward is the signal itself.
         signal_N = correct_N if self.outcome_model is None else reward_N
-        if f.overlong_cache:
+        if f.overlong_cache:  # On the policy's tokens: an environment's replies are not its.
             reward_N = reward_N + filters.overlong_penalty(
-                s.lengths_N, self.max_new_tokens, f.overlong_cache
+                s.policy_lengths_N, self.max_new_tokens, f.overlong_cache
             )
         newly = self.history.update(ids, correct_N.reshape(-1, G)) if f.retire else []
         keep_B = np.ones(len(ids), bool)
@@ -264,10 +286,19 @@ class RolloutSource:
         def cat(f):
             return np.concatenate([f(r) for r in rounds])
 
+        episodes = [r["samples"].episodes for r in rounds]
+        episodes = None if episodes[0] is None else concat_episodes(episodes)
+
         stats = {
             "reward": cat(lambda r: r["reward"]),
             "correct": cat(lambda r: r["correct"]),
-            "lengths": cat(lambda r: r["samples"].lengths_N),
+            # The policy's tokens of each sample; the environments' replies, counted apart
+            # (their forward passes cost the sampler as much).
+            "lengths": cat(lambda r: r["samples"].policy_lengths_N),
+            "env_tokens": sum(
+                int(r["samples"].lengths_N.sum() - r["samples"].policy_lengths_N.sum())
+                for r in rounds
+            ),
             "truncated": cat(lambda r: r["samples"].truncated_N),
             "interrupted": cat(lambda r: r["samples"].interrupted_N),
             "prompt_tokens": sum(r["samples"].prompt_tokens for r in rounds),
@@ -281,6 +312,8 @@ class RolloutSource:
                 k: sum(r["samples"].failures[k] for r in rounds)
                 for k in rounds[0]["samples"].failures
             },
+            # Per sample, how its episode went (None: single-turn, no `env/` metrics).
+            "episodes": episodes,
         }
         return roll, stats
 
@@ -292,14 +325,17 @@ class RolloutSource:
 
         def learner_rows(r):
             s, keep_N = r["samples"], np.repeat(r["keep"], G)
+            env_NM = np.zeros_like(s.mask_NM) if s.env_NM is None else s.env_NM
             pad = ((0, 0), (P - s.prompt_BP.shape[1], 0))
             prompt_NP = np.pad(np.repeat(s.prompt_BP, G, 0), pad, constant_values=self.scfg.pad_id)
             prompt_mask_NP = np.pad(np.repeat(s.prompt_mask_BP, G, 0), pad)
             return {
                 "tokens_NL": np.concatenate([prompt_NP, s.tokens_NM], 1).astype(np.int32),
                 "attn_mask_NL": np.concatenate([prompt_mask_NP, s.mask_NM], 1),
-                # Tokens written by forced interruption are context, not actions: out of the loss.
-                "mask_NM": s.mask_NM & ~s.forced_NM & keep_N[:, None],
+                # Tokens written by forced interruption or an environment are context, not
+                # actions: out of the loss (and of every count of trained tokens).
+                "mask_NM": s.mask_NM & ~s.forced_NM & ~env_NM & keep_N[:, None],
+                "env_NM": env_NM,
                 "sampler_logp_NM": s.logprobs_NM.astype(np.float32),
                 "version_NM": s.versions_NM.astype(np.int32),
                 "reward_N": r["reward"].astype(np.float32),

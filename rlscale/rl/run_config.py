@@ -14,6 +14,7 @@ import ml_collections
 from rlscale import checkpoint, faults, model, optim, sections, sharding, warm_start
 from rlscale.data import filters
 from rlscale.data import load as data_load
+from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
 from rlscale.rewards import isolation
 from rlscale.rl import checks, dpo, pipeline, rollouts, setup
@@ -38,6 +39,7 @@ SECTIONS = {
     "checkpoint": checkpoint.CheckpointConfig,
     "faults": faults.FaultConfig,
     "reward": isolation.RewardConfig,
+    "env": env_registry.EnvConfig,
 }
 
 
@@ -73,6 +75,7 @@ class RunConfig:
     checkpoint: checkpoint.CheckpointConfig
     faults: faults.FaultConfig
     reward: isolation.RewardConfig
+    env: env_registry.EnvConfig
     raw: Any
 
     def to_dict(self) -> dict:

@@ -38,6 +38,8 @@ from rlscale import (
 from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import filters
 from rlscale.data import load as data_load
+from rlscale.envs import episodes as env_episodes
+from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
 from rlscale.model import decoder, hf
 from rlscale.rewards import isolation
@@ -148,6 +150,7 @@ class Setup:
     sampler: Sampler  # The static sampler, for evaluation.
     sample_shardings: Any
     generator: Generator  # The engine that samples training rollouts.
+    episodes: env_episodes.Episodes  # The engine, driven through the run's environments.
     generator_shardings: Any
     learner: learner.Learner
     pool: Any  # The run's one verifier pool (None: rewards scored in-process).
@@ -158,6 +161,7 @@ class Setup:
     stage_settings: dict  # Stage (`stage_cache.STAGES`) -> its settings (`stage_settings`).
 
     def close(self):
+        self.episodes.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -178,7 +182,7 @@ class Setup:
             c.batch,
             c.filters,
             c.pipeline.decode_chunk,
-            self.generator,
+            self.episodes,
             self.scfg,
             self.tokenizer,
             self.train_problems,
@@ -396,6 +400,12 @@ def build(config, workdir: str) -> Setup:
     scfg = saved_policy.sampling_config(
         config.sampling, config.task, tokenizer, config.batch.samples_per_prompt
     )
+    # The environment's stops end the generator's turns (none: single-turn).
+    env_factory = env_registry.make_factory(config.env)
+    stops = env_registry.action_stops(
+        env_factory, config.env, tokenizer, config.sampling.max_new_tokens
+    )
+    scfg = dataclasses.replace(scfg, action_stops=stops)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
@@ -442,6 +452,7 @@ def build(config, workdir: str) -> Setup:
         sampler=sampler,
         sample_shardings=sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES),
         generator=generator,
+        episodes=env_episodes.Episodes(generator, env_factory, tokenizer, config.env),
         generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
         pool=pool,

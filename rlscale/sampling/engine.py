@@ -273,7 +273,9 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
         token_S = d["tokens_NM"][jnp.arange(S), at_S]
         s = s._replace(
             cache=d["cache"]._replace(index_B=index_S + live_S),
-            logits_SV=d["logits_NV"].astype(jnp.float32),
+            # A waiting slot keeps the logits after its turn's last token (an empty reply
+            # resumes from them).
+            logits_SV=jnp.where(live_S[:, None], d["logits_NV"].astype(jnp.float32), s.logits_SV),
             pos_S=d["pos_N"],
             last_S=jnp.where(live_S, token_S, s.last_S),
             version_SM=version_SM,
@@ -294,19 +296,20 @@ def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
     jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"), donate_argnums=(1,)
 )
 def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
-    """New weights for the live slots: each one's last token is run again under `params` (its
-    own cache column, index - 1, rewritten), so the next token is drawn from the new policy.
-    (A waiting slot's next logits come from its reply, run under the weights of then.)"""
+    """New weights for the unfinished slots: each one's last token is run again under `params`
+    (its own cache column, index - 1, rewritten), so the next token is drawn from the new
+    policy (a waiting slot's, after an empty reply; a reply's own tokens run under the
+    weights of then)."""
     C = state.cache.valid_BS.shape[1]
-    live_S = live(state)
+    on_S = ~finished(state)
     index_S = state.cache.index_B
-    cache = state.cache._replace(index_B=jnp.where(live_S, index_S - 1, C))
+    cache = state.cache._replace(index_B=jnp.where(on_S, index_S - 1, C))
     logits_S1V, cache = decoder.forward(
-        graphdef, params, state.last_S[:, None], (state.pos_S - 1)[:, None], live_S[:, None], cache
+        graphdef, params, state.last_S[:, None], (state.pos_S - 1)[:, None], on_S[:, None], cache
     )
     state = state._replace(
         cache=cache._replace(index_B=index_S),
-        logits_SV=jnp.where(live_S[:, None], logits_S1V[:, 0].astype(jnp.float32), state.logits_SV),
+        logits_SV=jnp.where(on_S[:, None], logits_S1V[:, 0].astype(jnp.float32), state.logits_SV),
         version=jnp.asarray(version, jnp.int32),
     )
     return _constrain(state, _state_axes(model_cfg, state), layout)
@@ -322,7 +325,8 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
     `slot_R[r]`'s own write position, attending to the slot's valid columns and causally
     among themselves; they join its completion as environment tokens (`env_SM`, logprob 0,
     version -1), the next token's logits come from the last one, and the slot's next turn
-    starts after them. A reply longer than the slot's remaining budget is cut to fit (the
+    starts after them; an empty row (no tokens) resumes the slot as it stood at its action
+    stop. A reply longer than the slot's remaining budget is cut to fit (the
     slot is then finished, its budget spent). `end_R`: the episode ends instead (the slot
     finishes as stopped; its tokens are ignored). A slot index >= S writes nothing.
 
@@ -336,7 +340,14 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
         raise ValueError(f"replies padded to T={T} tokens must be shorter than the C={C} columns")
     specs = _state_specs(model_cfg, state, layout)
     row = specs.limit_S  # Rows split as the slots.
-    row_specs = {"cache": specs.cache, "length_R": row, "room_R": row, "pos_R": row}
+    row_specs = {
+        "cache": specs.cache,
+        "length_R": row,
+        "room_R": row,
+        "pos_R": row,
+        "logits_RV": specs.logits_SV,
+        "last_R": row,
+    }
     rows = _on_shards(_gather_rows, layout, (specs, row), row_specs)(state, slot_R)
     n_R = jnp.where(end_R, 0, jnp.minimum(jnp.sum(mask_RT, axis=1), rows["room_R"]))
     mask_RT = jnp.arange(T) < n_R[:, None]
@@ -345,11 +356,15 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
     h, cache = decoder.hidden(graphdef, params, tokens_RT, positions_RT, mask_RT, cache)
     last_R = jnp.maximum(n_R - 1, 0)
     h_R1D = jnp.take_along_axis(h, last_R[:, None, None], axis=1)
+    logits_RV = decoder.logits(graphdef, params, h_R1D)[:, 0].astype(jnp.float32)
+    replied_R = n_R > 0  # An empty reply keeps the logits and last token of the turn's end.
     new = {
         **rows,
         "cache": cache._replace(index_B=rows["cache"].index_B + n_R),
-        "logits_RV": decoder.logits(graphdef, params, h_R1D)[:, 0].astype(jnp.float32),
-        "last_R": jnp.take_along_axis(tokens_RT, last_R[:, None], axis=1)[:, 0],
+        "logits_RV": jnp.where(replied_R[:, None], logits_RV, rows["logits_RV"]),
+        "last_R": jnp.where(
+            replied_R, jnp.take_along_axis(tokens_RT, last_R[:, None], axis=1)[:, 0], rows["last_R"]
+        ),
         "tokens_RT": tokens_RT,
         "n_R": n_R,
         "end_R": end_R,
@@ -357,8 +372,6 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
     put = functools.partial(_put_rows, cfg=cfg)
     new_specs = {
         **row_specs,
-        "logits_RV": specs.logits_SV,
-        "last_R": row,
         "tokens_RT": specs.version_SM,
         "n_R": row,
         "end_R": row,
@@ -367,9 +380,10 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
 
 
 def _gather_rows(state: EngineState, slot_R, *, first_slot) -> dict:
-    """The cache rows, completion lengths, remaining budgets and next positions of slots
-    `slot_R` (of the engine: `state` may be one shard's, holding slots `first_slot` ...); a
-    slot outside it gives slot 0's cache row and no room (it writes nothing)."""
+    """The cache rows, completion lengths, remaining budgets, next positions, next logits and
+    last tokens of slots `slot_R` (of the engine: `state` may be one shard's, holding slots
+    `first_slot` ...); a slot outside it gives slot 0's cache row and no room (it writes
+    nothing)."""
     local_R = slot_R - first_slot
     ok_R = (local_R >= 0) & (local_R < state.limit_S.shape[0])
     at_R = jnp.where(ok_R, local_R, 0)
@@ -379,6 +393,8 @@ def _gather_rows(state: EngineState, slot_R, *, first_slot) -> dict:
         "length_R": length_R,
         "room_R": jnp.where(ok_R, state.limit_S[at_R] - length_R, 0),
         "pos_R": state.pos_S[at_R],
+        "logits_RV": state.logits_SV[at_R],
+        "last_R": state.last_S[at_R],
     }
 
 

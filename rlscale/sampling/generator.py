@@ -238,8 +238,9 @@ class Generator:
         other queued replies, and the sample's next turn starts after it. The reply's tokens
         join the completion as environment tokens (`Completed.env_GM`) and count against its
         budget: a reply longer than the turn's `room` is cut to fit, and the sample finishes
-        (truncated). `tokens=None` or `end=True` ends the episode instead: the sample
-        finishes as stopped."""
+        (truncated). An empty reply (no tokens) resumes the sample with nothing appended.
+        `tokens=None` or `end=True` ends the episode instead: the sample finishes as
+        stopped."""
         turn = self.waiting.get(slot)
         if turn is None:
             queued = " (a reply to it is queued)" if slot in self.replies else ""
@@ -249,8 +250,6 @@ class Generator:
         else:
             where = f"reply to slot {slot} (request {turn.request.id!r}, sample {turn.sample})"
             V = self.model_cfg.vocab_size
-            if len(tokens) == 0:
-                raise ValueError(f"{where}: no tokens; end=True ends the episode")
             bad = [t for t in tokens if not 0 <= int(t) < V]
             if bad:
                 raise ValueError(f"{where}: token id(s) {bad[:5]} outside [0, {V})")

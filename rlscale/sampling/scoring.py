@@ -54,10 +54,22 @@ class Samples:
     reward_N: np.ndarray
     failures: dict
     versions_NM: np.ndarray | None = None  # Policy version of each token (the engine's).
+    # The environment's tokens of multi-turn episodes (the engine's; None: the static
+    # sampler's, which has none).
+    env_NM: np.ndarray | None = None
+    # Per row, how each episode went (`envs.episodes.Episode.stats`); None: single-turn.
+    episodes: dict | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return int(self.prompt_mask_BP.sum())
+
+    @property
+    def policy_lengths_N(self) -> np.ndarray:
+        """The policy's tokens of each completion: its length less the environment's."""
+        if self.env_NM is None:
+            return self.lengths_N
+        return (self.lengths_N - self.env_NM.sum(1)).astype(self.lengths_N.dtype)
 
     def take(self, order_B) -> "Samples":
         """The prompts `order_B` (and their rows), in that order."""
@@ -71,6 +83,8 @@ class Samples:
                 v = v[order_B]
             elif f.name == "texts":
                 v = [v[i] for i in rows]
+            elif f.name == "episodes" and v is not None:
+                v = {k: x[rows] for k, x in v.items()}
             elif f.name != "failures" and v is not None:
                 v = v[rows]
             fields[f.name] = v
@@ -82,12 +96,27 @@ def encode_prompts(tokenizer, problems) -> list[list[int]]:
     return [chat.encode_prompt(tokenizer, p.prompt) for p in problems]
 
 
-def completions_text(tokenizer, tokens_NM, lengths_N) -> list[str]:
+def completions_text(tokenizer, tokens_NM, lengths_N, env_NM=None) -> list[str]:
+    """Each completion's text, the EOS dropped; with `env_NM`, the policy's tokens only (an
+    environment's replies left out, so an answer counts only where the policy wrote it)."""
     eos = tokenizer.eos_id
-    return [
-        tokenizer.decode([t for t in tokens_NM[i, : lengths_N[i]] if t != eos])
-        for i in range(tokens_NM.shape[0])
-    ]
+    texts = []
+    for i in range(tokens_NM.shape[0]):
+        ids = tokens_NM[i, : lengths_N[i]]
+        if env_NM is not None:
+            ids = ids[~env_NM[i, : lengths_N[i]]]
+        texts.append(tokenizer.decode([t for t in ids if t != eos]))
+    return texts
+
+
+def concat_episodes(parts: list[dict]) -> dict:
+    """Episode stats (`Episode.stats`) of several requests or chunks as one: the rows of
+    each in turn, a counter absent from one 0 on its rows."""
+    keys = dict.fromkeys(k for v in parts for k in v)
+    return {
+        k: np.concatenate([v[k] if k in v else np.zeros(len(v["end"])) for v in parts])
+        for k in keys
+    }
 
 
 def concat(parts: list[Samples], pad_id: int) -> Samples:
@@ -110,33 +139,49 @@ def concat(parts: list[Samples], pad_id: int) -> Samples:
             fields[f.name] = None
         elif f.name == "failures":
             fields[f.name] = {k: sum(v[k] for v in values) for k in values[0]}
+        elif f.name == "episodes":
+            fields[f.name] = concat_episodes(values)
         else:
             fields[f.name] = np.concatenate(values)
     return Samples(**fields)
 
 
-def _score(tokenizer, scorer, host: dict, problems_N: list, prompt_BP, prompt_mask_BP) -> Samples:
+def _score(
+    tokenizer, scorer, host: dict, problems_N: list, prompt_BP, prompt_mask_BP, episodes=None
+) -> Samples:
     """Scores fetched completions (every process holds all rows): each process its share of
-    rows, then the rewards and failure counts gathered to all."""
+    rows, then the rewards and failure counts gathered to all. With `episodes` (per row,
+    `Episode.stats`), the reward an episode's end fixes replaces the verifier's."""
     N = len(problems_N)
-    texts = completions_text(tokenizer, host["tokens_NM"], host["lengths_N"])
+    texts = completions_text(tokenizer, host["tokens_NM"], host["lengths_N"], host.get("env_NM"))
     share = sharding.process_share(N)
     reward, failures = scorer(texts[share], problems_N[share])
     counts = sharding.sum_over_processes(np.array(list(failures.values())))
+    reward_N = sharding.gather_host(reward, N)
+    if episodes is not None:
+        fixed_N = episodes["fixed_reward"]
+        reward_N = np.where(np.isnan(fixed_N), reward_N, fixed_N).astype(reward_N.dtype)
     return Samples(
         prompt_BP=prompt_BP,
         prompt_mask_BP=prompt_mask_BP,
         texts=texts,
-        reward_N=sharding.gather_host(reward, N),
+        reward_N=reward_N,
         failures=dict(zip(failures, counts.tolist())),
+        episodes=episodes,
         **host,
     )
 
 
-def score_completed(tokenizer, scorer, completed: Sequence, problems: Sequence, cfg) -> Samples:
+def score_completed(
+    tokenizer, scorer, completed: Sequence, problems: Sequence, cfg, episodes=None
+) -> Samples:
     """`Samples` of requests the generator engine completed (`generator.Completed`), in the order
     given; `problems[i]` is request i's problem. Prompts are left-padded to the bucket of the
-    longest, as the static sampler pads a batch."""
+    longest, as the static sampler pads a batch.
+
+    Multi-turn episodes (`episodes[i]`: request i's `envs.episodes.Episode.stats`, or None
+    for single-turn ones): the verifier reads the policy's tokens only, and the reward an
+    episode's end fixes (the environment's; 0 for a failed end) replaces the verifier's."""
     longest = max(len(c.request.prompt) for c in completed)
     P = cfg.bucket(longest)
     prompt_BP = np.full((len(completed), P), cfg.pad_id, np.int32)
@@ -157,10 +202,12 @@ def score_completed(tokenizer, scorer, completed: Sequence, problems: Sequence, 
         "truncated_N": cat("truncated_G"),
         "interrupted_N": cat("interrupted_G"),
         "versions_NM": cat("versions_GM"),
+        "env_NM": cat("env_GM"),
     }
     G = completed[0].tokens_GM.shape[0]
     rows = [p for p in problems for _ in range(G)]
-    return _score(tokenizer, scorer, host, rows, prompt_BP, prompt_mask_BP)
+    per_row = None if episodes is None else concat_episodes(episodes)
+    return _score(tokenizer, scorer, host, rows, prompt_BP, prompt_mask_BP, per_row)
 
 
 def sample_and_score(
