@@ -474,7 +474,9 @@ class RunCheckpointer:
         self.close()
 
 
-def config_diff(saved: Mapping, current: Mapping, ignore: Sequence[str] = ()) -> list[str]:
+def config_diff(
+    saved: Mapping, current: Mapping, ignore: Sequence[str] = (), defaults: Mapping = None
+) -> list[str]:
     """Differences between two nested configs, one line per dotted key, sorted.
 
     Both sides are compared after a JSON round trip (as a saved config is read back), so a
@@ -485,12 +487,17 @@ def config_diff(saved: Mapping, current: Mapping, ignore: Sequence[str] = ()) ->
         current: The config of the run that resumes from it.
         ignore: Dotted keys whose subtree is not compared: "eval" skips "eval" and "eval.every"
             but not "evaluate"; "eval.every" skips only that key.
+        defaults: A config whose values stand for the keys `saved` lacks: a key added to the
+            library after the checkpoint was written had its default then, so a resume that
+            leaves it there changes nothing.
 
     Returns:
         Lines like "optim.lr: 0.0001 -> 0.0003", "new.key: (absent) -> 4" or
         "old.key: 4 -> (absent)".
     """
     a, b = _flatten(_as_json(saved)), _flatten(_as_json(current))
+    if defaults is not None:
+        a = {**_flatten(_as_json(defaults)), **a}
 
     def ignored(key: str) -> bool:
         return any(key == p or key.startswith(p + ".") for p in ignore)

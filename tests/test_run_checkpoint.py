@@ -361,6 +361,12 @@ def test_config_diff():
         "stepsize: 1 -> 2"
     ]
     assert checkpoint.config_diff({"a": [1, 2], "b": "x"}, {"a": (1, 2), "b": "x"}) == []
+    # A key the saved config lacks (added to the library since) compares as its default.
+    defaults = {"optim": {"clip": 1.0}, "sampling": {"buckets": (16,)}}
+    assert checkpoint.config_diff(saved, current, ("steps", "eval"), defaults) == [
+        "optim.lr: 0.0001 -> 0.0003",
+        "sampling.buckets: [16] -> [32, 64]",
+    ]
     assert checkpoint.config_diff({"a": {"b": 1}}, {"a": 2}) == [
         "a: (absent) -> 2",
         "a.b: 1 -> (absent)",

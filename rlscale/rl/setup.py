@@ -43,7 +43,7 @@ from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
 from rlscale.model import decoder, hf
 from rlscale.rewards import isolation
-from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, rollouts
+from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, report, rollouts
 from rlscale.rl import teacher as teacher_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 from rlscale.sampling.generator import Generator
@@ -151,6 +151,10 @@ class Setup:
     sample_shardings: Any
     generator: Generator  # The engine that samples training rollouts.
     episodes: env_episodes.Episodes  # The engine, driven through the run's environments.
+    # Held-out episodes, where the environment has turns (the static sampler has none): a
+    # second engine on the trainer's devices (its own cache; the rollouts' programs where
+    # the meshes agree). None for a single-turn run.
+    eval_episodes: env_episodes.Episodes | None
     generator_shardings: Any
     learner: learner.Learner
     pool: Any  # The run's one verifier pool (None: rewards scored in-process).
@@ -162,6 +166,8 @@ class Setup:
 
     def close(self):
         self.episodes.close()
+        if self.eval_episodes is not None:
+            self.eval_episodes.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -195,6 +201,24 @@ class Setup:
         )
 
     def evaluate(self, params, rng) -> dict:
+        """Held-out metrics of `params` (sampling layout, trainer's devices): through the
+        run's environments where they have turns (with the `eval/` episode metrics), else
+        the static sampler's single completions."""
+        if self.eval_episodes is not None:
+            rates, episodes = heldout.episode_pass_rates(
+                self.eval_episodes,
+                params,
+                self.tokenizer,
+                self.test_problems[: self.config.eval.prompts],
+                rng,
+                self.config.eval.samples,
+                self.eval_scorer,
+                self.scfg,
+                self.config.pipeline.decode_chunk,
+            )
+            kept = ("env/turns_mean", "env/calls_per_episode", "env/episodes_with_calls")
+            env = report.episode_record(episodes)
+            return {**rates, **{f"eval/{k.removeprefix('env/')}": env[k] for k in kept}}
         return heldout.pass_rates(
             self.sampler,
             params,
@@ -215,6 +239,33 @@ class Setup:
             filters.PromptStream(c.batch.prompt_pool, seed=c.seed),
             filters.PassRateHistory(c.filters.retire_threshold),
         )
+
+
+def _environment(config, tokenizer, scfg):
+    """The run's environment factory, and `scfg` with its stops (as the run's tokenizer writes
+    them) as the ones that end the generator's turns (none: single-turn)."""
+    factory = env_registry.make_factory(config.env)
+    stops = env_registry.action_stops(
+        factory, config.env, tokenizer, config.sampling.max_new_tokens
+    )
+    return factory, dataclasses.replace(scfg, action_stops=stops)
+
+
+def _eval_episodes(config, env_factory, tokenizer, splits, policy, mesh, progs):
+    """Held-out episodes for a run whose environment has turns: an engine on the trainer's
+    devices (`policy`: graphdef, model config, sampling config) with the rollouts' slots;
+    None for a single-turn run."""
+    if not env_factory.multi_turn:
+        return None
+    longest = max(
+        len(p)
+        for split in ("train", "test")
+        for p in scoring.encode_prompts(tokenizer, splits[split])
+    )
+    generator = Generator(
+        *policy, slots=config.pipeline.slots, max_prompt_len=longest, mesh=mesh, programs=progs
+    )
+    return env_episodes.Episodes(generator, env_factory, tokenizer, config.env)
 
 
 def _timed_reshard(params, shardings, copy=False):
@@ -400,12 +451,7 @@ def build(config, workdir: str) -> Setup:
     scfg = saved_policy.sampling_config(
         config.sampling, config.task, tokenizer, config.batch.samples_per_prompt
     )
-    # The environment's stops end the generator's turns (none: single-turn).
-    env_factory = env_registry.make_factory(config.env)
-    stops = env_registry.action_stops(
-        env_factory, config.env, tokenizer, config.sampling.max_new_tokens
-    )
-    scfg = dataclasses.replace(scfg, action_stops=stops)
+    env_factory, scfg = _environment(config, tokenizer, scfg)
     longest = max(len(p) for p in scoring.encode_prompts(tokenizer, splits["train"]))
     tokenizer_source = hf_init or os.path.join(workdir, "tokenizer.model")
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
@@ -453,6 +499,9 @@ def build(config, workdir: str) -> Setup:
         sample_shardings=sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES),
         generator=generator,
         episodes=env_episodes.Episodes(generator, env_factory, tokenizer, config.env),
+        eval_episodes=_eval_episodes(
+            config, env_factory, tokenizer, splits, (graphdef, model_cfg, scfg), mesh, progs
+        ),
         generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
         pool=pool,

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from rlscale import checkpoint, sharding
+from rlscale import checkpoint, config_lib, sharding
 from rlscale.data import filters
 from rlscale.rl import checks, report
 from rlscale.rl import pairs as pairs_lib
@@ -107,7 +107,12 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
     if ckpt.latest_step() is not None:
         device, _ = fresh.state(0)
         start, device, host = ckpt.restore(abstract(device, setup.mesh))
-        diff = checkpoint.config_diff(host["config"], config_dict, ignore=checks.RESUMABLE_CHANGES)
+        diff = checkpoint.config_diff(
+            host["config"],
+            config_dict,
+            ignore=checks.RESUMABLE_CHANGES,
+            defaults=config_lib.rl_config(),
+        )
         if diff and not allow_config_change:
             ckpt.close()
             raise ValueError(
