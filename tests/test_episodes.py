@@ -7,6 +7,7 @@ single-turn run is the engine's own; bad settings fail at start-up naming their 
 import collections
 import dataclasses
 import threading
+import time
 
 import jax
 import numpy as np
@@ -53,10 +54,11 @@ RELEASE = threading.Event()  # Lets the environments that sleep go (at the modul
 class Toy(Environment):
     """Behaves by its problem's answer: "a" replies "<a>" and ends the episode at its second
     call with reward 1; "b" raises; "c" replies 40 characters; "d" replies nothing; "z"
-    waits (up to 5 s) for `RELEASE`. Each reply counts a `tool_calls`."""
+    waits (up to 5 s) for `RELEASE`. Each reply counts a `tool_calls`; with `delay`, call k
+    of an episode first sleeps 0, 1 or 2 times `delay` seconds (by k and the prompt)."""
 
-    def __init__(self, stops=(), sleep_all=False):
-        self.stops, self.sleep_all = tuple(stops), sleep_all
+    def __init__(self, stops=(), sleep_all=False, delay=0.0):
+        self.stops, self.sleep_all, self.delay = tuple(stops), sleep_all, delay
 
     def reset(self, problem):
         self.mode = "z" if self.sleep_all else problem.answer
@@ -66,6 +68,7 @@ class Toy(Environment):
     def step(self, action):
         self.seen[1].append(action)
         self.seen[2].add(threading.get_ident())
+        time.sleep(self.delay * ((len(self.seen[0]) + len(self.seen[1])) % 3))
         info = {"tool_calls": 1}
         if self.mode == "a":
             done = len(self.seen[1]) == 2
@@ -125,7 +128,7 @@ def _factory(stops, **kwargs):
 
 
 def _episodes(gen, static, **limits):
-    kwargs = {"sleep_all": limits.pop("sleep_all", False)}
+    kwargs = {k: limits.pop(k) for k in ("sleep_all", "delay") if k in limits}
     cfg = registry.EnvConfig(name="test_episodes:Toy", **limits)
     return episodes_lib.Episodes(gen, _factory(static[1], **kwargs), TOK, cfg)
 
@@ -249,6 +252,45 @@ def test_time_limits_end_episodes_with_their_reason(gen, static, limits, reason)
     assert (stats["turns"][ended] == 1).all() and (stats["fixed_reward"][ended] == 0).all()
     assert reason != "call_time" or (stats["calls"][ended] == 1).all()
     assert not np.concatenate([e.completed.env_GM for e in done]).any()
+
+
+def test_samples_do_not_depend_on_when_the_environment_answers(gen, static):
+    """The same episodes with every environment answering at once and with calls delayed by
+    0 to 40 ms, so the replies come back at other decode steps and with other replies: the
+    same completions, bit for bit (each reply is appended by a call of its own, since a
+    prefill's rounding depends on the rows it runs with), and the same episodes."""
+    at_once = _run(_episodes(gen, static, max_turns=3))
+    later = _run(_episodes(gen, static, max_turns=3, delay=0.02))
+    assert sum(e.stats["calls"].sum() for e in later) >= len(PROMPTS)  # Replies to time.
+    for a, b in zip(at_once, later, strict=True):
+        for x, y in zip(a.completed[1:], b.completed[1:], strict=True):
+            np.testing.assert_array_equal(x, y)
+        for key in set(a.stats) - {"seconds"}:  # Wall-clock: the seconds in calls.
+            np.testing.assert_array_equal(a.stats[key], b.stats[key])
+
+
+def test_workers_put_a_thread_in_the_place_of_one_left_behind():
+    """A job abandoned while it runs keeps its thread, and another takes its place (the job
+    queued behind runs); the thread left behind ends when its job returns; a job abandoned
+    before it starts never runs; the threads are daemons (none holds the process's exit)."""
+    pool, gate = episodes_lib.Workers(1, "test-workers"), threading.Event()
+    stuck = pool.submit(gate.wait, 30.0)
+    queued, skipped = pool.submit(lambda: "ran"), pool.submit(lambda: "skipped")
+    while not stuck.running():
+        time.sleep(0.01)
+    pool.abandon(skipped)
+    pool.abandon(stuck)
+    assert queued.result(timeout=30) == "ran" and skipped.cancelled()
+    threads = {t.name: t for t in threading.enumerate() if t.name.startswith("test-workers")}
+    assert sorted(threads) == ["test-workers_1", "test-workers_2"]
+    assert all(t.daemon for t in threads.values())
+    gate.set()
+    assert stuck.result(timeout=30) is True
+    threads["test-workers_1"].join(30.0)
+    assert not threads["test-workers_1"].is_alive() and threads["test-workers_2"].is_alive()
+    pool.close()
+    threads["test-workers_2"].join(30.0)
+    assert not threads["test-workers_2"].is_alive()
 
 
 def test_single_turn_is_the_engines_own(tiny_cfg, tiny_model):

@@ -1,27 +1,36 @@
 """Reliability of whole runs: exact resume after SIGKILL, SIGTERM checkpoints, damaged
-checkpoints, non-finite updates, misbehaving verifiers.
+checkpoints, non-finite updates, misbehaving verifiers; multi-turn episodes killed in flight,
+misbehaving environments.
 
 The runs are `configs/scalerl.py:smoke,sync` (checkpoints every 2 steps,
 no-positive-resampling, zero-variance filtering, forced interruption) with an easy reward
 (`reward_fixtures.digits`) so prompts do get retired and filtered; one is killed in the
-recipe's pipeline mode. Runs that must be killed run as subprocesses on one CPU device;
-the straight run's workdir provides the others' warm start (`sft.reuse_from`).
+recipe's pipeline mode. The multi-turn runs play `env_fixtures.Calculator` with a reward
+half the samples earn (so every step trains). Runs that must be killed run as subprocesses
+on one CPU device; the straight run's workdir provides the others' warm start
+(`sft.reuse_from`).
 """
 
 import glob
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 
+import env_fixtures
+import numpy as np
 import pytest
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, load_config, subprocess_env
 
 from rlscale import config_lib, rl
-from rlscale.data import filters
+from rlscale.data import builders, filters
+from rlscale.rl import rollouts
 
 STEPS = 6
 # Wall-clock measurements differ between any two runs, resumed or not; everything else
@@ -44,10 +53,10 @@ def _command(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
     ]
 
 
-def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
+def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync", env=None):
     out = subprocess.run(
         _command(workdir, *overrides, steps=steps, variant=variant),
-        env=subprocess_env(),
+        env=subprocess_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=600,
@@ -65,8 +74,8 @@ def _lines(workdir):
     return [json.loads(x) for x in _written(os.path.join(workdir, "metrics.jsonl"))]
 
 
-def _comparable(lines):
-    return [{k: v for k, v in x.items() if not k.startswith(TIMING)} for x in lines]
+def _comparable(lines, timing=TIMING):
+    return [{k: v for k, v in x.items() if not k.startswith(timing)} for x in lines]
 
 
 def _host(workdir, step):
@@ -74,13 +83,15 @@ def _host(workdir, step):
         return json.load(f)
 
 
-def _start_and_signal(workdir, sig, after_step, *overrides, variant="smoke,sync", saved=None):
+def _start_and_signal(
+    workdir, sig, after_step, *overrides, variant="smoke,sync", saved=None, steps=STEPS, env=None
+):
     """Starts a run, sends `sig` once `after_step` is in metrics.jsonl (and the checkpoint of
     step `saved` is written: it is saved asynchronously); returns the process and the last
     step in metrics.jsonl just after the signal (the run had not gone further when it came)."""
     proc = subprocess.Popen(
-        _command(workdir, *overrides, variant=variant),
-        env=subprocess_env(),
+        _command(workdir, *overrides, steps=steps, variant=variant),
+        env=subprocess_env(**(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -270,8 +281,6 @@ def test_consecutive_nan_losses_stop_the_run(straight, tmp_path, monkeypatch):
 
 
 def test_misbehaving_verifiers_cost_their_samples(straight, tmp_path, monkeypatch):
-    from rlscale.data import builders, filters
-
     config = _config(
         sft__reuse_from=str(straight),
         reward__fn="reward_fixtures:faulty",
@@ -318,3 +327,198 @@ def test_config_validation_lists_every_problem():
         "sampling.think_budget=31 leaves no room",
     ):
         assert expected in text, text
+
+
+# ------------------------------------------------------------------------------------------
+# Multi-turn episodes: exact resume with episodes in flight, environments that misbehave.
+# ------------------------------------------------------------------------------------------
+
+EPISODE_STEPS = 4
+# `env_fixtures.Calculator` answers each "=" the policy writes on the smoke task's prompts; a
+# reward about half the samples earn, so every step trains; time limits no call or episode
+# comes near, so each episode's outcome is its sampling's alone.
+EPISODES = {
+    "steps": EPISODE_STEPS,
+    "mesh.shape": (1, 1, 1),  # One device, in this process as in a subprocess.
+    "env.name": "env_fixtures:Calculator",
+    "env.call_seconds": 600.0,
+    "env.episode_seconds": 3600.0,
+    "reward.fn": "reward_fixtures:even_length",
+    "reward.workers": 0,
+    "eval.every": 100,  # At the first and last steps only.
+}
+# With environment calls, how many decode steps a batch takes depends on when the replies came
+# back: the engine's slot utilization is a wall-clock measurement too.
+EPISODE_TIMING = (*TIMING, "pipeline/slot_utilization")
+# The pipeline run: the recipe's mode, k = 2 (the generator runs ahead on the one device).
+PIPELINE = {
+    "filters.retire": False,  # The stream alone then decides the prompts.
+    "pipeline.max_staleness": 2,
+}
+
+
+def _episode_settings(straight, **settings):
+    return {**EPISODES, "sft.reuse_from": str(straight), **settings}
+
+
+def _flags(settings):
+    """The command-line overrides that make a run's config `settings` ({dotted key: value})."""
+    return [f"--config.{k}={v}" for k, v in settings.items()]
+
+
+def _config_of(variant, settings):
+    """`configs/scalerl.py:variant` with `settings`, as `_flags(settings)` give it a run."""
+    c = load_config("scalerl", variant)
+    for key, v in settings.items():
+        *sections, name = key.split(".")
+        node = c
+        for section in sections:
+            node = node[section]
+        node[name] = v
+    return c
+
+
+def _run_here(config, workdir):
+    """Runs `config` in this process (a run resumed here is another process than the one
+    killed); returns each round of samples it judged, in order: (their prompts, `Samples`)."""
+    judged, judge = [], rollouts.RolloutSource.judge
+
+    def keep(self, ids, samples):
+        judged.append(([self.problems[i].prompt for i in ids], samples))
+        return judge(self, ids, samples)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollouts.RolloutSource, "judge", keep)
+        rl.run(rl.resolve(config), str(workdir))
+    return judged
+
+
+def _kill_then_resume_here(workdir, variant, settings, caplog, env=None):
+    """The run of `settings` started as a subprocess, killed (SIGKILL) once step 3 is in
+    metrics.jsonl and the step-2 checkpoint written, then resumed in this process; returns
+    the killed process's id."""
+    flags, steps = _flags(settings), settings["steps"]
+    proc, _ = _start_and_signal(
+        workdir, signal.SIGKILL, 3, *flags, variant=variant, saved=2, steps=steps, env=env
+    )
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(_lines(workdir)) < EPISODE_STEPS + 1  # Killed mid-run.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _run_here(_config_of(variant, settings), workdir)
+    assert f"resuming from the checkpoint at step 2 in {workdir}" in caplog.messages
+    return proc.pid
+
+
+@pytest.fixture(scope="module")
+def straight_episodes(tmp_path_factory, straight):
+    """The multi-turn run (sync), never killed, in this process: its workdir, and its first
+    step's prompts and samples."""
+    workdir = tmp_path_factory.mktemp("straight_episodes")
+    judged = _run_here(_config_of("smoke,sync", _episode_settings(straight)), workdir)
+    lines = _lines(workdir)
+    assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
+    assert min(x["env/turns_mean"] for x in lines[1:]) > 1  # Episodes of several turns.
+    return workdir, judged[0]
+
+
+def test_episodes_sigkill_then_resume_is_the_same_run(
+    straight, straight_episodes, tmp_path, caplog
+):
+    """Multi-turn episodes in the sync loop, killed after step 3 (step 4's episodes in
+    flight) and resumed from the step-2 checkpoint: the same run as the one never killed,
+    line for line (wall-clock fields aside)."""
+    _kill_then_resume_here(tmp_path, "smoke,sync", _episode_settings(straight), caplog)
+    want = _comparable(_lines(straight_episodes[0]), EPISODE_TIMING)
+    assert _comparable(_lines(tmp_path), EPISODE_TIMING) == want
+
+
+def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(
+    straight, tmp_path, caplog, monkeypatch
+):
+    """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed after step 3 with
+    the next batch's episodes in flight, resumed from the step-2 checkpoint. Each episode's
+    start (`Environment.reset`) is logged with its prompt: the killed run started every
+    episode of steps 1-3 once, and episodes of step 4, in flight at the kill, that no step
+    trained; the resumed run started exactly the episodes of steps 3 and 4, each once (the
+    lost ones regenerated, no other). The prompts trained, step by step, are the stream's
+    draws (none lost, none trained twice); the staleness bound holds on every step; the
+    episodes had turns."""
+    log, workdir = tmp_path / "episodes.jsonl", tmp_path / "run"
+    env = {env_fixtures.LOG_VARIABLE: str(log)}
+    monkeypatch.setenv(env_fixtures.LOG_VARIABLE, str(log))  # For the run resumed here.
+    settings = _episode_settings(straight, **PIPELINE)
+    killed_pid = _kill_then_resume_here(workdir, "smoke", settings, caplog, env)
+    lines = _lines(workdir)
+    assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
+    stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
+    draws = [stream.next(8) for _ in range(EPISODE_STEPS)]
+    assert [x["data/prompt_ids"] for x in lines[1:]] == draws
+    assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
+    assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
+    assert min(x["env/turns_mean"] for x in lines[1:]) > 1
+    # Episodes by prompt text (two ids may share one).
+    train = builders.materialize("arithmetic", 2, 200, 40, str(straight / "data"))["train"]
+    G = 4
+
+    def episodes(*steps):  # Step b's: G of each of its prompts.
+        return Counter([builders.decode(train[i]).prompt for b in steps for i in draws[b - 1]] * G)
+
+    started = [json.loads(x) for x in _written(log)]
+    killed = Counter(x["prompt"] for x in started if x["pid"] == killed_pid)
+    resumed = Counter(x["prompt"] for x in started if x["pid"] == os.getpid())
+    assert len(started) == killed.total() + resumed.total()
+    in_flight = killed - episodes(1, 2, 3)
+    assert not episodes(1, 2, 3) - killed and not in_flight - episodes(4)
+    assert in_flight.total() > 0, "no episode was in flight at the kill"
+    assert resumed == episodes(3, 4)  # The lost ones regenerated, each once.
+
+
+def test_misbehaving_environment_costs_its_samples(straight, straight_episodes, tmp_path):
+    """The first step of the multi-turn run with an environment that raises on one prompt's
+    calls, hangs past `env.call_seconds` on another's and returns something not a `Reply` on
+    a third's (prompts whose samples do call it), with 2 workers: the run completes (the
+    hung calls' threads, left behind, do not hold the process); each sample whose call
+    misbehaved ends at that turn for its reason, with reward 0; every other sample is the
+    sample of the run without faults, token for token."""
+    prompts, clean = straight_episodes[1]
+    G, N = 4, len(clean.reward_N)
+    called = [p for p, calls in zip(prompts, clean.episodes["calls"].reshape(-1, G)) if calls.any()]
+    faults = dict(zip(called, env_fixtures.FAULTS))
+    assert len(faults) == len(env_fixtures.FAULTS)
+    settings = _episode_settings(
+        straight,
+        **{
+            "steps": 1,
+            "env.call_seconds": 2.0,
+            "env.workers": 2,
+            "env.kwargs": {"faults": [[p, fault, 1] for p, fault in faults.items()]},
+        },
+    )
+    try:
+        [(ran, s)] = _run_here(_config_of("smoke,sync", settings), tmp_path)
+        left = [t for t in threading.enumerate() if t.name.startswith("rlscale-env")]
+        assert left and all(t.daemon for t in left)  # The hung calls' threads.
+    finally:
+        env_fixtures.RELEASE.set()
+    assert ran == prompts
+    reason = {"raise": "error", "hang": "call_time", "garbage": "error"}
+    ends = []
+    for n in range(N):
+        fault = faults.get(prompts[n // G])
+        if fault is None or not clean.episodes["calls"][n]:
+            for field in ("tokens_NM", "env_NM", "logprobs_NM", "lengths_N", "reward_N"):
+                np.testing.assert_array_equal(getattr(s, field)[n], getattr(clean, field)[n])
+            for key in ("end", "turns", "calls"):
+                assert s.episodes[key][n] == clean.episodes[key][n], (n, key)
+            continue
+        L = s.lengths_N[n]  # Its first turn, as sampled, up to the stop: no reply after.
+        np.testing.assert_array_equal(s.tokens_NM[n, :L], clean.tokens_NM[n, :L])
+        assert s.texts[n].endswith(env_fixtures.STOP) and not s.env_NM[n].any()
+        assert s.episodes["calls"][n] == 1 and s.reward_N[n] == 0.0
+        assert s.episodes["end"][n] == reason[fault], (n, fault)
+        ends.append(reason[fault])
+    assert set(ends) == {"error", "call_time"}
+    line = _lines(tmp_path)[1]
+    assert line["env/ended_error"] == ends.count("error") / N
+    assert line["env/ended_call_time"] == ends.count("call_time") / N

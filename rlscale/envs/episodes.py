@@ -15,6 +15,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -81,13 +83,83 @@ class _Call:
     started: float | None = None  # Set by the worker when the call starts.
 
 
+class Workers:
+    """`n` daemon threads that run jobs in the order submitted (`submit` returns the job's
+    future). A job abandoned at a deadline (`abandon`) keeps its thread until it returns, if it
+    ever does: another thread starts in its place, so `n` stay free for the other episodes'
+    calls, and the one left behind ends when its job returns. Daemon threads: a call that
+    never returns does not hold the process at its exit (a `ThreadPoolExecutor` joins its
+    threads then, so one stuck tool would keep a finished run from exiting)."""
+
+    def __init__(self, n: int, name: str):
+        self.name, self.started = name, 0
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.abandoned: set[concurrent.futures.Future] = set()
+        for _ in range(n):
+            self._start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def abandon(self, future: concurrent.futures.Future) -> None:
+        """Nobody waits for `future` any more: cancelled if not started; if running, a new
+        thread takes its thread's place."""
+        if future.cancel():
+            return
+        with self.lock:
+            if not future.done():
+                self.abandoned.add(future)
+                self._start()
+
+    def close(self) -> None:
+        """Cancels the jobs not started; each thread ends when it comes free."""
+        with self.lock:
+            while True:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+            for _ in range(self.started):
+                self.jobs.put(None)
+
+    def _start(self) -> None:
+        self.started += 1
+        name = f"{self.name}_{self.started}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # The future's to raise.
+                result, error = None, e
+            with self.lock:  # Atomic with `abandon`'s check: done, or abandoned.
+                left_behind = future in self.abandoned
+                self.abandoned.discard(future)
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+            if left_behind:
+                return
+
+
 class Episodes:
     """The generator's samples as episodes of `factory`'s environments (one per sample).
 
-    Environments are made, reset and stepped on `cfg.workers` threads, never on the thread
-    that calls `step` (the decode thread): a slot whose turn waits decodes nothing while the
-    others go on, and when every live slot waits, `step` blocks on the calls (until one
-    returns or the nearest deadline) instead of spinning.
+    Environments are made, reset and stepped on `cfg.workers` threads (`Workers`), never on
+    the thread that calls `step` (the decode thread): a slot whose turn waits decodes nothing
+    while the others go on, and when every live slot waits, `step` blocks on the calls (until
+    one returns or the nearest deadline) instead of spinning. A call ended at a limit leaves
+    its thread behind and another takes its place.
 
     Args:
       generator: the engine (`SamplingConfig.action_stops`: the environment's stops).
@@ -102,7 +174,7 @@ class Episodes:
         self.multi_turn = factory.multi_turn
         self.pool = None
         if self.multi_turn:
-            self.pool = concurrent.futures.ThreadPoolExecutor(cfg.workers, "rlscale-env")
+            self.pool = Workers(cfg.workers, "rlscale-env")
         self.samples: dict[tuple[int, int], _Sample] = {}  # (id(request), g) -> its episode.
         self.calls: dict[int, _Call] = {}  # Slot -> the call its turn waits for.
         self.unstarted: dict[int, Request] = {}  # id(request) -> a request not yet decoding.
@@ -122,10 +194,10 @@ class Episodes:
         return self.gen.stats
 
     def close(self) -> None:
-        """Stops the workers; a call still running finishes on its own thread (a sandboxed
-        tool kills its own process at its limit)."""
+        """Stops the workers; a call still running finishes on its own thread, if ever (a
+        sandboxed tool kills its own process at its limit)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.close()
 
     def submit(self, requests: Sequence[Request], problems: Sequence) -> None:
         """Queues `requests`; `problems[i]` is request i's problem, which each of its G
@@ -253,7 +325,9 @@ class Episodes:
 
     def _end(self, slot: int, s: _Sample, reason: str) -> None:
         s.end = reason
-        self.calls.pop(slot, None)
+        call = self.calls.pop(slot, None)
+        if call is not None:  # Past a limit: nobody reads its reply.
+            self.pool.abandon(call.future)
         self.gen.reply(slot, end=True)
 
     def _stalled(self) -> bool:

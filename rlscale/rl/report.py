@@ -125,9 +125,10 @@ def samples_record(stats) -> dict:
 
 def episode_record(episodes: dict) -> dict:
     """The `env/` metrics of a step's episodes (per sample, `envs.episodes.Episode.stats`):
-    mean policy turns, mean `Environment.step` calls, the fraction of episodes with any,
-    the seconds spent in those calls and each `Reply.info` counter, both summed over the
-    episodes, and the fraction that ended for each reason (`episodes.END_REASONS`)."""
+    mean policy turns, mean `Environment.step` calls, the fraction of episodes with any, each
+    `Reply.info` counter summed over the episodes, and the fraction that ended for each reason
+    (`episodes.END_REASONS`); and the seconds spent in those calls, summed (`time/env_s`:
+    wall-clock, as every `time/` field)."""
     record = {
         f"env/{k.removeprefix('info/')}": float(v.sum())
         for k, v in episodes.items()
@@ -139,7 +140,7 @@ def episode_record(episodes: dict) -> dict:
             "env/turns_mean": float(episodes["turns"].mean()),
             "env/calls_per_episode": float(calls.mean()),
             "env/episodes_with_calls": float((calls > 0).mean()),
-            "env/seconds": float(episodes["seconds"].sum()),
+            "time/env_s": float(episodes["seconds"].sum()),
         }
     )
     for reason in env_episodes.END_REASONS:

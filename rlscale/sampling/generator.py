@@ -234,13 +234,12 @@ class Generator:
 
     def reply(self, slot: int, tokens: Sequence[int] | None = None, end: bool = False) -> None:
         """Queues the environment's reply to the sample waiting in `slot` (a `Turn` that
-        `step` returned); the next `step` appends it before it decodes, batched with the
-        other queued replies, and the sample's next turn starts after it. The reply's tokens
-        join the completion as environment tokens (`Completed.env_GM`) and count against its
-        budget: a reply longer than the turn's `room` is cut to fit, and the sample finishes
-        (truncated). An empty reply (no tokens) resumes the sample with nothing appended.
-        `tokens=None` or `end=True` ends the episode instead: the sample finishes as
-        stopped."""
+        `step` returned); the next `step` appends it before it decodes (in a call of its own),
+        and the sample's next turn starts after it. The reply's tokens join the completion as
+        environment tokens (`Completed.env_GM`) and count against its budget: a reply longer
+        than the turn's `room` is cut to fit, and the sample finishes (truncated). An empty
+        reply (no tokens) resumes the sample with nothing appended. `tokens=None` or
+        `end=True` ends the episode instead: the sample finishes as stopped."""
         turn = self.waiting.get(slot)
         if turn is None:
             queued = " (a reply to it is queued)" if slot in self.replies else ""
@@ -356,39 +355,48 @@ class Generator:
             self.stats.prefill_s += time.perf_counter() - t
 
     def _apply_replies(self):
-        """The queued replies, appended by `engine.extend` in pieces of `reply_chunk` tokens
-        (one call per piece, every slot's next piece together), and the episodes ended."""
+        """The queued replies, each appended by its own `engine.extend` calls (in pieces of
+        `reply_chunk` tokens), and the episodes ended (in one call). One reply a call: a
+        prefill's rounding depends on the rows it runs with, so a reply batched with whichever
+        others came back at the same time would move its sample's numbers with the
+        environment's timing; alone, a sample is the same whenever its environment answers
+        (a sync run and its resume are equal bit for bit), at the price of a call per reply."""
         if not self.replies:
             return
         t = time.perf_counter()
         pending, self.replies = self.replies, {}
-        while pending:
-            slots = sorted(pending)
-            rows = engine.prefill_rows([[s] for s in slots], self.slots, self.shards)
-            pieces = {s: (x if x is None else x[: self.reply_chunk]) for s, x in pending.items()}
-            T = self.cfg.bucket(max([1] + [len(x) for x in pieces.values() if x is not None]))
-            R = len(rows)
-            tokens = np.full((R, T), self.cfg.pad_id, np.int32)
-            mask = np.zeros((R, T), bool)
-            slot_R = np.full((R,), self.slots, np.int32)  # Padding rows write nothing.
-            end_R = np.zeros((R,), bool)
-            for i, row in enumerate(rows):
-                if row is not None:
-                    slot_R[i] = s = slots[row[0]]
-                    end_R[i] = pieces[s] is None
-                    if pieces[s] is not None:
-                        tokens[i, : len(pieces[s])] = pieces[s]
-                        mask[i, : len(pieces[s])] = True
-                        self.stats.env_tokens += len(pieces[s])
-            args = self._rows(tokens, mask, slot_R, end_R)
-            self.state = self._run("engine_extend", engine.extend, args)
-            pending = {
-                s: x[self.reply_chunk :]
-                for s, x in pending.items()
-                if x is not None and len(x) > self.reply_chunk
-            }
+        ended = {s: None for s, x in pending.items() if x is None}
+        if ended:
+            self._extend(ended)
+        for s in sorted(set(pending) - set(ended)):
+            x = pending[s]
+            self._extend({s: x[: self.reply_chunk]})  # An empty reply too: it resumes the slot.
+            for at in range(self.reply_chunk, len(x), self.reply_chunk):
+                self._extend({s: x[at : at + self.reply_chunk]})
         jax.block_until_ready(self.state)
         self.stats.reply_s += time.perf_counter() - t
+
+    def _extend(self, pieces: dict):
+        """One `engine.extend` call: slot -> the tokens to append (at most `reply_chunk`), or
+        None to end its episode."""
+        slots = sorted(pieces)
+        rows = engine.prefill_rows([[s] for s in slots], self.slots, self.shards)
+        T = self.cfg.bucket(max([1] + [len(x) for x in pieces.values() if x is not None]))
+        R = len(rows)
+        tokens = np.full((R, T), self.cfg.pad_id, np.int32)
+        mask = np.zeros((R, T), bool)
+        slot_R = np.full((R,), self.slots, np.int32)  # Padding rows write nothing.
+        end_R = np.zeros((R,), bool)
+        for i, row in enumerate(rows):
+            if row is not None:
+                slot_R[i] = s = slots[row[0]]
+                end_R[i] = pieces[s] is None
+                if pieces[s] is not None:
+                    tokens[i, : len(pieces[s])] = pieces[s]
+                    mask[i, : len(pieces[s])] = True
+                    self.stats.env_tokens += len(pieces[s])
+        args = self._rows(tokens, mask, slot_R, end_R)
+        self.state = self._run("engine_extend", engine.extend, args)
 
     def _harvest(self) -> Stepped:
         finished_S, waiting_S = sharding.fetch((engine.finished(self.state), self.state.waiting_S))
