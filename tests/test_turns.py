@@ -57,10 +57,10 @@ def _first_stop(row, stops):
     return None
 
 
-def _generator(policy, scfg, slots, shape):
+def _generator(policy, scfg, slots, shape, parked=0):
     cfg, graphdef, params = policy
     mesh = None if shape is None else sharding.make_mesh(shape)
-    gen = Generator(graphdef, cfg, scfg, slots=slots, max_prompt_len=16, mesh=mesh)
+    gen = Generator(graphdef, cfg, scfg, slots=slots, max_prompt_len=16, mesh=mesh, parked=parked)
     if mesh is not None:
         params = sharding.reshard(
             params, sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES)
@@ -83,18 +83,17 @@ def test_samples_wait_at_action_stops(policy, static, shape):
     tokens, scfg = static
     gen = _generator(policy, scfg, slots=8, shape=shape)
     gen.submit(_requests())
-    turns = []
-    for _ in range(20):
+    turns, slot = [], None
+    G, M = scfg.num_samples, scfg.max_new_tokens
+    for _ in range(40):
         stepped = gen.step(3)
         assert not stepped.completed  # Every request has a sample that waits.
         turns += stepped.waiting
+        slot = slot or {r.id * G + g: s for s, (r, g) in gen.running.items()}  # All admitted.
         if not engine.live(gen.state).any():
             break
-    G, M = scfg.num_samples, scfg.max_new_tokens
     by_row = {t.request.id * G + t.sample: t for t in turns}
-    assert len(by_row) == len(turns) and len({t.slot for t in turns}) == len(turns)
-    slot = {own[g]: r.id * G + g for r, own in gen.running.values() for g in range(G)}
-    slot = {row: s for s, row in slot.items()}
+    assert len(by_row) == len(turns) and len({t.handle for t in turns}) == len(turns)
     state = sharding.fetch(gen.state._replace(key_S=None))
     finished = sharding.fetch(engine.finished(gen.state))
     ends = set()
@@ -128,12 +127,12 @@ def _episodes(gen, limit=200):
             key = (turn.request.id, turn.sample)
             log[key].append(turn.tokens.tolist())
             if key == (1, 0):
-                gen.reply(turn.slot, end=True)
+                gen.reply(turn.handle, end=True)
                 continue
             n = 40 if k == 2 else 1 + 5 * k % 11
             overflow = key if k == 2 else overflow
             reply = [4 + (7 * k + i) % 250 for i in range(n)]
-            gen.reply(turn.slot, reply)
+            gen.reply(turn.handle, reply)
             log[key].append(reply[: turn.room])
             k += 1
     assert not gen.busy
@@ -145,12 +144,33 @@ def _trajectory_logits(policy, done, scfg):
     left-padded prompt and its whole completion (policy and environment tokens)."""
     cfg, graphdef, params = policy
     P = max(map(len, PROMPTS))
-    prompts = [[0] * (P - len(PROMPTS[c.request.id])) + PROMPTS[c.request.id] for c in done]
+    prompts = [PROMPTS[c.request.id % len(PROMPTS)] for c in done]  # Prompts may repeat.
+    prompts = [[0] * (P - len(p)) + p for p in prompts]
     prompts = np.repeat(np.asarray(prompts, np.int32), scfg.num_samples, axis=0)
     seq = np.concatenate([prompts, np.concatenate([c.tokens_GM for c in done])], axis=1)
     mask = np.concatenate([prompts > 0, np.concatenate([c.mask_GM for c in done])], axis=1)
     logits, _ = model.forward(graphdef, params, seq, model.positions_from_mask(mask), mask)
     return transform_logits(logits[:, P - 1 : -1], scfg), jnp.asarray(seq[:, P:])
+
+
+def _check_trajectory_logprobs(policy, done, scfg):
+    """Every environment token has logprob 0 and version -1, and every policy token the
+    logprob of one forward pass over prompt, turns and replies, under the sampling
+    transform."""
+    cat = {f: np.concatenate([getattr(c, f) for c in done]) for f in done[0]._fields[1:]}
+    env, policy_tokens = cat["env_GM"], cat["mask_GM"] & ~cat["env_GM"]
+    assert np.all(cat["logprobs_GM"][env] == 0) and np.all(cat["versions_GM"][env] == -1)
+    # Each logprob is z - logsumexp(z) of float32 results that sums of about 1,300 terms
+    # compute (per layer about 500: norms, projections and the MLP over 64 and 128,
+    # attention over at most 40 columns; then the head over 64 and a logsumexp over 256),
+    # added in another order by the engine (cache rows, its batches) and the forward pass:
+    # each moves by `rounding(2^11)` of its magnitude.
+    z, seq = _trajectory_logits(policy, done, scfg)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    z_tok = jnp.take_along_axis(z, seq[..., None], axis=-1)[..., 0]
+    full, scale = np.asarray(z_tok - lse), np.asarray(jnp.abs(z_tok) + jnp.abs(lse))
+    err = np.abs(cat["logprobs_GM"] - full)[policy_tokens]
+    assert np.all(err <= rounding(2**11) * scale[policy_tokens]), err.max()
 
 
 @pytest.mark.slow
@@ -184,19 +204,8 @@ def test_multi_turn_logprobs_are_the_trajectorys(policy, static, shape, count_co
     turns = [len(log[divmod(row, G)][::2]) for row in range(len(tokens))]
     assert max(turns) >= 3 and len(set(turns)) >= 3, turns
     env, policy_tokens = cat["env_GM"], cat["mask_GM"] & ~cat["env_GM"]
-    assert np.all(cat["logprobs_GM"][env] == 0) and np.all(cat["versions_GM"][env] == -1)
     assert np.all(cat["versions_GM"][policy_tokens] == 0) and not cat["forced_GM"].any()
-    # Each logprob is z - logsumexp(z) of float32 results that sums of about 1,300 terms
-    # compute (per layer about 500: norms, projections and the MLP over 64 and 128,
-    # attention over at most 40 columns; then the head over 64 and a logsumexp over 256),
-    # added in another order by the engine (cache rows, its batches) and the forward pass:
-    # each moves by `rounding(2^11)` of its magnitude.
-    z, seq = _trajectory_logits(policy, done, scfg)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    z_tok = jnp.take_along_axis(z, seq[..., None], axis=-1)[..., 0]
-    full, scale = np.asarray(z_tok - lse), np.asarray(jnp.abs(z_tok) + jnp.abs(lse))
-    err = np.abs(cat["logprobs_GM"] - full)[policy_tokens]
-    assert np.all(err <= rounding(2**11) * scale[policy_tokens]), err.max()
+    _check_trajectory_logprobs(policy, done, scfg)
     with count_compiles() as counter:
         again, _, _ = _episodes(gen)
     assert counter.count == 0, counter.count
@@ -206,20 +215,73 @@ def test_multi_turn_logprobs_are_the_trajectorys(policy, static, shape, count_co
     assert gen.stats.env_tokens == 2 * int(env.sum())
 
 
+def _late_episodes(gen, swap=False):
+    """Three requests of each prompt to completion, each turn answered after the third
+    `step` that follows the one that reported it, so samples wait while requests are
+    queued: turn t of request i's sample g gets 1 + (3i + 5g + 7t) mod 9 tokens. With
+    `swap`, new weights (the same values, version 1) at the first step with samples parked.
+    Returns the completed requests in id order and the most samples in flight at once."""
+    gen.submit(_requests(PROMPTS * 3))
+    done, held, turns, most = [], [[] for _ in range(4)], collections.Counter(), 0
+    for _ in range(300):
+        if not gen.busy:
+            break
+        for turn in held.pop(0):
+            key = (turn.request.id, turn.sample)
+            n = 1 + (3 * key[0] + 5 * key[1] + 7 * turns[key]) % 9
+            turns[key] += 1
+            gen.reply(turn.handle, [4 + (11 * n + i) % 250 for i in range(n)])
+        if swap and gen.parked and gen.version == 0:  # Parked under 0, back under 1.
+            gen.set_params(gen.params, 1)
+        stepped = gen.step(3)
+        done += stepped.completed
+        held.append(stepped.waiting)
+        most = max(most, len(gen.running) + len(gen.parked))
+    assert not gen.busy and not gen.parked and not gen.where
+    return sorted(done, key=lambda c: c.request.id), most
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [None, (2, 1, 1)])
+def test_parked_samples_go_on_where_they_stopped(policy, static, shape):
+    """With parking rows, samples that wait while requests are queued leave their slots to
+    them and come back (to whichever slot is free) once their replies are given: more
+    samples are in flight than there are slots, and each completion is the one the engine
+    gives without parking, token for token, every policy token's logprob that of the whole
+    trajectory. A sample parked under older weights has its last token run again under the
+    new ones when it comes back, as the slots' were at the swap. On one device and on a
+    2-way batch split (a sample may come back on the other shard)."""
+    tokens, scfg = static
+    plain, most = _late_episodes(_generator(policy, scfg, slots=4, shape=None))
+    assert most == 4
+    gen = _generator(policy, scfg, slots=4, shape=shape, parked=4)
+    ran, run = [], gen._run
+    gen._run = lambda name, fn, extra: ran.append(name) or run(name, fn, extra)
+    done, most = _late_episodes(gen, swap=True)
+    assert most > 4 and gen.stats.parked == gen.stats.unparked > 0
+    assert ran.count("engine_refresh") >= 2  # The swap, and a sample parked before it.
+    for a, b in zip(plain, done):
+        for f in ("tokens_GM", "env_GM", "mask_GM", "lengths_G", "truncated_G"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    versions = np.concatenate([c.versions_GM[c.mask_GM & ~c.env_GM] for c in done])
+    assert set(versions.tolist()) == {0, 1}
+    _check_trajectory_logprobs(policy, done, scfg)
+
+
 def test_bad_replies_name_the_problem(policy, static):
     tokens, scfg = static
     gen = _generator(policy, scfg, slots=8, shape=None)
     gen.submit(_requests())
     turn = gen.step(M := scfg.max_new_tokens).waiting[0]
-    where = rf"reply to slot {turn.slot} \(request {turn.request.id}, sample {turn.sample}\)"
+    where = rf"reply to turn {turn.handle} \(request {turn.request.id}, sample {turn.sample}\)"
     with pytest.raises(ValueError, match=rf"{where}: token id\(s\) \[256\] outside \[0, 256\)"):
-        gen.reply(turn.slot, [5, 256])
-    quiet = next(s for s in range(8) if s not in gen.waiting)
-    with pytest.raises(ValueError, match=f"slot {quiet} is not waiting for a reply$"):
-        gen.reply(quiet, [5])
-    gen.reply(turn.slot, [5] * M)
+        gen.reply(turn.handle, [5, 256])
+    unknown = max(gen.waiting) + 1
+    with pytest.raises(ValueError, match=f"turn {unknown} is not waiting for a reply$"):
+        gen.reply(unknown, [5])
+    gen.reply(turn.handle, [5] * M)
     with pytest.raises(ValueError, match="is not waiting for a reply \\(a reply to it is queued"):
-        gen.reply(turn.slot, [5])
+        gen.reply(turn.handle, [5])
 
 
 def test_action_stopped_matches_within_the_turn():

@@ -75,7 +75,7 @@ class _Sample:
 
 @dataclasses.dataclass
 class _Call:
-    """An `Environment.step` call in flight for the sample waiting in a slot."""
+    """An `Environment.step` call in flight for a sample's turn (`Turn.handle`)."""
 
     sample: _Sample
     room: int  # The turn's room: the reply tokens the sample can take.
@@ -156,10 +156,11 @@ class Episodes:
     """The generator's samples as episodes of `factory`'s environments (one per sample).
 
     Environments are made, reset and stepped on `cfg.workers` threads (`Workers`), never on
-    the thread that calls `step` (the decode thread): a slot whose turn waits decodes nothing
-    while the others go on, and when every live slot waits, `step` blocks on the calls (until
-    one returns or the nearest deadline) instead of spinning. A call ended at a limit leaves
-    its thread behind and another takes its place.
+    the thread that calls `step` (the decode thread): a sample whose turn waits decodes nothing
+    while the others go on (in its slot, or parked to give the slot to a queued request:
+    `Generator(parked=...)`), and when every sample in a slot waits and nothing can take a
+    slot, `step` blocks on the calls (until one returns or the nearest deadline) instead of
+    spinning. A call ended at a limit leaves its thread behind and another takes its place.
 
     Args:
       generator: the engine (`SamplingConfig.action_stops`: the environment's stops).
@@ -176,7 +177,7 @@ class Episodes:
         if self.multi_turn:
             self.pool = Workers(cfg.workers, "rlscale-env")
         self.samples: dict[tuple[int, int], _Sample] = {}  # (id(request), g) -> its episode.
-        self.calls: dict[int, _Call] = {}  # Slot -> the call its turn waits for.
+        self.calls: dict[int, _Call] = {}  # Turn handle -> the call the turn waits for.
         self.unstarted: dict[int, Request] = {}  # id(request) -> a request not yet decoding.
         self._logged_error = False
 
@@ -271,30 +272,30 @@ class Episodes:
         s.turns += 1
         s.written += len(turn.tokens)
         if time.monotonic() >= s.start + self.cfg.episode_seconds:
-            return self._end(turn.slot, s, "episode_time")
+            return self._end(turn.handle, s, "episode_time")
         s.calls += 1
         call = _Call(s, turn.room)
         text = self.tokenizer.decode(turn.tokens.tolist())
         call.future = self.pool.submit(self._call, call, text)
-        self.calls[turn.slot] = call
+        self.calls[turn.handle] = call
 
     def _settle(self) -> None:
         """The calls that came back, answered (or their episodes ended); those past a
         deadline, their episodes ended."""
         now = time.monotonic()
-        for slot, call in list(self.calls.items()):
+        for handle, call in list(self.calls.items()):
             s, started = call.sample, call.started
             if call.future.done():
-                del self.calls[slot]
-                self._answer(slot, call)
+                del self.calls[handle]
+                self._answer(handle, call)
             elif started is not None and now >= started + self.cfg.call_seconds:
                 s.seconds += now - started
-                self._end(slot, s, "call_time")
+                self._end(handle, s, "call_time")
             elif now >= s.start + self.cfg.episode_seconds:
                 s.seconds += 0.0 if started is None else now - started
-                self._end(slot, s, "episode_time")
+                self._end(handle, s, "episode_time")
 
-    def _answer(self, slot: int, call: _Call) -> None:
+    def _answer(self, handle: int, call: _Call) -> None:
         s = call.sample
         reply, seconds = call.future.result()
         s.seconds += seconds
@@ -312,31 +313,28 @@ class Episodes:
             if not self._logged_error:  # Once: the count is in the metrics (env/ended_error).
                 self._logged_error = True
                 log.warning("env.name=%r failed: %r (its episode ends)", self.cfg.name, reply)
-            return self._end(slot, s, "error")
+            return self._end(handle, s, "error")
         if reply.done:
             s.env_reward = math.nan if reward is None else reward
-            return self._end(slot, s, "env")
+            return self._end(handle, s, "env")
         if s.turns >= self.cfg.max_turns:
-            return self._end(slot, s, "turns")
+            return self._end(handle, s, "turns")
         n = self.cfg.reply_tokens
         ids = self.tokenizer.encode(reply.text[: n * CHARS_PER_TOKEN])[:n]
         s.written += min(len(ids), call.room)
-        self.gen.reply(slot, ids)
+        self.gen.reply(handle, ids)
 
-    def _end(self, slot: int, s: _Sample, reason: str) -> None:
+    def _end(self, handle: int, s: _Sample, reason: str) -> None:
         s.end = reason
-        call = self.calls.pop(slot, None)
+        call = self.calls.pop(handle, None)
         if call is not None:  # Past a limit: nobody reads its reply.
             self.pool.abandon(call.future)
-        self.gen.reply(slot, end=True)
+        self.gen.reply(handle, end=True)
 
     def _stalled(self) -> bool:
-        """Every live slot waits for its environment: decoding would do nothing."""
-        g = self.gen
-        admissible = g.queue and len(g.free) >= g.cfg.num_samples
-        return bool(
-            self.calls and not g.replies and not admissible and len(g.waiting) == len(g.running)
-        )
+        """Every sample in a slot waits for its environment and nothing can take a slot: a
+        step would do nothing."""
+        return bool(self.calls) and self.gen.stalled
 
     def _wait(self) -> None:
         """Until a call returns or the nearest deadline (a call not yet started, queued

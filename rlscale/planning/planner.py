@@ -299,7 +299,7 @@ def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len,
     )
     extra = tuple(_rows(mesh, a) for a in insert_args)
     progs.run("engine_insert", engine.insert, (params, state, *extra), static)
-    steps = (_replicated(mesh, np.int32(0)), _replicated(mesh, np.int32(0)))
+    steps = tuple(_replicated(mesh, np.int32(0)) for _ in range(3))  # steps, wanted, waits
     progs.run("engine_decode", engine.decode, (params, state, *steps), static)
     return state, admitted, R
 

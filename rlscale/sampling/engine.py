@@ -243,20 +243,22 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "model_cfg", "cfg", "layout"), donate_argnums=(1,)
 )
-def decode(params, state, steps, wanted, *, graphdef, model_cfg, cfg, layout):
+def decode(params, state, steps, wanted, waits, *, graphdef, model_cfg, cfg, layout):
     """Advances every live slot by up to `steps` tokens; returns (state, steps run, tokens
-    generated). Stops early when no slot is live, or once `wanted` slots have finished in
-    this call (a waiting request needs them; 0: never), so it starts without waiting out the
-    call. A slot whose tokens of this turn end with an action stop stops advancing and waits;
-    the others go on."""
+    generated). Stops early when no slot is live, once `wanted` slots have finished in this
+    call (a waiting request needs them; 0: never), so it starts without waiting out the
+    call, or once `waits` samples have begun to wait in it (0: never), so their turns reach
+    the environment without waiting out the call either. A slot whose tokens of this turn
+    end with an action stop stops advancing and waits; the others go on."""
     C = state.cache.valid_BS.shape[1]
     S, M = state.limit_S.shape[0], cfg.max_new_tokens
-    live0_S = ~finished(state)
+    live0_S, waiting0_S = ~finished(state), state.waiting_S
 
     def cond(c):
         finished_S = finished(c[0])
         freed = (wanted > 0) & (jnp.sum(live0_S & finished_S) >= wanted)
-        return (c[1] < steps) & jnp.any(live(c[0])) & ~freed
+        turns = (waits > 0) & (jnp.sum(c[0].waiting_S & ~waiting0_S) >= waits)
+        return (c[1] < steps) & jnp.any(live(c[0])) & ~freed & ~turns
 
     def body(c):
         s, j, n = c
@@ -431,6 +433,22 @@ def _put_rows(state: EngineState, new: dict, slot_R, *, cfg, first_slot) -> Engi
         env_SM=put_cols(state.env_SM, True),
         rows=rows,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "layout"), donate_argnums=(0,))
+def move(dst, src, dst_R, src_R, *, model_cfg, layout):
+    """Copies rows `src_R` of engine state `src` into rows `dst_R` of `dst` (the slots and
+    the parking rows of `Generator(parked=...)`, either way): every per-slot array, the
+    whole KV cache row included, so a sample moves exactly as it stood, to go on where it
+    stopped. A `dst_R` >= dst's rows writes nothing (a padding row); `dst.version` stays."""
+    at_R = jnp.clip(src_R, 0, src.limit_S.shape[0] - 1)
+
+    def put(d, s):
+        return d.at[dst_R].set(s[at_R], mode="drop")
+
+    out = jax.tree.map(put, dst._replace(version=None), src._replace(version=None))
+    out = out._replace(version=dst.version)
+    return _constrain(out, _state_axes(model_cfg, out), layout)
 
 
 def take_slots(free: list[int], n: int, shard_slots: int) -> list[int]:

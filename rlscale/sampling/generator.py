@@ -10,6 +10,7 @@ samples per request.
 """
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -64,11 +65,12 @@ class Completed(NamedTuple):
 
 
 class Turn(NamedTuple):
-    """A sample stopped at an action stop (`SamplingConfig.action_stops`): its slot waits for
-    the environment's reply and decodes nothing meanwhile.
+    """A sample stopped at an action stop (`SamplingConfig.action_stops`): it waits for the
+    environment's reply and decodes nothing meanwhile, in its slot or, when a queued request
+    or a replied sample needs the slot, in a parking row (`Generator(parked=...)`).
 
     Attributes:
-      slot: the decode slot, the handle of the reply.
+      handle: names the turn to `Generator.reply` (unique among the turns that wait).
       request: the request the sample belongs to.
       sample: which of the request's G samples (g).
       tokens: the turn's tokens as sampled, from the end of the previous reply (or the start
@@ -77,7 +79,7 @@ class Turn(NamedTuple):
         sample then finishes (truncated).
     """
 
-    slot: int
+    handle: int
     request: Request
     sample: int
     tokens: np.ndarray
@@ -95,17 +97,20 @@ class Stepped(NamedTuple):
 @dataclasses.dataclass
 class EngineStats:
     """Counters since the engine started: decode steps run, slot-steps (steps x slots),
-    tokens generated (the useful slot-steps), environment tokens appended, seconds decoding,
-    prefilling, appending replies and swapping weights (device busy time: each call is
-    waited on)."""
+    tokens generated (the useful slot-steps), environment tokens appended, samples parked
+    and brought back, seconds decoding, prefilling, appending replies, moving parked samples
+    and swapping weights (device busy time: each call is waited on)."""
 
     steps: int = 0
     slot_steps: int = 0
     tokens: int = 0
     env_tokens: int = 0
+    parked: int = 0
+    unparked: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
     reply_s: float = 0.0
+    move_s: float = 0.0
     swap_s: float = 0.0
 
     @property
@@ -122,6 +127,15 @@ class Generator:
     environment, and `reply` answers them. Every bad input fails in `submit`, `reply` or at
     construction, before anything is compiled.
 
+    A waiting sample holds its slot (its KV cache row) until its reply, so while the
+    environment takes its time the slot decodes nothing. With `parked` rows, a step that
+    has queued requests (or parked samples whose replies came) and no free slot for them
+    moves waiting samples out of their slots into parking rows (`engine.move`: the whole
+    row, cache included) and brings a parked sample back into a free slot once its reply
+    is queued, before the queued requests; a sample goes on exactly where it stopped,
+    whichever slot it comes back to. The latest waits are parked first (the earlier ones'
+    replies are due sooner); with the parking rows full, samples wait in their slots.
+
     Args:
       graphdef, model_cfg: the policy.
       cfg: sampling settings; `num_samples` is G, `buckets` the prompt and reply lengths.
@@ -129,6 +143,8 @@ class Generator:
       max_prompt_len: the longest prompt to accept; the cache has bucket(it) + M columns.
       mesh, rules: the generator's device set and its layout (params must be in it).
       programs: a `programs.Programs` recording the compiled engine programs.
+      parked: parking rows for waiting samples (each a cache row: `parked` / `slots` more
+        cache memory), a multiple of the mesh's batch split; 0: samples wait in their slots.
     """
 
     def __init__(
@@ -141,6 +157,7 @@ class Generator:
         mesh: Mesh | None = None,
         rules: sharding.Rules = sharding.SAMPLE_RULES,
         programs=None,
+        parked: int = 0,
     ):
         G = cfg.num_samples
         problems = []
@@ -153,6 +170,8 @@ class Generator:
                     f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
                     f"batch split {div} ways); use a multiple of {div}"
                 )
+        if parked < 0 or parked % div:
+            problems.append(f"parked={parked} must be a multiple of the batch split {div}, >= 0")
         bucket = cfg.bucket(max_prompt_len) if max_prompt_len <= cfg.buckets[-1] else None
         if bucket is None:
             problems.append(
@@ -176,20 +195,23 @@ class Generator:
         self.layout = None if mesh is None else _Layout(mesh, rules)
         self.static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=cfg, layout=self.layout)
         self.programs = programs
-        self.state = engine.init_state(
-            model_cfg=model_cfg,
-            cfg=cfg,
-            slots=slots,
-            columns=bucket + cfg.max_new_tokens,
-            layout=self.layout,
-        )
+        rows = dict(model_cfg=model_cfg, cfg=cfg, columns=bucket + cfg.max_new_tokens)
+        self.state = engine.init_state(slots=slots, layout=self.layout, **rows)
+        self.pool = None  # The parking rows: an engine state of `parked` rows.
+        if parked:
+            self.pool = engine.init_state(slots=parked, layout=self.layout, **rows)
         self.params, self.version, self._stale = None, 0, False
         self.queue: list[tuple[Request, np.ndarray]] = []  # With each request's key data.
         self.free = list(range(slots))
-        self.running: dict[int, tuple[Request, list[int]]] = {}  # Slot -> (request, its slots).
+        self.running: dict[int, tuple[Request, int]] = {}  # Slot -> (request, sample g).
         self.partial: dict[int, dict] = {}  # id(request) -> harvested rows so far.
-        self.waiting: dict[int, Turn] = {}  # Slot -> its turn, reported by `step`.
-        self.replies: dict[int, np.ndarray | None] = {}  # Slot -> reply (None: end), queued.
+        self.park_free = list(range(parked))
+        self.parked: dict[int, tuple[Request, int, int]] = {}  # Row -> (request, g, version).
+        self.waiting: dict[int, Turn] = {}  # Handle -> its turn, reported by `step`.
+        self.replies: dict[int, np.ndarray | None] = {}  # Handle -> reply (None: end), queued.
+        # Handle -> where its sample waits: a slot, or `slots` + its parking row.
+        self.where: dict[int, int] = {}
+        self._handles = itertools.count()
         # Replies go in pieces of at most the largest bucket below the cache's columns
         # (`engine.extend`).
         self.reply_chunk = max(b for b in cfg.buckets if b < bucket + cfg.max_new_tokens)
@@ -203,7 +225,7 @@ class Generator:
         their `jax.ShapeDtypeStruct`s), so a run's first decode does not wait for it. (The
         prefill's depend on the requests admitted together.)"""
         if self.programs is not None:
-            args = (params, self.state, *self._replicated(np.int32(0), np.int32(0)))
+            args = (params, self.state, *self._replicated(*np.zeros(3, np.int32)))
             self.programs.prefetch("engine_decode", engine.decode, args, self.static)
 
     def set_params(self, params, version: int) -> None:
@@ -232,55 +254,56 @@ class Generator:
         # Keys as host data: they may live on other devices (the trainer's) than the engine.
         self.queue.extend((r, sharding.fetch(jax.random.key_data(r.key))) for r in requests)
 
-    def reply(self, slot: int, tokens: Sequence[int] | None = None, end: bool = False) -> None:
-        """Queues the environment's reply to the sample waiting in `slot` (a `Turn` that
-        `step` returned); the next `step` appends it before it decodes (in a call of its own),
-        and the sample's next turn starts after it. The reply's tokens join the completion as
-        environment tokens (`Completed.env_GM`) and count against its budget: a reply longer
-        than the turn's `room` is cut to fit, and the sample finishes (truncated). An empty
-        reply (no tokens) resumes the sample with nothing appended. `tokens=None` or
-        `end=True` ends the episode instead: the sample finishes as stopped."""
-        turn = self.waiting.get(slot)
+    def reply(self, handle: int, tokens: Sequence[int] | None = None, end: bool = False) -> None:
+        """Queues the environment's reply to the turn `handle` (a `Turn` that `step`
+        returned); the next `step` appends it before it decodes, in a call of its own (a
+        parked sample's once it is back in a slot), and the sample's next turn starts after
+        it. The reply's tokens join the completion as environment tokens (`Completed.env_GM`)
+        and count against its budget: a reply longer than the turn's `room` is cut to fit,
+        and the sample finishes (truncated). An empty reply (no tokens) resumes the sample
+        with nothing appended. `tokens=None` or `end=True` ends the episode instead: the
+        sample finishes as stopped."""
+        turn = self.waiting.get(handle)
         if turn is None:
-            queued = " (a reply to it is queued)" if slot in self.replies else ""
-            raise ValueError(f"slot {slot} is not waiting for a reply{queued}")
+            queued = " (a reply to it is queued)" if handle in self.replies else ""
+            raise ValueError(f"turn {handle} is not waiting for a reply{queued}")
         if end or tokens is None:
-            self.replies[slot] = None
+            self.replies[handle] = None
         else:
-            where = f"reply to slot {slot} (request {turn.request.id!r}, sample {turn.sample})"
+            where = f"reply to turn {handle} (request {turn.request.id!r}, sample {turn.sample})"
             V = self.model_cfg.vocab_size
             bad = [t for t in tokens if not 0 <= int(t) < V]
             if bad:
                 raise ValueError(f"{where}: token id(s) {bad[:5]} outside [0, {V})")
-            self.replies[slot] = np.asarray(tokens, np.int32)[: turn.room]
-        del self.waiting[slot]
+            self.replies[handle] = np.asarray(tokens, np.int32)[: turn.room]
+        del self.waiting[handle]
 
     @property
     def busy(self) -> bool:
-        """Requests queued or decoding (a sample waiting for a reply counts)."""
-        return bool(self.queue or self.running)
+        """Requests queued or decoding (a sample waiting for a reply counts, parked too)."""
+        return bool(self.queue or self.running or self.parked)
 
     @property
     def live_slots(self) -> int:
         return self.slots - len(self.free)
 
+    @property
+    def stalled(self) -> bool:
+        """A step would do nothing: every sample in a slot waits for a reply not yet given,
+        and no parked sample or queued request can take a slot."""
+        idle = {self.where[h] for h in self.waiting} & self.running.keys()
+        return len(self.running) == len(idle) and self._plan() == ([], [], 0)
+
     def step(self, max_steps: int) -> Stepped:
-        """Admits queued requests into free slots, decodes up to `max_steps` tokens per live
-        slot and returns the requests whose samples are all done and the samples that
-        stopped at an action (each reported once)."""
+        """Admits queued requests into free slots (parking waiting samples to make room),
+        decodes up to `max_steps` tokens per live slot and returns the requests whose
+        samples are all done and the samples that stopped at an action (each reported
+        once)."""
         if self.params is None:
             raise ValueError("Generator.step before set_params: no weights to sample with")
-        if self._stale:
-            if self.running:
-                t = time.perf_counter()
-                self.state = self._run(
-                    "engine_refresh", engine.refresh, self._replicated(self.version)
-                )
-                jax.block_until_ready(self.state)
-                self.stats.swap_s += time.perf_counter() - t
-            else:  # Nothing live: the new version takes effect at the next prefill.
-                self.state = self.state._replace(version=self._replicated(self.version)[0])
-            self._stale = False
+        self._refresh()
+        self._move()
+        self._refresh()  # A sample parked under older weights came back.
         self._apply_replies()
         self._admit()
         if not self.running:
@@ -290,7 +313,9 @@ class Generator:
         # slots at a time (each admission is a prefill program that reads every weight).
         G = self.cfg.num_samples
         wanted = max(G, self.slots // 8 // G * G) - len(self.free) if self.queue else 0
-        args = self._replicated(np.int32(max_steps), np.int32(wanted))
+        # Turns: stop once an eighth of the slots wait, so their environments start.
+        waits = max(1, self.slots // 8) if self.cfg.action_stops else 0
+        args = self._replicated(np.int32(max_steps), np.int32(wanted), np.int32(waits))
         self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
         self.stats.decode_s += time.perf_counter() - t
@@ -318,6 +343,78 @@ class Generator:
             return self.programs.run(name, fn, args, self.static)
         return fn(*args, **self.static)
 
+    def _refresh(self):
+        if not self._stale:
+            return
+        if self.running:
+            t = time.perf_counter()
+            self.state = self._run(
+                "engine_refresh", engine.refresh, self._replicated(np.int32(self.version))
+            )
+            jax.block_until_ready(self.state)
+            self.stats.swap_s += time.perf_counter() - t
+        else:  # Nothing live: the new version takes effect at the next prefill.
+            self.state = self.state._replace(version=self._replicated(np.int32(self.version))[0])
+        self._stale = False
+
+    def _plan(self) -> tuple[list[int], list[int], int]:
+        """(The handles of the waiting samples to park, of the parked samples to bring back,
+        the queued requests to admit): replied parked samples first, then requests, each
+        into a free slot or one a waiting sample leaves, as many as the parking rows
+        allow."""
+        S, G = self.slots, self.cfg.num_samples
+        back = [h for h in self.replies if self.where[h] >= S]
+        idle = sorted(h for h in self.waiting if self.where[h] < S)  # The latest last.
+        room = len(self.free) + min(len(idle), len(self.park_free))
+        back = back[:room]
+        admit = min(len(self.queue), (room - len(back)) // G)
+        park = max(0, len(back) + admit * G - len(self.free))
+        return idle[len(idle) - park :], back, admit
+
+    def _move(self):
+        """Parks waiting samples and brings parked ones back, as `_plan` says: one
+        `engine.move` call each way."""
+        if self.pool is None:
+            return
+        park, back, _ = self._plan()
+        if not park and not back:
+            return
+        t, S = time.perf_counter(), self.slots
+        if park:
+            slots, rows = [self.where[h] for h in park], self.park_free[: len(park)]
+            del self.park_free[: len(park)]
+            for h, s, p in zip(park, slots, rows):
+                r, g = self.running.pop(s)
+                self.parked[p], self.where[h] = (r, g, self.version), S + p
+            self.free = sorted(self.free + slots)
+            self.pool = self._moved(self.pool, self.state, rows, slots)
+            self.stats.parked += len(park)
+        if back:
+            rows = [self.where[h] - S for h in back]
+            slots = [engine.take_slots(self.free, 1, S // self.shards)[0] for _ in back]
+            for h, s, p in zip(back, slots, rows):
+                r, g, version = self.parked.pop(p)
+                self.running[s], self.where[h] = (r, g), s
+                self._stale |= version != self.version
+            self.park_free = sorted(self.park_free + rows)
+            self.state = self._moved(self.state, self.pool, slots, rows)
+            self.stats.unparked += len(back)
+        jax.block_until_ready((self.state, self.pool))
+        self.stats.move_s += time.perf_counter() - t
+
+    def _moved(self, dst, src, dst_rows, src_rows):
+        """`engine.move` of `src_rows` into `dst_rows`, padded to a power of two rows."""
+        R = 1 << (len(dst_rows) - 1).bit_length()
+        size = dst.limit_S.shape[0]
+        dst_R = np.full((R,), size, np.int32)  # Padding rows write nothing.
+        src_R = np.zeros((R,), np.int32)
+        dst_R[: len(dst_rows)], src_R[: len(src_rows)] = dst_rows, src_rows
+        args = (dst, src, *self._replicated(dst_R, src_R))
+        static = dict(model_cfg=self.model_cfg, layout=self.layout)
+        if self.programs is not None:
+            return self.programs.run("engine_move", engine.move, args, static)
+        return engine.move(*args, **static)
+
     def _admit(self):
         G = self.cfg.num_samples
         fits = min(len(self.free) // G, len(self.queue))
@@ -330,8 +427,8 @@ class Generator:
         for P, reqs in sorted(by_bucket.items()):
             owned = [engine.take_slots(self.free, G, self.slots // self.shards) for _ in reqs]
             for (r, _), own in zip(reqs, owned):
-                for s in own:
-                    self.running[s] = (r, own)
+                for g, s in enumerate(own):
+                    self.running[s] = (r, g)
             rows = engine.prefill_rows(owned, self.slots, self.shards)
             R = len(rows)
             tokens = np.full((R, P), self.cfg.pad_id, np.int32)
@@ -355,16 +452,19 @@ class Generator:
             self.stats.prefill_s += time.perf_counter() - t
 
     def _apply_replies(self):
-        """The queued replies, each appended by its own `engine.extend` calls (in pieces of
-        `reply_chunk` tokens), and the episodes ended (in one call). One reply a call: a
-        prefill's rounding depends on the rows it runs with, so a reply batched with whichever
-        others came back at the same time would move its sample's numbers with the
-        environment's timing; alone, a sample is the same whenever its environment answers
-        (a sync run and its resume are equal bit for bit), at the price of a call per reply."""
-        if not self.replies:
+        """The queued replies to samples in slots, each appended by its own `engine.extend`
+        calls (in pieces of `reply_chunk` tokens), and the episodes ended (in one call); a
+        parked sample's reply stays queued until it is back. One reply a call: a prefill's
+        rounding depends on the rows it runs with, so a reply batched with whichever others
+        came back at the same time would move its sample's numbers with the environment's
+        timing; alone, a sample is the same whenever its environment answers (a sync run and
+        its resume are equal bit for bit), at the price of a call per reply."""
+        pending = {}
+        for h in [h for h in self.replies if self.where[h] < self.slots]:
+            pending[self.where.pop(h)] = self.replies.pop(h)
+        if not pending:
             return
         t = time.perf_counter()
-        pending, self.replies = self.replies, {}
         ended = {s: None for s, x in pending.items() if x is None}
         if ended:
             self._extend(ended)
@@ -401,7 +501,8 @@ class Generator:
     def _harvest(self) -> Stepped:
         finished_S, waiting_S = sharding.fetch((engine.finished(self.state), self.state.waiting_S))
         done = [s for s in self.running if finished_S[s]]
-        waits = [s for s in self.running if waiting_S[s] and s not in self.waiting]
+        held = set(self.where.values())  # Waits reported already.
+        waits = sorted(s for s in self.running if waiting_S[s] and s not in held)
         if not done and not waits:
             return Stepped([], [])
         rows = self.state.rows
@@ -419,22 +520,24 @@ class Generator:
                 "env": self.state.env_SM,
             }
         )
-        for s in sorted(waits):
-            r, own = self.running[s]
-            n = host["lengths"][s]
-            turn = np.asarray(host["tokens"][s, host["turns"][s] : n])
-            self.waiting[s] = Turn(s, r, own.index(s), turn, int(host["limits"][s] - n))
-        completed = []
+        turns = []
+        for s in waits:
+            (r, g), n, h = self.running[s], host["lengths"][s], next(self._handles)
+            tokens = np.asarray(host["tokens"][s, host["turns"][s] : n])
+            self.waiting[h] = Turn(h, r, g, tokens, int(host["limits"][s] - n))
+            self.where[h] = s
+            turns.append(self.waiting[h])
+        completed, G = [], self.cfg.num_samples
         for s in sorted(done):
-            r, own = self.running.pop(s)
+            r, g = self.running.pop(s)
             self.free.append(s)
             got = self.partial.setdefault(id(r), {})
-            got[own.index(s)] = {k: np.asarray(v[s]) for k, v in host.items()}
-            if len(got) == len(own):
+            got[g] = {k: np.asarray(v[s]) for k, v in host.items()}
+            if len(got) == G:
                 del self.partial[id(r)]
-                completed.append(self._completed(r, [got[g] for g in range(len(own))]))
+                completed.append(self._completed(r, [got[g] for g in range(G)]))
         self.free.sort()
-        return Stepped(completed, [self.waiting[s] for s in sorted(waits)])
+        return Stepped(completed, turns)
 
     def _completed(self, r: Request, rows: list[dict]) -> Completed:
         def stack(k):
