@@ -1,10 +1,14 @@
 """Tool-integrated RL: the quickstart's recipe on `tool_arithmetic` (a*b+c over 5-digit
 numbers at difficulty 1), with the sandboxed Python tool (`env.name="python_tool"`,
-docs/environments.md). The warm start calls the tool on a third of its demonstrations and
+docs/environments.md). The warm start calls the tool on 30% of its demonstrations and
 states the answer directly on the rest, which a tiny policy cannot compute: RL has to find
 that the tool pays.
 
     python -m rlscale.main --config configs/tool_rl.py --workdir /tmp/rlscale_tool_rl
+
+Measured (experiments/tool_rl, 2 seeds, one warm start, on a 2-core CPU shared with other
+jobs: about 19 minutes each there): held-out pass@1 0.29 -> 0.97 and episodes that run code
+0.29-0.31 -> 0.99 in 40 steps; with the tool disabled (`:tool=False`) 0.00 -> 0.00.
 
 Variants: `:tool=False` (the same run with the tool disabled: a single-turn task, so a code
 block the policy writes gets no output), `:difficulty=N` (4 + N digits, N in 1..5),

@@ -7,24 +7,18 @@ value of the expression the turn ends with ("14"), a few tokens. Every reply is 
 the turn's text alone, so a run's episodes are as deterministic as its sampling.
 """
 
-import json
-import os
 import re
 import threading
 
 from rlscale.envs.protocol import Environment, Reply
 
 STOP = "="
-# Where each episode's start is logged (one JSON line per `reset`: the process and the prompt),
-# when this environment variable names a file: a run and its resume append to one file.
-LOG_VARIABLE = "RLSCALE_TEST_EPISODE_LOG"
 FAULTS = ("raise", "hang", "garbage")
 # Lets the calls that hang go (a test sets it when its run is over).
 RELEASE = threading.Event()
 # An expression the reply evaluates: small numbers joined by +, - or * (no "**": each
 # operator sits between digits).
 _EXPRESSION = re.compile(r"(\d{1,4}(?:[+*-]\d{1,4}){0,6})=$")
-_LOCK = threading.Lock()
 
 
 def value_of(action: str) -> str:
@@ -54,11 +48,6 @@ class Calculator(Environment):
 
     def reset(self, problem) -> None:
         self.prompt, self.calls = problem.prompt, 0
-        path = os.environ.get(LOG_VARIABLE)
-        if path:
-            line = json.dumps({"pid": os.getpid(), "prompt": problem.prompt}) + "\n"
-            with _LOCK, open(path, "a") as f:
-                f.write(line)
 
     def step(self, action: str) -> Reply:
         self.calls += 1
