@@ -53,7 +53,7 @@ def episode_pass_rates(episodes, params, tokenizer, problems, rng, n: int, score
         for c in range(copies)
     ]
     episodes.set_params(params, 0)
-    episodes.submit(requests, [problems[i] for i, _ in (r.id for r in requests)])
+    episodes.submit(requests, [problems[r.id[0]] for r in requests])
     done = []
     while len(done) < len(requests):
         done += episodes.step(chunk).completed

@@ -251,19 +251,22 @@ def _environment(config, tokenizer, scfg):
     return factory, dataclasses.replace(scfg, action_stops=stops)
 
 
-def _eval_episodes(config, env_factory, tokenizer, splits, policy, mesh, progs):
-    """Held-out episodes for a run whose environment has turns: an engine on the trainer's
-    devices (`policy`: graphdef, model config, sampling config) with the rollouts' slots;
+def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, mesh, progs):
+    """Held-out episodes for a run whose environment has turns: an engine like the
+    rollouts' generator (its policy, sampling settings and slots) on the trainer's devices,
+    for the `test` problems' prompts and ones as long as the `longest` training prompt;
     None for a single-turn run."""
     if not env_factory.multi_turn:
         return None
-    longest = max(
-        len(p)
-        for split in ("train", "test")
-        for p in scoring.encode_prompts(tokenizer, splits[split])
-    )
+    longest = max([longest] + [len(p) for p in scoring.encode_prompts(tokenizer, test)])
     generator = Generator(
-        *policy, slots=config.pipeline.slots, max_prompt_len=longest, mesh=mesh, programs=progs
+        rollouts.static["graphdef"],
+        rollouts.model_cfg,
+        rollouts.cfg,
+        slots=rollouts.slots,
+        max_prompt_len=longest,
+        mesh=mesh,
+        programs=progs,
     )
     return env_episodes.Episodes(generator, env_factory, tokenizer, config.env)
 
@@ -500,7 +503,7 @@ def build(config, workdir: str) -> Setup:
         generator=generator,
         episodes=env_episodes.Episodes(generator, env_factory, tokenizer, config.env),
         eval_episodes=_eval_episodes(
-            config, env_factory, tokenizer, splits, (graphdef, model_cfg, scfg), mesh, progs
+            config, env_factory, tokenizer, generator, splits["test"], longest, mesh, progs
         ),
         generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
