@@ -44,10 +44,7 @@ def compilation_cache(tmp_path_factory, worker_id):
     start as subprocesses (kill/resume, the CLI, several processes) compile a program the
     first time any of them needs it, and load it after. A program loaded from the cache is
     still a new program to the process that loads it: `CompileCounter` counts both."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        root = root.parent  # Shared by the workers of this session.
-    path = str(root / "jax_cache")
+    path = str(_shared_root(tmp_path_factory, worker_id) / "jax_cache")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     jax.config.update("jax_compilation_cache_dir", path)
@@ -196,29 +193,52 @@ def _warm_run(workdir):
     (workdir / "console.txt").write_text(r.stderr + r.stdout)
 
 
-def _make_warm(root):
-    """ROOT/warm, made once by whoever asks first (a worker's `warm`, or the controller's head
-    start); the others wait for it on ROOT/warm.lock."""
-    workdir = root / "warm"
-    with filelock.FileLock(str(root / "warm.lock")):
-        if not (workdir / "console.txt").exists():  # Written after the run.
+def _shared_root(tmp_path_factory, worker_id):
+    """The directory this session's processes share: the basetemp, or under pytest-xdist its
+    parent (the workers' basetemps are its children)."""
+    root = tmp_path_factory.getbasetemp()
+    return root if worker_id == "master" else root.parent
+
+
+def _made_once(root, name, make):
+    """ROOT/NAME, made by `make(workdir)` once by whichever process asks first; the others wait
+    on ROOT/NAME.lock and then read it. A workdir whose making failed is made again."""
+    workdir = root / name
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not (root / f"{name}.made").exists():
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir()
-            _warm_run(workdir)
+            make(workdir)
+            (root / f"{name}.made").touch()
     return workdir
 
 
 @pytest.fixture(scope="session")
-def warm(tmp_path_factory, worker_id):
+def shared_workdir(tmp_path_factory, worker_id):
+    """`shared_workdir(name, make)`: a workdir made once in the session (`make(workdir)`) and
+    read by every test and xdist worker that asks for it, so an expensive run that tests in
+    several workers read (a module fixture's run, under `--dist worksteal`) runs once, not once
+    per worker. Its makers must be deterministic in `name` and only read it after."""
+    root = _shared_root(tmp_path_factory, worker_id)
+    return lambda name, make: _made_once(root, name, make)
+
+
+@pytest.fixture(scope="session")
+def warm(shared_workdir):
     """The golden quickstart smoke run's workdir: its data, tokenizer and SFT warm start are
-    the one warm start every RL test reuses (`sft.reuse_from`; tests only read it). Under
-    pytest-xdist the workers share one, made by the first worker that needs it, or started
-    ahead by the controller (`pytest_configure`)."""
-    if worker_id == "master":
-        workdir = tmp_path_factory.mktemp("warm")
-        _warm_run(workdir)
-        return workdir
-    return _make_warm(tmp_path_factory.getbasetemp().parent)  # Shared by the workers.
+    the one warm start every RL test reuses (`sft.reuse_from`; tests only read it), made by the
+    first worker that needs it or started ahead by the controller (`pytest_configure`)."""
+    return shared_workdir("warm", _warm_run)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores, as memory allows (about 5 GiB a worker at
+    its peak). A worker waits on the subprocess runs it starts (kill and resume, the CLI,
+    several processes) and on locks (`shared_workdir`); the extra worker fills those waits: the
+    whole suite took 14 min 3 s with 2 workers on 2 cores and 11 min 53 s with 3."""
+    del config
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(len(os.sched_getaffinity(0)) + 1, int(memory_gib // 6)))
 
 
 @pytest.hookimpl(trylast=True)
@@ -238,7 +258,7 @@ def pytest_configure(config):
 
 def _head_start(root):
     try:
-        _make_warm(root)
+        _made_once(root, "warm", _warm_run)
     except AssertionError:
         pass  # The workers' `warm` tries again and fails with the run's error.
 

@@ -6,14 +6,16 @@ The runs are `configs/scalerl.py:smoke,sync` (checkpoints every 2 steps,
 no-positive-resampling, zero-variance filtering, forced interruption) with an easy reward
 (`reward_fixtures.digits`) so prompts do get retired and filtered; one is killed in the
 recipe's pipeline mode. The multi-turn runs play `env_fixtures.Calculator` with a reward
-half the samples earn (so every step trains). Runs that must be killed run as subprocesses
-on one CPU device; the straight run's workdir provides the others' warm start
-(`sft.reuse_from`).
+half the samples earn (so every step trains). Runs that must be killed or signalled run as
+subprocesses, every other run (never killed, resumed) in this process, all on one CPU device;
+the straight run's workdir provides the others' warm start (`sft.reuse_from`).
 """
 
 import glob
 import json
+import logging
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -31,35 +33,57 @@ from rlscale.data import builders, filters
 from rlscale.rl import rollouts
 
 STEPS = 6
+# Every run's settings over `configs/scalerl.py:smoke,sync`: the same as a subprocess's flags
+# and in this process (one device either way).
+RUN = {
+    "steps": STEPS,
+    "mesh.shape": (1, 1, 1),
+    "reward.fn": "reward_fixtures:digits",
+    "reward.workers": 0,
+}
 # Wall-clock measurements differ between any two runs, resumed or not; everything else
 # (rewards, losses, gradient norms, evals, FLOP counters, filter counts) must not.
 TIMING = ("time/", "compute/device_seconds")
 
 
-def _command(workdir, *overrides, steps=STEPS, variant="smoke,sync"):
+def _flags(settings):
+    """The command-line overrides that make a run's config `settings` ({dotted key: value})."""
+    return [f"--config.{k}={v}" for k, v in settings.items()]
+
+
+def _command(workdir, settings, variant):
+    config = os.path.join(ROOT, "configs", "scalerl.py") + ":" + variant
     return [
-        sys.executable,
-        "-m",
-        "rlscale.main",
-        "--config",
-        os.path.join(ROOT, "configs", "scalerl.py") + ":" + variant,
-        "--workdir",
-        str(workdir),
-        f"--config.steps={steps}",
-        "--config.reward.fn=reward_fixtures:digits",
-        *overrides,
-    ]
+        sys.executable, "-m", "rlscale.main",
+        "--config", config, "--workdir", str(workdir), *_flags(settings),
+    ]  # fmt: skip
 
 
-def _run(workdir, *overrides, steps=STEPS, variant="smoke,sync", env=None):
-    out = subprocess.run(
-        _command(workdir, *overrides, steps=steps, variant=variant),
-        env=subprocess_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return out
+def _config_of(variant, settings):
+    """`configs/scalerl.py:variant` with `settings`, as `_flags(settings)` give it a run."""
+    c = load_config("scalerl", variant)
+    for key, v in settings.items():
+        *sections, name = key.split(".")
+        node = c
+        for section in sections:
+            node = node[section]
+        node[name] = v
+    return c
+
+
+def _run_here(config, workdir, allow_config_change=False):
+    """Runs `config` in this process (a run resumed here is another process than the one
+    killed); returns each round of samples it judged, in order: (their prompts, `Samples`)."""
+    judged, judge = [], rollouts.RolloutSource.judge
+
+    def keep(self, ids, samples):
+        judged.append(([self.problems[i].prompt for i in ids], samples))
+        return judge(self, ids, samples)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollouts.RolloutSource, "judge", keep)
+        rl.run(rl.resolve(config), str(workdir), allow_config_change=allow_config_change)
+    return judged
 
 
 def _written(path):
@@ -81,15 +105,14 @@ def _host(workdir, step):
         return json.load(f)
 
 
-def _start_and_signal(
-    workdir, sig, after_step, *overrides, variant="smoke,sync", saved=None, steps=STEPS, env=None
-):
-    """Starts a run, sends `sig` once `after_step` is in metrics.jsonl (and the checkpoint of
-    step `saved` is written: it is saved asynchronously); returns the process and the last
-    step in metrics.jsonl just after the signal (the run had not gone further when it came)."""
+def _start_and_signal(workdir, sig, after_step, settings, variant="smoke,sync", saved=None):
+    """Starts the run of `settings` as a subprocess, sends `sig` once `after_step` is in
+    metrics.jsonl (and the checkpoint of step `saved` is written: it is saved asynchronously);
+    returns the process and the last step in metrics.jsonl just after the signal (the run had
+    not gone further when it came)."""
     proc = subprocess.Popen(
-        _command(workdir, *overrides, steps=steps, variant=variant),
-        env=subprocess_env(**(env or {})),
+        _command(workdir, settings, variant),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -107,12 +130,30 @@ def _start_and_signal(
     return proc, len(_written(path)) - 1
 
 
+def _kill_then_resume_here(workdir, variant, settings, caplog):
+    """The run of `settings` started as a subprocess, killed (SIGKILL) once step 3 is in
+    metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
+    proc, _ = _start_and_signal(workdir, signal.SIGKILL, 3, settings, variant=variant, saved=2)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(_lines(workdir)) < settings["steps"] + 1  # Killed mid-run.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        judged = _run_here(_config_of(variant, settings), workdir)
+    assert any(m.startswith("resuming from the checkpoint at step") for m in caplog.messages)
+    return judged
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, warm):
-    workdir = tmp_path_factory.mktemp("straight")
-    out = _run(workdir, f"--config.sft.reuse_from={warm}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return workdir
+def straight(shared_workdir, warm):
+    """The run never killed, in this process; its workdir is the other runs' warm start."""
+    settings = {**RUN, "sft.reuse_from": str(warm)}
+    return shared_workdir(
+        "reliability_straight", lambda w: _run_here(_config_of("smoke,sync", settings), w)
+    )
+
+
+def _settings(straight, **settings):
+    return {**RUN, "sft.reuse_from": str(straight), **settings}
 
 
 def test_straight_run_retires_and_checkpoints(straight):
@@ -123,17 +164,9 @@ def test_straight_run_retires_and_checkpoints(straight):
     assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4, 6]
 
 
-def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
-    proc, _ = _start_and_signal(
-        tmp_path, signal.SIGKILL, 3, f"--config.sft.reuse_from={straight}", saved=2
-    )
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(_lines(tmp_path)) < STEPS + 1  # Killed mid-run.
-    out = _run(tmp_path, f"--config.sft.reuse_from={straight}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming from the checkpoint at step" in out.stderr
-    assert "reusing the SFT warm start" in out.stderr  # The workdir's cached warm start.
+def test_sigkill_then_resume_is_the_same_run(straight, tmp_path, caplog):
+    _kill_then_resume_here(tmp_path, "smoke,sync", _settings(straight), caplog)
+    assert "reusing the SFT warm start" in caplog.text  # The workdir's cached warm start.
     assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
     ours, theirs = _host(tmp_path, STEPS), _host(straight, STEPS)
     assert ours["stream"] == theirs["stream"]  # Data position and shuffle.
@@ -141,24 +174,20 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path):
     assert ours["counters"]["compute/train_flops"] == theirs["counters"]["compute/train_flops"]
 
 
-def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_path):
-    """The recipe's pipeline mode (k = 2 here; the generator runs ahead on the one device),
-    killed after step 3 and resumed from the step-2 checkpoint: the prompts trained, step by
-    step, are exactly the stream's draws (none lost, none trained twice: the sequences in
-    flight at the kill were generated again by the restored policy), and the staleness bound
-    holds on every step, the first after the restart included."""
-    args = (
-        f"--config.sft.reuse_from={straight}",
-        "--config.filters.retire=False",  # The stream alone then decides the prompts.
-        "--config.pipeline.max_staleness=2",
-    )
-    proc, _ = _start_and_signal(tmp_path, signal.SIGKILL, 3, *args, variant="smoke", saved=2)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(_lines(tmp_path)) < STEPS + 1
-    out = _run(tmp_path, *args, variant="smoke")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming from the checkpoint at step" in out.stderr
+# The recipe's pipeline mode, k = 2 (the generator runs ahead on the one device).
+PIPELINE = {
+    "filters.retire": False,  # The stream alone then decides the prompts.
+    "pipeline.max_staleness": 2,
+}
+
+
+def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_path, caplog):
+    """The recipe's pipeline mode, killed after step 3 and resumed from the step-2
+    checkpoint: the prompts trained, step by step, are exactly the stream's draws (none lost,
+    none trained twice: the sequences in flight at the kill were generated again by the
+    restored policy), and the staleness bound holds on every step, the first after the
+    restart included."""
+    _kill_then_resume_here(tmp_path, "smoke", _settings(straight, **PIPELINE), caplog)
     lines = _lines(tmp_path)
     assert [x["step"] for x in lines] == list(range(STEPS + 1))
     stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
@@ -167,23 +196,22 @@ def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_
     assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
 
 
-def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path):
-    proc, signalled = _start_and_signal(
-        tmp_path, signal.SIGTERM, 1, f"--config.sft.reuse_from={straight}"
-    )
+def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path, caplog):
+    settings = _settings(straight)
+    proc, signalled = _start_and_signal(tmp_path, signal.SIGTERM, 1, settings)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "preempted (SIGTERM) after step" in err
     last = _lines(tmp_path)[-1]["step"]
     assert last <= signalled + 1 < STEPS  # Bounded: the step in flight, then one save.
     assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
-    out = _run(tmp_path, f"--config.sft.reuse_from={straight}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming from the checkpoint at step {last}" in out.stderr
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _run_here(_config_of("smoke,sync", settings), tmp_path)
+    assert f"resuming from the checkpoint at step {last} in {tmp_path}" in caplog.messages
     assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
 
 
-def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+def test_damaged_checkpoint_falls_back_to_the_previous_one(warm, straight, tmp_path, caplog):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
     for path in glob.glob(
@@ -192,24 +220,32 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
         if os.path.isfile(path) and os.path.getsize(path) > 64:
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
-    out = _run(workdir, steps=STEPS + 2)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"checkpoint step {STEPS} in" in out.stderr and "unreadable" in out.stderr
-    assert f"resuming from the checkpoint at step {STEPS - 2}" in out.stderr
+    settings = {**RUN, "steps": STEPS + 2, "sft.reuse_from": str(warm)}  # As the straight run.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _run_here(_config_of("smoke,sync", settings), workdir)
+    assert f"checkpoint step {STEPS} in" in caplog.text and "unreadable" in caplog.text
+    assert f"resuming from the checkpoint at step {STEPS - 2}" in caplog.text
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(STEPS + 3))
     # Steps after the good checkpoint were replayed exactly.
     assert _comparable(lines[: STEPS + 1]) == _comparable(_lines(straight))
 
 
-def test_changed_config_is_refused_unless_allowed(straight, tmp_path):
+def test_changed_config_is_refused_unless_allowed(warm, straight, tmp_path):
+    """Refused on the command line (one `error:` line, exit 1); allowed in this process."""
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
-    out = _run(workdir, "--config.optim.lr=0.01", steps=STEPS + 1)
+    settings = {**RUN, "steps": STEPS + 1, "optim.lr": 0.01, "sft.reuse_from": str(warm)}
+    out = subprocess.run(
+        _command(workdir, settings, "smoke,sync"),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 1
     assert "optim.lr: 0.0001 -> 0.01" in out.stderr and "--allow_config_change" in out.stderr
-    out = _run(workdir, "--config.optim.lr=0.01", "--allow_config_change", steps=STEPS + 1)
-    assert out.returncode == 0, out.stderr[-3000:]
+    _run_here(_config_of("smoke,sync", settings), workdir, allow_config_change=True)
     assert [x["step"] for x in _lines(workdir)] == list(range(STEPS + 2))
 
 
@@ -336,103 +372,60 @@ EPISODE_STEPS = 4
 # reward about half the samples earn, so every step trains; time limits no call or episode
 # comes near, so each episode's outcome is its sampling's alone.
 EPISODES = {
+    **RUN,
     "steps": EPISODE_STEPS,
-    "mesh.shape": (1, 1, 1),  # One device, in this process as in a subprocess.
     "env.name": "env_fixtures:Calculator",
     "env.call_seconds": 600.0,
     "env.episode_seconds": 3600.0,
     "reward.fn": "reward_fixtures:even_length",
-    "reward.workers": 0,
     "eval.every": 100,  # At the first and last steps only.
 }
 # With environment calls, how many decode steps a batch takes depends on when the replies came
 # back: the engine's slot utilization is a wall-clock measurement too.
 EPISODE_TIMING = (*TIMING, "pipeline/slot_utilization")
-# The pipeline run: the recipe's mode, k = 2 (the generator runs ahead on the one device).
-PIPELINE = {
-    "filters.retire": False,  # The stream alone then decides the prompts.
-    "pipeline.max_staleness": 2,
-}
 
 
 def _episode_settings(straight, **settings):
     return {**EPISODES, "sft.reuse_from": str(straight), **settings}
 
 
-def _flags(settings):
-    """The command-line overrides that make a run's config `settings` ({dotted key: value})."""
-    return [f"--config.{k}={v}" for k, v in settings.items()]
-
-
-def _config_of(variant, settings):
-    """`configs/scalerl.py:variant` with `settings`, as `_flags(settings)` give it a run."""
-    c = load_config("scalerl", variant)
-    for key, v in settings.items():
-        *sections, name = key.split(".")
-        node = c
-        for section in sections:
-            node = node[section]
-        node[name] = v
-    return c
-
-
-def _run_here(config, workdir):
-    """Runs `config` in this process (a run resumed here is another process than the one
-    killed); returns each round of samples it judged, in order: (their prompts, `Samples`)."""
-    judged, judge = [], rollouts.RolloutSource.judge
-
-    def keep(self, ids, samples):
-        judged.append(([self.problems[i].prompt for i in ids], samples))
-        return judge(self, ids, samples)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rollouts.RolloutSource, "judge", keep)
-        rl.run(rl.resolve(config), str(workdir))
-    return judged
-
-
-def _kill_then_resume_here(workdir, variant, settings):
-    """The run of `settings` started as a subprocess, killed (SIGKILL) once step 3 is in
-    metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
-    flags, steps = _flags(settings), settings["steps"]
-    proc, _ = _start_and_signal(
-        workdir, signal.SIGKILL, 3, *flags, variant=variant, saved=2, steps=steps
-    )
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(_lines(workdir)) < EPISODE_STEPS + 1  # Killed mid-run.
-    _run_here(_config_of(variant, settings), workdir)
-
-
 @pytest.fixture(scope="module")
-def straight_episodes(tmp_path_factory, straight):
+def straight_episodes(shared_workdir, straight):
     """The multi-turn run (sync), never killed, in this process: its workdir, and its first
     step's prompts and samples."""
-    workdir = tmp_path_factory.mktemp("straight_episodes")
-    judged = _run_here(_config_of("smoke,sync", _episode_settings(straight)), workdir)
+
+    def run(workdir):
+        judged = _run_here(_config_of("smoke,sync", _episode_settings(straight)), workdir)
+        with open(workdir / "first_step.pkl", "wb") as f:
+            pickle.dump(judged[0], f)
+
+    workdir = shared_workdir("reliability_episodes", run)
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
     assert min(x["env/turns_mean"] for x in lines[1:]) > 1  # Episodes of several turns.
-    return workdir, judged[0]
+    with open(workdir / "first_step.pkl", "rb") as f:
+        return workdir, pickle.load(f)
 
 
-def test_episodes_sigkill_then_resume_is_the_same_run(straight, straight_episodes, tmp_path):
+def test_episodes_sigkill_then_resume_is_the_same_run(
+    straight, straight_episodes, tmp_path, caplog
+):
     """Multi-turn episodes in the sync loop, killed after step 3 (step 4's episodes in
     flight) and resumed from the step-2 checkpoint: the same run as the one never killed,
     line for line (wall-clock fields aside)."""
-    _kill_then_resume_here(tmp_path, "smoke,sync", _episode_settings(straight))
+    _kill_then_resume_here(tmp_path, "smoke,sync", _episode_settings(straight), caplog)
     want = _comparable(_lines(straight_episodes[0]), EPISODE_TIMING)
     assert _comparable(_lines(tmp_path), EPISODE_TIMING) == want
 
 
-def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp_path):
+def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp_path, caplog):
     """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed after step 3 with
     the next batches' episodes in flight, resumed from the step-2 checkpoint: the prompts
     trained, step by step, are the stream's draws (the episodes in flight at the kill were
     played again, none lost, none trained twice); the staleness bound holds on every step,
     the first after the restart included; the episodes had turns."""
     workdir = tmp_path / "run"
-    _kill_then_resume_here(workdir, "smoke", _episode_settings(straight, **PIPELINE))
+    _kill_then_resume_here(workdir, "smoke", _episode_settings(straight, **PIPELINE), caplog)
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
     stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.

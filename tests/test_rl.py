@@ -68,19 +68,19 @@ def golden_tolerance(config) -> float:
 
 
 @pytest.fixture(scope="module")
-def golden_runs(warm, tmp_path_factory):
+def golden_runs(warm, shared_workdir):
     """Each golden run's workdir (run on first use, on one device); the warm fixture is the
     quickstart's golden run itself."""
-    cache = {"quickstart": warm}
+
+    def run(name, workdir):
+        config = golden_config(name)
+        config.sft.reuse_from = str(warm)
+        rl.run(rl.resolve(config), str(workdir))
 
     def get(name):
-        if name not in cache:
-            config = golden_config(name)
-            config.sft.reuse_from = str(warm)
-            workdir = tmp_path_factory.mktemp(f"golden_{name}")
-            rl.run(rl.resolve(config), str(workdir))
-            cache[name] = workdir
-        return cache[name]
+        if name == "quickstart":
+            return warm
+        return shared_workdir(f"golden_{name}", lambda workdir: run(name, workdir))
 
     return get
 
@@ -120,20 +120,27 @@ def test_golden_metrics(name, golden_runs):
 # ------------------------------------------------------------------------------------------
 
 
+def _recipe_config(name, warm):
+    base, _, variant = name.partition(":")
+    config = load_config(base, ",".join(filter(None, ["smoke", variant])))
+    config.sampling.update(SAMPLING.get(name, {}))
+    config.sft.reuse_from = str(warm)
+    return config
+
+
 @pytest.fixture(scope="module")
-def recipe_runs(warm, tmp_path_factory):
-    """Each recipe's smoke run (run on first use), reusing the warm start."""
-    cache = {}
+def recipe_runs(warm, shared_workdir):
+    """Each recipe's smoke run (run on first use), reusing the warm start: its config, summary
+    and workdir."""
 
     def get(name):
-        if name not in cache:
-            base, _, variant = name.partition(":")
-            config = load_config(base, ",".join(filter(None, ["smoke", variant])))
-            config.sampling.update(SAMPLING.get(name, {}))
-            config.sft.reuse_from = str(warm)
-            workdir = tmp_path_factory.mktemp(name.replace(":", "_").replace("=", "_"))
-            cache[name] = (config, rl.run(rl.resolve(config), str(workdir)), workdir)
-        return cache[name]
+        config = _recipe_config(name, warm)
+        workdir = shared_workdir(
+            "recipe_" + name.replace(":", "_").replace("=", "_"),
+            lambda workdir: rl.run(rl.resolve(config), str(workdir)),
+        )
+        with open(workdir / "summary.json") as f:
+            return config, json.load(f), workdir
 
     return get
 
