@@ -254,8 +254,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # ("single_turn": the task's verifier scores one completion) or "module.path:ClassName",
     # built with `kwargs`. Limits: `max_turns` policy turns, `reply_tokens` per reply (cut),
     # `call_seconds` per environment call and `episode_seconds` per episode (wall-clock);
-    # `workers` threads run the calls. An episode's tokens, the policy's and the replies',
-    # are sampling.max_new_tokens.
+    # `workers` threads run the calls; `parked` parking rows hold samples waiting on a call
+    # while queued requests take their slots. An episode's tokens, the policy's and the
+    # replies', are sampling.max_new_tokens.
     c.env = dict(
         name="single_turn",
         kwargs={},
@@ -264,6 +265,7 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         call_seconds=10.0,
         episode_seconds=300.0,
         workers=8,
+        parked=0,
     )
     return c
 

@@ -341,3 +341,10 @@ def test_bad_environments_fail_at_start_up_naming_the_key():
         "env.call_seconds=-1.0 must be a number of seconds > 0",
     ):
         assert problem in e.value.problems
+    c = load_config("quickstart")
+    c.env.parked = 4  # The single-turn environment's samples never wait.
+    with pytest.raises(sections.InvalidConfigError, match="env.parked=4 parks samples waiting"):
+        run_config.resolve(c)
+    c.env.name = "test_episodes:Toy"  # On 8 devices: the generator's slots split 8 ways.
+    with pytest.raises(ValueError, match=r"env.parked=4 does not divide the generator's batch"):
+        run_config.resolve(c)

@@ -423,13 +423,25 @@ def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp
     the next batches' episodes in flight, resumed from the step-2 checkpoint: the prompts
     trained, step by step, are the stream's draws (the episodes in flight at the kill were
     played again, none lost, none trained twice); the staleness bound holds on every step,
-    the first after the restart included; the episodes had turns."""
+    the first after the restart included; the episodes had turns, with parking rows
+    (`env.parked`) in the generator."""
     workdir = tmp_path / "run"
-    _kill_then_resume_here(workdir, "smoke", _episode_settings(straight, **PIPELINE), caplog)
+    settings = _episode_settings(straight, **PIPELINE, **{"env.parked": 8})
+    judged = _kill_then_resume_here(workdir, "smoke", settings, caplog)
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
     stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
-    assert [x["data/prompt_ids"] for x in lines[1:]] == [stream.next(8) for _ in range(4)]
+    draws = [stream.next(8) for _ in range(EPISODE_STEPS)]
+    assert [x["data/prompt_ids"] for x in lines[1:]] == draws
+    # The resumed run played the episodes of steps 3 and 4, in flight at the kill, once each:
+    # every sample of their prompts, and nothing else.
+    train = builders.materialize("arithmetic", 2, 200, 40, str(straight / "data"))["train"]
+    want = [[builders.decode(train[i]).prompt for i in ids] for ids in draws[2:]]
+    assert [prompts for prompts, _ in judged] == want
+    assert [len(samples.reward_N) for _, samples in judged] == [8 * 4, 8 * 4]
+    # The generator had the parking rows (how many samples it parked follows the replies'
+    # timing: measured 24 here, while queued requests took their slots).
+    assert all("pipeline/parked" in x for x in lines[1:])
     assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
     assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
     assert min(x["env/turns_mean"] for x in lines[1:]) > 1

@@ -34,8 +34,10 @@ class EnvConfig(sections.Section):
     registered name, or "module.path:ClassName") built with `kwargs`, and the limits of an
     episode: `max_turns` policy turns, `reply_tokens` tokens per reply (a longer one is
     cut), `call_seconds` of wall-clock per `Environment.step` call and `episode_seconds` per
-    episode; `workers` threads run the environments' calls. An episode's tokens, the
-    policy's and the replies' together, are `sampling.max_new_tokens`."""
+    episode; `workers` threads run the environments' calls; `parked` parking rows of the
+    generator hold samples waiting on a call while a queued request takes their slot
+    (`Generator(parked=...)`). An episode's tokens, the policy's and the replies' together,
+    are `sampling.max_new_tokens`."""
 
     name: str = SINGLE_TURN
     kwargs: Any = dataclasses.field(default_factory=dict)
@@ -44,11 +46,18 @@ class EnvConfig(sections.Section):
     call_seconds: float = 10.0
     episode_seconds: float = 300.0
     workers: int = 8
+    parked: int = 0
 
     def problems(self) -> list[str]:
         problems = sections.at_least("env.max_turns", self.max_turns, 1)
         problems += sections.at_least("env.reply_tokens", self.reply_tokens, 1)
         problems += sections.at_least("env.workers", self.workers, 1)
+        problems += sections.at_least("env.parked", self.parked, 0)
+        if self.parked and self.name == SINGLE_TURN:
+            problems.append(
+                f"env.parked={self.parked} parks samples waiting on an environment's reply: "
+                f"env.name={SINGLE_TURN!r} never replies"
+            )
         for key in ("call_seconds", "episode_seconds"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

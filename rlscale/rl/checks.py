@@ -28,6 +28,7 @@ RESUMABLE_CHANGES = (
     "reward.timeout",
     "pipeline.decode_chunk",  # How often the generator checks for weights: not the samples.
     "env.workers",  # Threads running environment calls: their speed, not their replies.
+    "env.parked",  # Parking rows: a parked sample goes on token for token as in its slot.
 )
 
 
@@ -72,6 +73,11 @@ def _pipeline_problems(config, gen_div: int) -> list[str]:
     elif slots % gen_div:
         problems.append(
             f"pipeline.slots={slots} does not divide the generator's batch axes ({gen_div} devices)"
+        )
+    parked = config.env.parked
+    if isinstance(parked, int) and parked > 0 and parked % gen_div:
+        problems.append(
+            f"env.parked={parked} does not divide the generator's batch axes ({gen_div} devices)"
         )
     if p.mode == "async_ppo" and slots < b.prompts * b.group_size:
         problems.append(

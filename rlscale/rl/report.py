@@ -218,15 +218,19 @@ STALENESS_KEYS = (
 def generator_record(before, after) -> dict:
     """The generator engine between two `EngineStats` snapshots: its busy seconds (decode,
     prefill, weight swaps), weight-swap seconds and slot utilization (tokens generated per
-    slot-step; NaN, written as null, when it decoded nothing in between)."""
+    slot-step; NaN, written as null, when it decoded nothing in between); with parking rows,
+    the samples parked in between."""
     busy = lambda e: e.decode_s + e.prefill_s + e.swap_s  # noqa: E731
     slot_steps = after.slot_steps - before.slot_steps
     tokens = after.tokens - before.tokens
-    return {
+    record = {
         "time/generator_busy_s": busy(after) - busy(before),
         "time/weight_swap_s": after.swap_s - before.swap_s,
         "pipeline/slot_utilization": tokens / slot_steps if slot_steps else float("nan"),
     }
+    if after.parking_rows:
+        record["pipeline/parked"] = after.parked - before.parked
+    return record
 
 
 def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict:

@@ -267,6 +267,7 @@ def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, mesh
         max_prompt_len=longest,
         mesh=mesh,
         programs=progs,
+        parked=config.env.parked,
     )
     return env_episodes.Episodes(generator, env_factory, tokenizer, config.env)
 
@@ -473,6 +474,7 @@ def build(config, workdir: str) -> Setup:
         max_prompt_len=longest,
         mesh=gen_mesh,
         programs=progs.on(gen_mesh),
+        parked=config.env.parked,
     )
     learn = make_learner(config, graphdef, params, mesh, progs)
     # The reference is the same function with frozen params.

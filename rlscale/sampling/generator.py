@@ -99,7 +99,8 @@ class EngineStats:
     """Counters since the engine started: decode steps run, slot-steps (steps x slots),
     tokens generated (the useful slot-steps), environment tokens appended, samples parked
     and brought back, seconds decoding, prefilling, appending replies, moving parked samples
-    and swapping weights (device busy time: each call is waited on)."""
+    and swapping weights (device busy time: each call is waited on); and the engine's
+    parking rows (a constant)."""
 
     steps: int = 0
     slot_steps: int = 0
@@ -112,6 +113,7 @@ class EngineStats:
     reply_s: float = 0.0
     move_s: float = 0.0
     swap_s: float = 0.0
+    parking_rows: int = 0
 
     @property
     def utilization(self) -> float:
@@ -215,7 +217,7 @@ class Generator:
         # Replies go in pieces of at most the largest bucket below the cache's columns
         # (`engine.extend`).
         self.reply_chunk = max(b for b in cfg.buckets if b < bucket + cfg.max_new_tokens)
-        self.stats = EngineStats()
+        self.stats = EngineStats(parking_rows=parked)
 
     # -- host API --------------------------------------------------------------------------
 
