@@ -58,7 +58,7 @@ def _rows(n=8):
 
 
 def _tiny_checkpoint(directory, corpus) -> None:
-    """A tiny Qwen2-shaped checkpoint with a BPE `tokenizer.json` (the chat template's special
+    """A tiny Llama-shaped checkpoint with a BPE `tokenizer.json` (the chat template's special
     tokens included), written by rlscale's own export (`hf.save_hf`)."""
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -272,3 +272,20 @@ def test_an_uncached_name_offline_is_one_error_line(offline, tmp_path):
     assert len(errors) == 1, output[-3000:]
     assert "init.hf_checkpoint='tiny-org/missing'" in errors[0], errors
     assert "HF_HUB_OFFLINE is set" in errors[0], errors
+
+
+def test_the_commands_resolve_their_directory_flags(offline, tmp_path):
+    """The commands read their checkpoint and model flags as Hub names too (before loading
+    anything): a policy on the Hub needs a --workdir; an uncached reward model names its flag."""
+    from rlscale import cli
+    from rlscale.main import evaluate, train_reward_model
+
+    config = f"--config={ROOT}/configs/quickstart.py:smoke"
+    with pytest.raises(ValueError, match=f"--checkpoint={MODEL} is on the Hugging Face Hub: pass"):
+        cli.call(evaluate.define_flags, evaluate.main, [config, f"--checkpoint={MODEL}"])
+    args = [config, f"--checkpoint={tmp_path}", "--reward_model=tiny-org/rm"]
+    with pytest.raises(hub.HubError, match="--reward_model='tiny-org/rm': no such local path"):
+        cli.call(evaluate.define_flags, evaluate.main, args)
+    args = ["--pairs=/p.jsonl", f"--out={tmp_path}/rm", "--init=tiny-org/policy"]
+    with pytest.raises(hub.HubError, match="--init='tiny-org/policy': no such local path"):
+        cli.call(train_reward_model.define_flags, train_reward_model.main, args)

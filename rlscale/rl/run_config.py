@@ -57,11 +57,11 @@ HUB_PATHS = {
 class RunConfig:
     """A resolved RL run: one attribute per config section, named as the ConfigDict names
     them, every checkpoint and file a local path (`HUB_PATHS`). `task` stays a frozen
-    ConfigDict (its keys depend on its kind); `model` is the
-    policy's `ModelConfig` (its vocabulary set from the tokenizer at set-up), `model_name` the
-    name the config gives it (`model.name`, recorded with the settings of the stages made
-    from it). `raw`: the whole config as given (Hub names as named), frozen, only for what a
-    checkpoint records (`to_dict`)."""
+    ConfigDict (its keys depend on its kind); `model` is the policy's `ModelConfig` (its
+    vocabulary set from the tokenizer at set-up), `model_name` the name the config gives it
+    (`model.name`, recorded with the settings of the stages made from it). `raw`: the whole
+    config as given (Hub names as named), frozen, only for what a checkpoint records
+    (`to_dict`)."""
 
     seed: int
     steps: int
