@@ -26,6 +26,8 @@ setuptools.setup(
         "math-verify[antlr4_13_2]==0.9.0",
         "sentencepiece==0.2.3",
         "tokenizers==0.23.3",  # Hugging Face tokenizer.json files (rlscale.tokenizers.HFTokenizer).
+        # Checkpoints and files named on the Hugging Face Hub, fetched into its cache (rlscale.hub).
+        "huggingface_hub==2.4.0",
         "ml-collections==1.1.0",
         "absl-py==2.5.1",
         "numpy==2.4.6",

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from rlscale import checkpoint, sections, sharding
+from rlscale import checkpoint, hub, sections, sharding
 from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.model.config import ModelConfig
@@ -73,11 +73,13 @@ def resolve(config: ml_collections.ConfigDict) -> SavedPolicyConfig:
     read, each checking its own keys (not the rules of an RL run, `rl.resolve`).
 
     Raises:
+      hub.HubError (a ValueError): naming a task file on the Hugging Face Hub that does not
+        resolve (`data_load.HUB_PATHS`), before any other check.
       sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
     """
     problems = []
     built = sections.build(config, SECTIONS, problems)
-    task = ml_collections.FrozenConfigDict(config.task)
+    task = ml_collections.FrozenConfigDict(hub.localize(config, data_load.HUB_PATHS).task)
     problems += data_load.task_problems(task)
     sections.raise_if(problems)
     return SavedPolicyConfig(task=task, **built)

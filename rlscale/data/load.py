@@ -2,11 +2,15 @@
 
 import os
 
+from rlscale import hub
 from rlscale.data import builders, formats, math_data, tasks
 from rlscale.tokenizers import chat
 
 # The files task (`math_data.FilesTask`); "math" is its name from when it read math files only.
 FILE_TASKS = ("files", "math")
+# The files task's keys, which may name a file in a Hugging Face Hub repository
+# (`hf://datasets/org/name/path`: `hub`), resolved by the config's resolve.
+HUB_PATHS = {f"task.files.{split}": hub.FILE for split in ("train", "test")}
 
 
 def chat_template(task_config) -> chat.ChatTemplate | None:

@@ -10,7 +10,7 @@ report (default WORKDIR/eval_{split}.json). See docs/evaluation.md.
 
 from absl import flags
 
-from rlscale import cli, saved_policy
+from rlscale import cli, hub, saved_policy
 from rlscale.eval import best_of_n, harness, step_search
 
 
@@ -92,21 +92,25 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
 
 
 def main(f: flags.FlagValues) -> dict:
+    # Directories may be Hugging Face Hub names (docs/hugging_face.md).
+    checkpoint, workdir = hub.local_path(f.checkpoint, "--checkpoint"), f.workdir
+    if checkpoint != f.checkpoint and workdir is None:
+        raise ValueError(f"--checkpoint={f.checkpoint} is on the Hugging Face Hub: pass --workdir")
     report = harness.run(
         saved_policy.resolve(f.config),
-        f.checkpoint,
+        checkpoint,
         split=f.split,
         k=f.k,
         n=f.n,
-        tokenizer_path=f.tokenizer,
-        workdir=f.workdir,
+        tokenizer_path=hub.local_path(f.tokenizer, "--tokenizer"),
+        workdir=workdir,
         output=f.output,
         batch=f.batch,
         seed=f.seed,
         best_of=f.best_of,
         scorers=f.scorer,
-        reward_model_dir=f.reward_model,
-        prm_dir=f.prm,
+        reward_model_dir=hub.local_path(f.reward_model, "--reward_model"),
+        prm_dir=hub.local_path(f.prm, "--prm"),
         prm_aggregation=f.prm_aggregation,
         plot=f.plot,
         step_search=f.step_search,

@@ -6,7 +6,7 @@ import os
 
 from absl import flags
 
-from rlscale import cli, saved_policy
+from rlscale import cli, hub, saved_policy
 from rlscale import model as model_lib
 from rlscale import tokenizers as tokenizer_lib
 from rlscale.reward_models import scalar_head
@@ -41,7 +41,8 @@ def define(fv: flags.FlagValues, defaults, ints: tuple, floats: tuple = ("lr", "
 
 def start(fv: flags.FlagValues):
     """(tokenizer, model): the tokenizer (`--tokenizer`, else the policy's) and what the head
-    starts from (`--init`'s directory, else `--model`'s `ModelConfig`).
+    starts from (`--init`'s directory, else `--model`'s `ModelConfig`). Either may be a
+    Hugging Face Hub name (`hub`).
 
     Raises:
       ValueError: Naming --init when it is no directory or given with --model, and
@@ -49,16 +50,17 @@ def start(fv: flags.FlagValues):
     """
     if fv.init is not None and fv["model"].present:
         raise ValueError(f"--init={fv.init} and --model={fv.model}: give one")
-    if fv.init is not None and not os.path.isdir(fv.init):
+    init = hub.local_path(fv.init, "--init")
+    if init is not None and not os.path.isdir(init):
         raise ValueError(f"--init={fv.init}: no such directory")
-    path = fv.tokenizer
+    path = hub.local_path(fv.tokenizer, "--tokenizer")
     if path is None:
-        if fv.init is None:
+        if init is None:
             raise ValueError("--tokenizer: required unless --init names a policy checkpoint")
-        init = os.path.abspath(fv.init)
+        init = os.path.abspath(init)
         path = saved_policy.default_tokenizer_path(init, os.path.dirname(init))
     tok = tokenizer_lib.load(path)
-    return tok, fv.init or model_lib.get(fv.model, vocab_size=tok.vocab_size)
+    return tok, init or model_lib.get(fv.model, vocab_size=tok.vocab_size)
 
 
 def train_and_save(fv: flags.FlagValues, head, rows, heldout, tok, cfg, model, **names) -> dict:

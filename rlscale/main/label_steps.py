@@ -15,7 +15,7 @@ import os
 import jax
 from absl import flags
 
-from rlscale import cli, saved_policy
+from rlscale import cli, hub, saved_policy
 from rlscale.reward_models import step_labels
 
 _INT_FLAGS = {
@@ -52,12 +52,15 @@ def main(fv: flags.FlagValues) -> dict:
     if os.path.isdir(out):
         raise ValueError(f"--out={fv.out} is a directory: name the labels file to write")
     cli.make_dir(os.path.dirname(out), "--out")
+    checkpoint = hub.local_path(fv.checkpoint, "--checkpoint")  # A Hub name, too.
+    if checkpoint != fv.checkpoint and fv.workdir is None:
+        raise ValueError(f"--checkpoint={fv.checkpoint} is on the Hugging Face Hub: pass --workdir")
     rows = step_labels.label_policy(
         saved_policy.resolve(fv.config),
-        fv.checkpoint,
+        checkpoint,
         split=fv.split,
         delimiter=fv.delimiter,
-        tokenizer_path=fv.tokenizer,
+        tokenizer_path=hub.local_path(fv.tokenizer, "--tokenizer"),
         workdir=fv.workdir,
         **{name: fv[name].value for name in _INT_FLAGS},
     )

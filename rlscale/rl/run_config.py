@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from rlscale import checkpoint, faults, model, optim, sections, sharding, warm_start
+from rlscale import checkpoint, faults, hub, model, optim, sections, sharding, warm_start
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.envs import registry as env_registry
@@ -42,14 +42,25 @@ SECTIONS = {
     "env": env_registry.EnvConfig,
 }
 
+# The keys that name a checkpoint or a file, which may name one on the Hugging Face Hub
+# (`hub`): `resolve` turns them into local paths before any section reads them.
+HUB_PATHS = {
+    "init.hf_checkpoint": hub.REPO,
+    "teacher.checkpoint": hub.REPO,
+    "reward.model": hub.REPO,
+    "reward.prm": hub.REPO,
+    **data_load.HUB_PATHS,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A resolved RL run: one attribute per config section, named as the ConfigDict names
-    them. `task` stays a frozen ConfigDict (its keys depend on its kind); `model` is the
-    policy's `ModelConfig` (its vocabulary set from the tokenizer at set-up), `model_name` the
-    name the config gives it (`model.name`, recorded with the settings of the stages made
-    from it). `raw`: the whole config, frozen, only for what a checkpoint records
+    them, every checkpoint and file a local path (`HUB_PATHS`). `task` stays a frozen
+    ConfigDict (its keys depend on its kind); `model` is the policy's `ModelConfig` (its
+    vocabulary set from the tokenizer at set-up), `model_name` the name the config gives it
+    (`model.name`, recorded with the settings of the stages made from it). `raw`: the whole
+    config as given (Hub names as named), frozen, only for what a checkpoint records
     (`to_dict`)."""
 
     seed: int
@@ -111,8 +122,11 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
     """The run's typed sections, every derived default filled.
 
     Raises:
+      hub.HubError (a ValueError): listing every Hub name (`HUB_PATHS`) that does not resolve,
+        before any other check (the others would read the name as a missing path).
       sections.InvalidConfigError (a ValueError): listing every problem, each naming its key.
     """
+    given, config = config, hub.localize(config, HUB_PATHS)
     problems = []
     built = sections.build(config, SECTIONS, problems)
     with sections.deferred():
@@ -125,7 +139,7 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
         task=ml_collections.FrozenConfigDict(config.task),
         model=_model(config, problems),
         model_name=config.model.get("name", ""),
-        raw=ml_collections.FrozenConfigDict(config),
+        raw=ml_collections.FrozenConfigDict(given),
         **built,
     )
     problems += data_load.task_problems(run.task)
