@@ -4,6 +4,7 @@ the compiled programs, 2 processes == 1 process, rollouts, the defect fixes, bad
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -247,22 +248,24 @@ def _launch(workdir, processes, steps, warm):
 
 
 def test_two_processes_equal_one_and_resume_under_one(warm, tmp_path):
-    """Three launches: one process for 3 steps (checkpoint at step 2), two processes for 2
-    steps (the same lines, the same checkpoint), then that checkpoint resumed by one process
-    to step 3 (the one-process run's step 3, exactly)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    _launch(one, 1, 3, warm)
-    _launch(two, 2, 2, warm)
-    reference = metric_lines(one)
-    assert metric_lines(two) == reference[:3]
+    """Two launches: two processes for 3 steps (checkpoints at steps 2 and 3), then the step-2
+    checkpoint, in a copy of the workdir, resumed by one process to step 3: its step 3 is the
+    two processes' step 3 exactly (line and checkpoint). Each step is the same function of
+    the state it starts from (a run equals its resume, tests/test_reliability.py), so one step
+    from the same state is what "2 processes == 1 process" comes to; the checkpoint written by
+    two processes is restored (its fingerprints checked) by one."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    _launch(two, 2, 3, warm)
+    shutil.copytree(two, one)
+    shutil.rmtree(one / "checkpoints" / "3")  # As a run killed during step 3 leaves it.
+    reference = metric_lines(two)
     assert reference[2]["train/reward_mean"] is not None
-    # The two checkpoints hold the same state: every array's fingerprint agrees.
-    meta = [json.load(open(d / "checkpoints" / "2" / "meta" / "metadata")) for d in (one, two)]
-    assert meta[0]["arrays"] == meta[1]["arrays"] and len(meta[0]["arrays"]) > 10
-    # Written by two processes, restored (and its fingerprints checked) by one.
-    _, err = _launch(two, 1, 3, warm)[0]
+    _, err = _launch(one, 1, 3, warm)[0]
     assert "resuming from the checkpoint at step 2" in err
-    assert metric_lines(two) == reference
+    assert metric_lines(one) == reference
+    # The two checkpoints of step 3 hold the same state: every array's fingerprint agrees.
+    meta = [json.load(open(d / "checkpoints" / "3" / "meta" / "metadata")) for d in (one, two)]
+    assert meta[0]["arrays"] == meta[1]["arrays"] and len(meta[0]["arrays"]) > 10
 
 
 def _main_with_env(tmp_path, **env):
