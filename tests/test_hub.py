@@ -1,7 +1,8 @@
 """Hugging Face Hub names where paths are read (`rlscale.hub`), without a network: a Hub cache
 laid out in tmp_path as huggingface_hub lays it out (`models--org--name/{blobs, refs,
 snapshots}`, checked by the library's own `scan_cache_dir`) holding a tiny Hugging Face
-checkpoint and a problem file, read with HF_HUB_OFFLINE=1."""
+checkpoint and a problem file, read with HF_HUB_OFFLINE=1. (An RL run on a checkpoint and a
+problem file named on the Hub: tests/test_math_e2e.py.)"""
 
 import hashlib
 import json
@@ -241,16 +242,6 @@ def test_resolve_reads_local_paths_and_records_the_names(offline):
     assert recorded["init"]["hf_checkpoint"] == MODEL
     assert recorded["task"]["files"]["train"] == config.task.files.train
     assert config.init.hf_checkpoint == MODEL  # The caller's config is not changed.
-
-
-@pytest.mark.slow
-def test_rl_runs_on_a_checkpoint_and_file_named_on_the_hub(offline, tmp_path):
-    summary = rl.run(rl.resolve(_hub_math_config()), str(tmp_path))
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1]
-    assert summary["compute/flops"] > 0
-    assert (tmp_path / "hf" / "tokenizer.json").exists()  # The export: a run from a checkpoint.
-    assert json.loads((tmp_path / "config.json").read_text())["init"]["hf_checkpoint"] == MODEL
 
 
 @pytest.mark.slow

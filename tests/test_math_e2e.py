@@ -1,7 +1,8 @@
 """End to end on real-format inputs: a tiny random Qwen2-shaped Hugging Face checkpoint (with
 its own tokenizer.json) and 20 GSM8K rows in verl's RL parquet layout (chat-message prompts,
-`reward_model.ground_truth`), through two RL steps of `configs/math.py`, then the exported
-policy loaded by transformers."""
+`reward_model.ground_truth`), both named on the Hugging Face Hub (read from a Hub cache laid
+out offline), through two RL steps of `configs/math.py`, then the exported policy loaded by
+transformers."""
 
 import importlib.util
 import json
@@ -9,7 +10,9 @@ import os
 
 import numpy as np
 import pytest
+from huggingface_hub import constants
 from test_data_formats import verl_gsm8k, write_verl_parquet
+from test_hub import write_cached_repo
 
 from rlscale import checkpoint, rl
 
@@ -78,7 +81,13 @@ def inputs(tmp_path_factory):
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(model_dir)
+    files = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    write_cached_repo(root / "hub", "model", MODEL, files)
+    write_cached_repo(root / "hub", "dataset", DATA, {"train.parquet": data.read_bytes()})
     return root, data, model_dir
+
+
+MODEL, DATA = "tiny-org/tiny-qwen2", "tiny-org/tiny-verl-gsm8k"
 
 
 def _math_config(arg):
@@ -91,9 +100,13 @@ def _math_config(arg):
 
 
 @pytest.mark.slow
-def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path):
-    _, data, model_dir = inputs
-    config = _math_config(f"checkpoint={model_dir},train={data},test={data},smoke")
+def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path, monkeypatch):
+    root, _, model_dir = inputs
+    for key, value in (("HF_HUB_OFFLINE", True), ("HF_HUB_CACHE", str(root / "hub"))):
+        monkeypatch.setenv(key, str(int(value)) if value is True else value)
+        monkeypatch.setattr(constants, key, value)  # Read once, at import.
+    data = f"hf://datasets/{DATA}/train.parquet"
+    config = _math_config(f"checkpoint={MODEL},train={data},test={data},smoke")
     assert config.task.format == "auto" and config.task.chat_template == "qwen2.5"
     # A random model never answers right: an easy reward (any digit) gives the update signal.
     config.reward.fn = "reward_fixtures:digits"
@@ -105,6 +118,7 @@ def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path):
     gaps = [x["train/logp_gap_abs"] for x in lines[1:] if x["train/logp_gap_abs"] is not None]
     assert gaps and max(gaps) < 1e-4
     assert summary["compute/flops"] > 0
+    assert json.loads((tmp_path / "config.json").read_text())["init"]["hf_checkpoint"] == MODEL
     # The layout was detected as verl's (the dataset is named after the layouts it holds).
     built = [p.name for p in (tmp_path / "data" / "math_files").iterdir() if p.name[0] != "."]
     assert len(built) == 1 and built[0].startswith("verl_")
