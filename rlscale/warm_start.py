@@ -20,7 +20,20 @@ from rlscale.eval import heldout
 from rlscale.sampling import Sampler, SamplingConfig, scoring
 
 
-def _batch(tokenizer, problems, length, bare_B=None):
+def demo_ids(tokenizer, task, demo: str) -> tuple[list[int], list[bool]]:
+    """A demonstration's token ids, with the end of sequence, and which are targets: each of
+    its turns (`tasks.demo_turns`) tokenized on its own, as the episode tokenizes the
+    environment's replies and the policy writes its turns; the replies are context, not
+    targets, as they are out of the RL loss."""
+    ids, target = [], []
+    for text, by_env in tasks.demo_turns(task, demo):
+        turn = tokenizer.encode(text)
+        ids += turn
+        target += [not by_env] * len(turn)
+    return ids + [tokenizer.eos_id], target + [True]
+
+
+def _batch(tokenizer, task, problems, length, bare_B=None):
     """Token, attention and target masks; `bare_B[i]` drops the "Answer: N" line from
     problem i's demonstration."""
     tokens = np.full((len(problems), length), tokenizer.pad_id, np.int32)
@@ -31,11 +44,11 @@ def _batch(tokenizer, problems, length, bare_B=None):
         demo = p.demo
         if bare_B is not None and bare_B[i]:
             demo = tasks.without_answer_line(p)
-        completion = tokenizer.encode(demo, add_eos=True)
+        completion, targets = demo_ids(tokenizer, task, demo)
         seq = (prompt + completion)[:length]
         tokens[i, : len(seq)] = seq
         mask[i, : len(seq)] = True
-        target[i, len(prompt) : len(seq)] = True
+        target[i, len(prompt) : len(seq)] = targets[: len(seq) - len(prompt)]
     return tokens, mask, target
 
 
@@ -85,11 +98,14 @@ def settings(sft: SFTConfig, task, tokenizer, model_name: str, model_cfg, eval_c
     configured (`model_name`, `model_cfg`: before the tokenizer sets its vocabulary), `eval`
     (`heldout.EvalConfig`) and `sampling` (`saved_policy.SamplingSettings`)."""
     m = model_settings(model_name, model_cfg)
+    sft_settings = {k: v for k, v in dataclasses.asdict(sft).items() if k != "reuse_from"}
+    if getattr(tasks.TASKS.get(task.name), "demo_stop", None):
+        sft_settings["replies_in_loss"] = False  # Warm starts before `demo_ids` had them in.
     return {
         "task": task.to_dict(),
         "tokenizer": dataclasses.asdict(tokenizer),
         "model": {k: v for k, v in m.items() if k not in COMPUTE_ONLY},
-        "sft": {k: v for k, v in dataclasses.asdict(sft).items() if k != "reuse_from"},
+        "sft": sft_settings,
         "eval": {"prompts": eval_cfg.prompts, "samples": eval_cfg.samples},
         "sampling": {"max_new_tokens": sampling.max_new_tokens},
     }
@@ -197,7 +213,8 @@ def _train(
     once held-out pass@1, measured every `sft.eval_every` steps with keys folded from `rng`,
     reaches `sft.target_pass`."""
     lengths = [
-        len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(p.demo)) + 2 for p in train_problems
+        len(tokenizer.encode(p.prompt)) + len(demo_ids(tokenizer, task, p.demo)[0]) + 1
+        for p in train_problems
     ]
     length = -(-max(lengths) // 8) * 8
     sampler = Sampler(graphdef, model_cfg, mesh)
@@ -215,7 +232,7 @@ def _train(
         idx = order_rng.integers(0, len(train_problems), c.batch_size)
         bare_B = order_rng.random(c.batch_size) >= c.answer_line_fraction
         return next_token.Batch(
-            *_batch(tokenizer, [train_problems[i] for i in idx], length, bare_B)
+            *_batch(tokenizer, task, [train_problems[i] for i in idx], length, bare_B)
         )
 
     pass_at_1 = [0.0]

@@ -15,12 +15,13 @@ import types
 
 import pytest
 
-from rlscale import config_lib, sections
+from rlscale import config_lib, sections, warm_start
 from rlscale.data import tasks
 from rlscale.data.tasks import Problem
 from rlscale.envs import guess, python_tool
 from rlscale.envs.protocol import Environment, Reply
 from rlscale.rl import setup
+from rlscale.tokenizers import train_sentencepiece
 
 _UNSHARE = shutil.which("unshare")
 HAVE_NAMESPACES = bool(_UNSHARE) and subprocess.run([_UNSHARE, "-rn", "true"]).returncode == 0
@@ -91,25 +92,48 @@ def test_tool_fraction_of_demos():
     assert all(p.demo == f"Answer: {p.answer}" for p in direct)
 
 
-def _tool_turns(demo):
-    """A tool demonstration's (policy turn, reply, policy's answer)."""
-    turn_end = demo.index(python_tool.STOP) + len(python_tool.STOP)
-    reply_end = demo.index("\n", turn_end) + 1
-    return demo[:turn_end], demo[turn_end:reply_end], demo[reply_end:]
-
-
 def test_tool_demos_hold_the_environments_replies():
     """Each tool demonstration is its policy turn, what the environment replies to that turn
-    (the code run in the sandbox), and the answer."""
-    problems = list(tasks.ToolArithmetic(5, tool_fraction=1.0).problems("test", 4))
+    (the code run in the sandbox), and the answer (`tasks.demo_turns`)."""
+    task = tasks.ToolArithmetic(5, tool_fraction=1.0)
     env = tool()
-    for p in problems:
+    for p in task.problems("test", 4):
         env.reset(p)
-        turn, reply, answer = _tool_turns(p.demo)
+        turns = tasks.demo_turns(task, p.demo)
+        assert [by_env for _, by_env in turns] == [False, True, False]
+        (turn, _), (reply, _), (answer, _) = turns
         step = env.step(turn)
         assert (step.text, step.done, step.reward) == (reply, False, None)
         assert step.info == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
         assert answer == f"Answer: {p.answer}"
+
+
+def test_the_warm_start_trains_on_the_policys_turns_only():
+    """The warm start's targets (`warm_start.demo_ids`): each turn of a demonstration
+    tokenized on its own, as an episode tokenizes a reply and the policy writes its turns;
+    the environment's replies are context, not targets. A single-turn demonstration is one
+    turn, tokenized whole."""
+    tool_task, guessing = tasks.ToolArithmetic(1, tool_fraction=1.0), tasks.NumberGuessing(1)
+    demos = [p.demo for p in tool_task.problems("train", 20)]
+    games = [p.demo for p in guessing.problems("train", 20)]
+    tok = train_sentencepiece(demos + games, 300)
+    for task, demo in ((tool_task, demos[0]), (guessing, games[0])):
+        turns = tasks.demo_turns(task, demo)
+        assert "".join(text for text, _ in turns) == demo
+        ids, target = warm_start.demo_ids(tok, task, demo)
+        want_ids, want_target = [], []
+        for text, by_env in turns:
+            want_ids += tok.encode(text)
+            want_target += [not by_env] * len(tok.encode(text))
+        assert (ids, target) == (want_ids + [tok.eos_id], want_target + [True])
+    by_env = [by_env for _, by_env in tasks.demo_turns(guessing, games[0])]
+    assert by_env == [False, True] * (len(by_env) // 2) and len(by_env) >= 2
+    replies = [t for t, env in tasks.demo_turns(guessing, games[0]) if env]
+    assert set(replies) <= {guess.HIGHER, guess.LOWER, guess.CORRECT}
+    assert replies[-1] == guess.CORRECT
+    single = next(tasks.Arithmetic(2).problems("train", 1)).demo
+    ids, target = warm_start.demo_ids(tok, tasks.Arithmetic(2), single)
+    assert ids == tok.encode(single, add_eos=True) and all(target)
 
 
 # ------------------------------------------------------------------------------------------
@@ -280,7 +304,8 @@ def test_tool_stop_and_replies_tokenize_at_the_turns(tmp_path):
     demos = [p.demo for p in problems if python_tool.STOP in p.demo]
     assert len(demos) > 1000
     for demo in demos:
-        _check_turns(tok, _tool_turns(demo), python_tool.STOP)
+        turns = tasks.demo_turns(tasks.ToolArithmetic(2), demo)
+        _check_turns(tok, [text for text, _ in turns], python_tool.STOP)
     turn = python_tool.tool_call("83712*90211-11023")
     for reply in (
         python_tool.error_reply("ZeroDivisionError: division by zero", 200),
@@ -295,7 +320,9 @@ def test_guess_stop_and_replies_tokenize_at_the_turns(tmp_path):
     tok, problems = _run_tokenizer("guess_number", 3, tmp_path)
     _check_stop(tok, guess.STOP)
     for p in problems:
-        _check_turns(tok, p.demo.splitlines(keepends=True), guess.STOP)
+        turns = tasks.demo_turns(tasks.NumberGuessing(3), p.demo)
+        assert [text for text, _ in turns] == p.demo.splitlines(keepends=True)
+        _check_turns(tok, [text for text, _ in turns], guess.STOP)
     _check_turns(tok, ("7?\n", guess.INVALID, "12?\n", guess.LOWER, "3?\n"), guess.STOP)
 
 

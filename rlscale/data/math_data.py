@@ -118,6 +118,7 @@ class FilesTask:
     """
 
     name = "files"
+    demo_stop = None  # Single-turn demonstrations (`tasks.demo_turns`).
 
     def __init__(self, verifier: str = "auto"):
         check_verifier(verifier)

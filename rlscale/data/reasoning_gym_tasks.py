@@ -366,6 +366,7 @@ class GymTask:
     """
 
     name = NAME
+    demo_stop = None  # Single-turn demonstrations (`tasks.demo_turns`).
 
     def __init__(self, dataset: str, kwargs: Mapping, partial_credit: bool = False):
         _check_name(dataset)

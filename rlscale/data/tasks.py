@@ -84,6 +84,19 @@ def final_answer(completion: str) -> str | None:
     return m.group(1) if m else None
 
 
+def demo_turns(task: "Task", demo: str) -> list[tuple[str, bool]]:
+    """A demonstration as its episode plays it: (text, whether the environment wrote it), in
+    order. A task whose demonstrations were played against an environment (`demo_stop`: its
+    turns end there, and each reply is the one line after) alternates the policy's turns and
+    the replies; any other demonstration is one turn of the policy."""
+    stop, turns, rest = task.demo_stop, [], demo
+    while stop and stop in rest:
+        action, _, rest = rest.partition(stop)
+        reply, newline, rest = rest.partition("\n")
+        turns += [(action + stop, False), (reply + newline, True)]
+    return turns + [(rest, False)] if rest else turns
+
+
 def without_answer_line(problem: Problem) -> str:
     """The demonstration's working without its final "Answer: N" line."""
     return problem.demo.rsplit("Answer:", 1)[0].strip()
@@ -94,6 +107,7 @@ class Task:
 
     name: str
     max_difficulty: int | None = None  # None: any difficulty >= 1.
+    demo_stop: str | None = None  # Demonstrations played against an environment: `demo_turns`.
 
     def __init__(self, difficulty: int, seed: int = 0, test_fraction: float = 0.2):
         self.difficulty = difficulty
@@ -214,6 +228,7 @@ class ToolArithmetic(Task):
 
     name = "tool_arithmetic"
     max_difficulty = 5
+    demo_stop = python_tool.STOP
 
     def __init__(self, difficulty, seed=0, test_fraction=0.2, tool_fraction: float = 0.3):
         super().__init__(difficulty, seed, test_fraction)
@@ -256,6 +271,7 @@ class NumberGuessing(Task):
     """
 
     name = "guess_number"
+    demo_stop = guess.STOP
 
     def __init__(self, difficulty, seed=0, test_fraction=0.2, jitter: float = 0.3):
         super().__init__(difficulty, seed, test_fraction)
