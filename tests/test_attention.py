@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import U, rounding
+from conftest import ROOT, U, load_config, rounding
 
+from rlscale import model, sections
 from rlscale.model import attention
+from rlscale.rl import run_config
 
 B, T, H, K, E = 2, 24, 4, 2, 8  # Grouped queries: Q = 2 query heads per kv head.
 SCALE = E**-0.5
@@ -160,3 +162,146 @@ def test_implementation_matches_xla(name, case):
     want = _run("xla", q, k, v, mask, window, cap, do)
     got = _run(name, q, k, v, mask, window, cap, do)
     _check(got, want, bound, real, f"{name}/{case}")
+
+
+# ------------------------------------------------------------------------------------------
+# In the decoder.
+# ------------------------------------------------------------------------------------------
+
+
+def _decoder(**overrides):
+    cfg = model.get("tiny", **overrides)
+    return cfg, model.abstract_model(cfg)[0]
+
+
+_hidden = jax.jit(model.hidden, static_argnums=0)
+
+
+def _logit_bound(cfg, graphdef, params, tokens, positions, mask, segments=None):
+    """How far two float32 forwards that add in different orders may differ, per logit:
+    rounding(N) of the magnitude of the LM head's terms (|h| @ |W|), N the sums on the path
+    from the tokens to a logit (per layer: a score's E products, a softmax's and the
+    attention-weighted sum's T keys with the D = sum(p dP)-style correction (3 T), the q/k/v
+    and output projections (D, H E), the MLP's D and F; then the head's D). The norms
+    keep a relative error relative; the differences sit on both sides: twice that."""
+    h, _ = _hidden(graphdef, params, tokens, positions, mask, segments_BT=segments)
+    T, D = tokens.shape[1], cfg.d_model
+    layer = cfg.head_dim + 3 * T + 2 * D + cfg.num_heads * cfg.head_dim + cfg.mlp_dim
+    n = cfg.num_layers * layer + D
+    w_DV = params["lm_head"][...] if "lm_head" in params else params["embedding"][...].T
+    return 2 * rounding(n) * (jnp.abs(h) @ jnp.abs(w_DV))
+
+
+@pytest.mark.parametrize("name", ["dot_product", "splash"])
+def test_decoder_forward_equals_xla(name):
+    """Unpacked (left-padded) and packed rows: every real token's logits under `name`, with
+    a sliding window where it has one, are the `xla` ones."""
+    window = 6
+    cfg, graphdef = _decoder(sliding_window=window)
+    params = model.init_params(cfg, jax.random.key(0))
+    _, other = _decoder(sliding_window=window, attention=name)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (2, 20)), jnp.int32)
+    mask = jnp.asarray(np.arange(20)[None] >= np.array([[0], [7]]))
+    segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], 5, axis=1), jnp.int32)
+    for segs, real in ((None, mask), (segments, segments > 0)):
+        pos = (
+            model.positions_from_mask(real)
+            if segs is None
+            else jnp.asarray(np.tile(np.arange(5), (2, 4)), jnp.int32)
+        )
+        args = (tokens, pos, mask if segs is None else None)
+        with attention.pallas_interpret():
+            h_ref, _ = _hidden(graphdef, params, *args, segments_BT=segs)
+            h, _ = _hidden(other, params, *args, segments_BT=segs)
+        ref, got = model.logits(graphdef, params, h_ref), model.logits(graphdef, params, h)
+        bound = _logit_bound(cfg, graphdef, params, *args, segs)
+        excess = jnp.where(real[..., None], jnp.abs(got - ref) / bound, 0)
+        assert float(excess.max()) <= 1, (name, segs is not None, float(excess.max()))
+
+
+def test_cached_decode_equals_full_forward_with_window_and_softcap():
+    """Prefill then one token at a time into a larger cache (so every step writes at its own
+    slots and reads the window from `cache_mask`): the logits of every real token are the
+    full forward's, and the window and the cap do change them."""
+    cfg, graphdef = _decoder(sliding_window=4, attn_softcap=0.5)
+    params = model.init_params(cfg, jax.random.key(0))
+    _, plain = _decoder()
+    rng = np.random.default_rng(4)
+    T, P = 14, 8
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (3, T)), jnp.int32)
+    mask = jnp.asarray(np.arange(T)[None] >= np.array([[0], [3], [6]]))
+    positions = model.positions_from_mask(mask)
+    step = jax.jit(model.forward, static_argnums=0)
+    full, _ = step(graphdef, params, tokens, positions, mask)
+    cache = model.init_cache(cfg, 3, 18)
+    logits, cache = step(graphdef, params, tokens[:, :P], positions[:, :P], mask[:, :P], cache)
+    pieces = [logits]
+    for t in range(P, T):
+        sl = slice(t, t + 1)
+        logits, cache = step(graphdef, params, tokens[:, sl], positions[:, sl], mask[:, sl], cache)
+        pieces.append(logits)
+    cached = jnp.concatenate(pieces, axis=1)
+    bound = _logit_bound(cfg, graphdef, params, tokens, positions, mask)
+    excess = jnp.where(mask[..., None], jnp.abs(cached - full) / bound, 0)
+    assert float(excess.max()) <= 1, float(excess.max())
+    plain_logits, _ = step(plain, params, tokens, positions, mask)
+    moved = jnp.where(mask[..., None], jnp.abs(plain_logits - full) / bound, 0)
+    assert float(moved.max()) > 100  # The window and the cap are not no-ops here.
+
+
+# ------------------------------------------------------------------------------------------
+# Bad settings fail at start-up, naming the key.
+# ------------------------------------------------------------------------------------------
+
+
+def test_bad_attention_settings_name_the_key():
+    with pytest.raises(
+        ValueError, match=r"attention='splsh' is not a registered .* did you mean 'splash'\?"
+    ):
+        model.get("tiny", attention="splsh")
+    with pytest.raises(ValueError, match=r"sliding_window=-3 must be > 0 \(or 0: off\)"):
+        model.get("tiny", sliding_window=-3)
+    with pytest.raises(ValueError, match=r"attn_softcap=-1.0 must be a number > 0"):
+        model.get("tiny", attn_softcap=-1.0)
+    with pytest.raises(ValueError, match=r"attention='dot_product' has no logit soft-cap"):
+        model.get("tiny", attention="dot_product", attn_softcap=30.0)
+    with pytest.raises(ValueError, match=r"attention='cudnn' takes dtype bfloat16, not 'float32'"):
+        model.get("tiny", attention="cudnn")
+    assert attention.platform_problems("splash", "tpu") == []
+    assert attention.platform_problems("dot_product", "cpu") == []
+    assert attention.platform_problems("cudnn", "gpu") == []
+    (problem,) = attention.platform_problems("cudnn", "cpu")
+    assert problem.startswith("attention='cudnn' runs on gpu, not on this host's cpu")
+    (problem,) = attention.platform_problems("splash", "cpu")
+    assert problem.startswith("attention='splash' runs on tpu, not on this host's cpu")
+    with attention.pallas_interpret():  # Pallas kernels run interpreted anywhere.
+        assert attention.platform_problems("splash", "cpu") == []
+        assert attention.platform_problems("cudnn", "cpu")
+
+
+def test_the_forward_refuses_an_implementation_this_platform_lacks():
+    graphdef, params = model.abstract_model(model.get("tiny", attention="splash"))
+    ones = jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="attention='splash' runs on tpu, not on this host's cpu"):
+        jax.eval_shape(lambda p: model.forward(graphdef, p, ones, ones, ones > 0), params)
+
+
+def test_config_override_reaches_the_model_and_start_up_checks_the_platform():
+    c = load_config("quickstart")
+    c.model.attention = "dot_product"  # As --config.model.attention=dot_product sets it.
+    c.model.sliding_window = 64
+    run = run_config.resolve(c)
+    assert (run.model.attention, run.model.sliding_window) == ("dot_product", 64)
+    c.model.attention = "splash"
+    with pytest.raises(sections.InvalidConfigError) as e:
+        run_config.resolve(c)
+    assert any(p.startswith("model.attention='splash' runs on tpu") for p in e.value.problems)
+    c.model.attention = "dot_prodct"
+    with pytest.raises(sections.InvalidConfigError, match="did you mean 'dot_product'"):
+        run_config.resolve(c)
+
+
+def test_docs_table_is_the_registry():
+    with open(f"{ROOT}/docs/model_and_sampling.md", encoding="utf-8") as f:
+        assert attention.table() in f.read()

@@ -282,15 +282,17 @@ def apply(name: str, q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window=0, sof
 
 
 def table() -> str:
-    """The registry as a Markdown table (docs/model_and_sampling.md's)."""
+    """The registry as a Markdown table (docs/model_and_sampling.md's): every implementation
+    applies causal masks, packed rows' segments and a sliding window."""
     rows = [
-        "| `attention` | computes | platforms | soft-cap | dtypes |",
-        "| --- | --- | --- | --- | --- |",
+        "| `model.attention` | platforms | causal, packed, window | soft-cap | dtypes | computes |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for i in _REGISTRY.values():
+        where = ", ".join(i.platforms) + (" (any in `pallas_interpret()`)" if i.pallas else "")
         rows.append(
-            f"| `{i.name}` | {i.summary} | {', '.join(i.platforms)} | "
-            f"{'yes' if i.softcap else 'no'} | {', '.join(i.dtypes)} |"
+            f"| `{i.name}` | {where} | yes | {'yes' if i.softcap else 'no'} | "
+            f"{', '.join(i.dtypes)} | {i.summary} |"
         )
     return "\n".join(rows)
 
@@ -300,7 +302,11 @@ def table() -> str:
 # ------------------------------------------------------------------------------------------
 
 
-@register("xla", summary="`causal_attention`: [B, H, T, T] float32 scores, causal blocks skipped")
+@register(
+    "xla",
+    summary="`causal_attention`: float32 scores 128 queries at a time, the key blocks "
+    "outside the causal window skipped",
+)
 def _xla(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
     return causal_attention(
         q_BTHE, k_BKET, v_BKTE, mask.mask_BTS, scale, window=window, softcap=softcap
