@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, U, load_config, rounding
 
 from rlscale import model, sections
-from rlscale.model import attention
+from rlscale.model import attention, hf
 from rlscale.rl import run_config
 
 B, T, H, K, E = 2, 24, 4, 2, 8  # Grouped queries: Q = 2 query heads per kv head.
@@ -147,7 +147,7 @@ IMPLEMENTATIONS = [
     (name, case)
     for name in ("dot_product", "splash")
     for case in sorted(CASES)
-    if not (CASES[case][2] and not attention._REGISTRY[name].softcap)
+    if not (CASES[case][2] and not attention.get(name).softcap)
 ]
 
 
@@ -192,6 +192,7 @@ def _logit_bound(cfg, graphdef, params, tokens, positions, mask, segments=None):
     return 2 * rounding(n) * (jnp.abs(h) @ jnp.abs(w_DV))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dot_product", "splash"])
 def test_decoder_forward_equals_xla(name):
     """Unpacked (left-padded) and packed rows: every real token's logits under `name`, with
@@ -220,6 +221,7 @@ def test_decoder_forward_equals_xla(name):
         assert float(excess.max()) <= 1, (name, segs is not None, float(excess.max()))
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward_with_window_and_softcap():
     """Prefill then one token at a time into a larger cache (so every step writes at its own
     slots and reads the window from `cache_mask`): the logits of every real token are the
@@ -278,6 +280,12 @@ def test_bad_attention_settings_name_the_key():
     with attention.pallas_interpret():  # Pallas kernels run interpreted anywhere.
         assert attention.platform_problems("splash", "cpu") == []
         assert attention.platform_problems("cudnn", "cpu")
+
+
+def test_hugging_face_export_refuses_what_its_configs_lack():
+    with pytest.raises(ValueError, match="sliding_window=4, attn_softcap=0.0: the llama family"):
+        hf.config_to_hf(model.get("tiny", sliding_window=4))
+    assert hf.config_to_hf(model.get("tiny", attention="dot_product"))["model_type"] == "llama"
 
 
 def test_the_forward_refuses_an_implementation_this_platform_lacks():

@@ -205,6 +205,11 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def get(name: str) -> Implementation:
+    """The implementation registered as `name` (KeyError if none: `problems` names it)."""
+    return _REGISTRY[name]
+
+
 def problems(name, sliding_window, attn_softcap, dtype: str) -> list[str]:
     """What is wrong with a model's attention settings on any platform (`ModelConfig` lists
     them with its other problems): an unknown name (with a "did you mean"), a negative or
