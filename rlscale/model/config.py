@@ -9,6 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rlscale.model import attention as attention_lib
+
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16")
@@ -45,6 +47,12 @@ class ModelConfig:
       param_dtype: storage dtype of parameters.
       fp32_lm_head: compute the LM head (and so the logits) in float32 whatever `dtype` is
         (ScaleRL's "FP32 head"; it keeps sampler and learner logprobs consistent in bf16).
+      attention: the attention implementation of calls without a KV cache, a registered name
+        (`attention.names()`: xla, dot_product, cudnn, splash); decoding with the cache runs
+        `xla`. A compute setting: the model is the same under each, up to rounding.
+      sliding_window: W > 0: a token attends only to the last W tokens (itself included); 0:
+        to all earlier ones.
+      attn_softcap: cap > 0: attention logits become cap * tanh(logits / cap) (Gemma 2); 0: off.
     """
 
     vocab_size: int
@@ -73,6 +81,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     fp32_lm_head: bool = True
+    attention: str = "xla"
+    sliding_window: int = 0
+    attn_softcap: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -101,6 +112,9 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {DTYPES}")
+        problems += attention_lib.problems(
+            self.attention, self.sliding_window, self.attn_softcap, self.dtype
+        )
         if problems:
             raise ValueError("Invalid model config: " + "; ".join(problems))
 

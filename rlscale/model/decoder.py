@@ -4,8 +4,9 @@ The module tree is split once (`nnx.split`) into a static `GraphDef` and a param
 jitted function takes the params pytree explicitly (`forward(graphdef, params, ...)`).
 
 Dimension letters: B batch, T tokens of this call, S KV-cache slots, D model width, H query
-heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP width, V vocab,
-X = T * Q a kv head's queries, flattened (`attention`).
+heads, K kv heads, Q query heads per kv head (H = K * Q), E head dim, F MLP width, V vocab.
+
+Attention (`model.attention`, its masks and implementations) is `rlscale.model.attention`'s.
 
 Padding and positions: each call gets `mask_BT` (which tokens are real) and `positions_BT`
 (their RoPE positions). With a KV cache, each row has its own write position: row b's T new
@@ -25,6 +26,8 @@ import numpy as np
 from flax import nnx
 
 from rlscale import sharding
+from rlscale.model import attention as attention_lib
+from rlscale.model.attention import attention, causal_attention  # noqa: F401 (re-exported)
 from rlscale.model.config import ModelConfig
 
 Array = jax.Array
@@ -192,49 +195,6 @@ def cache_logical_axes(cfg: ModelConfig) -> KVCache:
     )
 
 
-def attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale: float):
-    """Softmax attention with grouped query heads; scores and softmax in float32.
-
-    Both contractions are written as 4-D batched matmuls over (B, K) with the T x Q queries of
-    a kv head folded into one dimension (X = T * Q): XLA:CPU runs the equivalent 5-D einsums
-    5x slower.
-    """
-    B, T, H, E = q_BTHE.shape
-    K = k_BKES.shape[1]
-    Q = H // K
-    q_BKXE = q_BTHE.reshape(B, T, K, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * Q, E)
-    s = jnp.einsum("bkxe,bkes->bkxs", q_BKXE, k_BKES, preferred_element_type=jnp.float32)
-    s = s.reshape(B, K, T, Q, -1)
-    s = jnp.where(mask_BTS[:, None, :, None], s * scale, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BKSE.dtype).reshape(B, K, T * Q, -1)
-    o_BKXE = jnp.einsum("bkxs,bkse->bkxe", p, v_BKSE)
-    return o_BKXE.reshape(B, K, T, Q, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
-
-
-def causal_attention(q_BTHE, k_BKET, v_BKTE, mask_BTT, scale: float, chunk: int = 128):
-    """`attention` without a cache, skipping the key blocks that the causal mask removes.
-
-    Query block i only attends to keys [0, (i + 1) * chunk): about half the score FLOPs of the
-    full T x T product for long sequences (1.7x faster forward + backward at T=512 on CPU).
-    """
-    T = q_BTHE.shape[1]
-    if T <= chunk:
-        return attention(q_BTHE, k_BKET, v_BKTE, mask_BTT, scale)
-    outs = []
-    for start in range(0, T, chunk):
-        end = min(start + chunk, T)
-        outs.append(
-            attention(
-                q_BTHE[:, start:end],
-                k_BKET[..., :end],
-                v_BKTE[:, :, :end],
-                mask_BTT[:, start:end, :end],
-                scale,
-            )
-        )
-    return jnp.concatenate(outs, axis=1)
-
-
 def _write_rows(buf, update, slots_BT, axis: int):
     """`buf` with row b's T entries of `update` written at its slots `slots_BT[b]` along
     `axis` (a slot past the end writes nothing). One scatter whose rows are a batching
@@ -276,7 +236,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(E, cfg, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, slots_BT=None):
+    def __call__(self, x_BTD, positions_BT, mask, kv=None, slots_BT=None):
+        """`mask`: the call's `attention.Mask`."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q = project(x_BTD, self.q[...].astype(dt))
         k = project(x_BTD, self.k[...].astype(dt))
@@ -301,10 +262,19 @@ class Attention(nnx.Module):
             kv = (_write_rows(kv[0], k_BKET, slots_BT, 3), _write_rows(kv[1], v_BKTE, slots_BT, 2))
             k_BKET, v_BKTE = kv
         scale = 1.0 / math.sqrt(cfg.head_dim)
-        if kv is None:  # Training / scoring: causal within this call.
-            out = causal_attention(q, k_BKET, v_BKTE, mask_BTS, scale)
-        else:
-            out = attention(q, k_BKET, v_BKTE, mask_BTS, scale)
+        if kv is None:  # Training / scoring: the configured implementation.
+            out = attention_lib.apply(
+                cfg.attention,
+                q,
+                k_BKET,
+                v_BKTE,
+                mask,
+                scale=scale,
+                window=cfg.sliding_window,
+                softcap=cfg.attn_softcap,
+            )
+        else:  # With the cache: the reference (`cache_mask` holds the window).
+            out = attention(q, k_BKET, v_BKTE, mask.mask_BTS, scale, cfg.attn_softcap)
         return project(out, self.o[...].astype(dt), n_in=2), kv
 
 
@@ -336,8 +306,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, kv=None, slots_BT=None):
-        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, kv, slots_BT)
+    def __call__(self, x_BTD, positions_BT, mask, kv=None, slots_BT=None):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask, kv, slots_BT)
         x_BTD = x_BTD + h
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
 
@@ -355,7 +325,7 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_layers(layers, x_BTD, positions_BT, mask_BTS, remat: str):
+def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str):
     """The blocks as one `lax.scan` over their stacked params, each step under
     `jax.checkpoint` with the `remat` policy. Inside a loop the backward pass recomputes one
     block at a time; an unrolled chain of checkpointed blocks leaves that order to XLA's
@@ -366,7 +336,7 @@ def _remat_layers(layers, x_BTD, positions_BT, mask_BTS, remat: str):
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
 
     def block(x_BTD, state):
-        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask_BTS)[0], None
+        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask)[0], None
 
     policy = REMAT_POLICIES[remat]
     x_BTD, _ = jax.lax.scan(jax.checkpoint(block, policy=policy, prevent_cse=False), x_BTD, stacked)
@@ -408,29 +378,20 @@ class Decoder(nnx.Module):
         slots_BT = None
         fills = cache is not None and cache.valid_BS.shape[1] == T
         if cache is None or fills:
-            causal_TT = jnp.tril(jnp.ones((T, T), bool))
-            if segments_BT is None:
-                mask_BTS = causal_TT[None] & mask_BT[:, None, :]
-            else:
-                same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
-                mask_BTS = causal_TT[None] & same_BTT & (segments_BT > 0)[:, None, :]
+            mask = attention_lib.training_mask(mask_BT, segments_BT, cfg.sliding_window)
             if fills:  # A prefill into a cache of its own size: written whole, no scatter.
                 valid_BS, index_B = mask_BT, jnp.full_like(cache.index_B, T)
         else:
             slots_BT = cache.index_B[:, None] + jnp.arange(T)
             valid_BS = _write_rows(cache.valid_BS, mask_BT, slots_BT, 1)
-            S = valid_BS.shape[1]
-            causal_BTS = jnp.arange(S) <= slots_BT[:, :, None]
-            mask_BTS = causal_BTS & valid_BS[:, None, :]
+            mask = attention_lib.cache_mask(valid_BS, slots_BT, cfg.sliding_window)
             index_B = cache.index_B + T
         if cache is None and remat != "none":
-            return self.final_norm(
-                _remat_layers(self.layers, x, positions_BT, mask_BTS, remat)
-            ), None
+            return self.final_norm(_remat_layers(self.layers, x, positions_BT, mask, remat)), None
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions_BT, mask_BTS, kv, slots_BT)
+            x, kv = layer(x, positions_BT, mask, kv, slots_BT)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])

@@ -135,8 +135,18 @@ def family_of(cfg: ModelConfig) -> str:
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
-    """A `config.json` dict that transformers (and vLLM) load as the same model."""
+    """A `config.json` dict that transformers (and vLLM) load as the same model.
+
+    Raises:
+      ValueError: for a sliding window or an attention soft-cap, which the exported families'
+        configs do not carry (the export would compute another model).
+    """
     family = family or family_of(cfg)
+    if cfg.sliding_window or cfg.attn_softcap:
+        raise ValueError(
+            f"sliding_window={cfg.sliding_window}, attn_softcap={cfg.attn_softcap}: the "
+            f"{family} family's config.json has no such attention; not exported"
+        )
     d = {
         "architectures": [_ARCHITECTURES[family]],
         "model_type": family,

@@ -16,6 +16,7 @@ from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
+from rlscale.model import attention
 from rlscale.rewards import isolation
 from rlscale.rl import checks, dpo, pipeline, rollouts, setup
 from rlscale.saved_policy import SamplingSettings
@@ -96,10 +97,12 @@ class RunConfig:
 
 def _model(config, problems: list[str]) -> model.ModelConfig | None:
     try:
-        return model.from_dict(config.model)
+        cfg = model.from_dict(config.model)
     except (TypeError, ValueError) as e:
         problems.append(f"model: {e}")
         return None
+    problems += [f"model.{p}" for p in attention.platform_problems(cfg.attention)]
+    return cfg
 
 
 def _samples_per_prompt(built: dict) -> rollouts.BatchConfig:

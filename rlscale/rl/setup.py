@@ -347,7 +347,9 @@ def make_teacher(config, mesh, model_cfg, graphdef, params, progs) -> teacher_li
     elif os.path.isfile(os.path.join(path, "model_config.json")):
         model_cfg, graphdef, params = checkpoint.load_params(path, mesh)
     else:
-        model_cfg, graphdef, params = hf.load_hf(path, mesh, dtype=config.model.dtype)
+        model_cfg, graphdef, params = hf.load_hf(
+            path, mesh, dtype=config.model.dtype, attention=config.model.attention
+        )
     u = config.learner
     return teacher_lib.Teacher(
         graphdef,
@@ -419,7 +421,10 @@ def _policy(
     (trained now, or cached in WORKDIR/sft, by `warm_start`; `start`: its settings)."""
     if config.init.hf_checkpoint:
         model_cfg, graphdef, params = hf.load_hf(
-            config.init.hf_checkpoint, mesh, dtype=config.model.dtype
+            config.init.hf_checkpoint,
+            mesh,
+            dtype=config.model.dtype,
+            attention=config.model.attention,
         )
         return model_cfg, graphdef, params, {}
     model_cfg = dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size)
