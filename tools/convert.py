@@ -1,6 +1,6 @@
 """Converts model checkpoints between Hugging Face and rlscale formats.
 
-    python tools/convert.py --from hf --to rlscale SRC_HF_DIR DST_DIR [--dtype bfloat16]
+    python tools/convert.py --from hf --to rlscale SRC_HF_DIR_OR_HUB_NAME DST_DIR [--dtype bfloat16]
     python tools/convert.py --from rlscale --to hf SRC_DIR DST_HF_DIR [--family qwen2]
         [--tokenizer PATH] [--stop_tokens 151645,151643]
 
@@ -17,7 +17,7 @@ import os
 
 from absl import flags
 
-from rlscale import checkpoint, cli, saved_policy
+from rlscale import checkpoint, cli, hub, saved_policy
 from rlscale import tokenizers as tokenizer_lib
 from rlscale.model import hf
 
@@ -80,6 +80,8 @@ def main(fv: flags.FlagValues, args) -> None:
     src_format, dst_format = fv["from"].value, fv["to"].value
     if src_format == dst_format:
         raise ValueError("--from and --to must differ")
+    if src_format == "hf":  # A Hub name (`org/name[@revision]`) too: rlscale.hub.
+        src = hub.local_path(src, "SRC")
     tok = _source_tokenizer(src, src_format, fv.tokenizer)
     stop = None
     if fv.stop_tokens:
