@@ -345,10 +345,13 @@ def _objective_problems(config) -> list[str]:
         absent=_absent_terms(config),
     )
     readers = resolved = None
-    if not problems:  # The transforms that read the teacher's logprobs.
+    try:  # Unless the chain has problems of its own (a term the run lacks is not one).
         resolved = objectives.resolve(
             config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
         )
+    except ValueError:
+        pass
+    else:  # The transforms that read the teacher's logprobs.
         readers = [e.name for e, kwargs in resolved if "teacher_logp" in e.required(kwargs)]
     problems += _teacher_problems(config, readers)
     problems += _preference_problems(config, resolved)
