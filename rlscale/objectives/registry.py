@@ -208,12 +208,7 @@ def _literal(node, text):
 
 
 def check(
-    spec: str,
-    *,
-    group_size: int,
-    max_len: int,
-    key: str = "objective.chain",
-    absent: dict[str, str] | None = None,
+    spec: str, *, group_size: int, max_len: int, key: str = "objective.chain", absent=None
 ) -> list[str]:
     """Every problem with a chain, as messages naming `key`; never raises.
 
@@ -221,7 +216,7 @@ def check(
     the wrong type, or one its factory rejects; a batch-stage transform after a loss-stage
     one; a required term (as the transform's arguments choose it) that neither the run
     supplies to that stage nor an earlier transform provides, or that this run cannot supply
-    (`absent`: term -> why, e.g. the generator's `sampler_logp` of greedy samples); a term
+    (`absent`, a dict term -> why: e.g. the generator's `sampler_logp` of greedy samples); a term
     changed after every transform that reads it (KL in the reward after the advantages); a
     loss stage that does not end in an aggregation; a value head read (GAE's `old_value`)
     that nothing trains.
