@@ -10,7 +10,11 @@ ones after the clip; what the tests' smoke run trains), `:smoke` (3 steps, used 
 tests). The corrections matter when the generator's logprobs differ from the trainer's: a
 pipeline run (`--config.pipeline.mode=pipeline --config.pipeline.max_staleness=4`) or a
 generator with other numerics; in a synchronous run on one machine rho is 1 up to rounding
-and they mask nothing. Not yet measured on the quickstart task beyond the smoke run.
+and they mask nothing (the tests' smoke run). `:smoke,correction=all` in pipeline mode with
+`--config.pipeline.max_staleness=4 --config.steps=20` (2-core CPU, 125 s): staleness 4 from
+step 5, mean |log rho| 0.01-0.10; geometric_rejection(1 +- 1e-3) rejected 87-100% of the
+sequences per step from step 3, icepop and masked_is nothing (docs/objectives.md). Pass rates
+of each correction under staleness: not measured yet.
 """
 
 from rlscale import config_lib
