@@ -590,7 +590,7 @@ def test_check_unparseable(spec, message):
             "group_advantages | token_ratio | truncated_is | ppo_clip | aggregate(mode=token_mean)",
             "objective.chain: truncated_is needs term 'loss', which nothing before it provides "
             "(add one of: value_loss, ppo_clip, cispo, policy_gradient, kl_penalty, "
-            "entropy_bonus)",
+            "entropy_bonus, rollout_kl)",
         ),
         (
             "group_advantages | kl_in_reward | token_ratio | ppo_clip | aggregate(mode=token_mean)",
@@ -682,6 +682,12 @@ def test_registered_names_are_the_factories():
         "kto",
         "distill_advantage",
         "process_advantages",
+        "icepop",
+        "masked_is",
+        "geometric_rejection",
+        "k3_rejection",
+        "m2po",
+        "rollout_kl",
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory

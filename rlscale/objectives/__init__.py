@@ -17,6 +17,14 @@ Importing the package registers every transform (`registry.names()`).
 from rlscale.objectives.advantages import gae, group_advantages, reinforce_pp_baseline, value_loss
 from rlscale.objectives.aggregate import aggregate
 from rlscale.objectives.core import EmptyState, Terms, Transform, chain, stateless
+from rlscale.objectives.corrections import (
+    geometric_rejection,
+    icepop,
+    k3_rejection,
+    m2po,
+    masked_is,
+    rollout_kl,
+)
 from rlscale.objectives.distill import distill_advantage
 from rlscale.objectives.policy import (
     cispo,
@@ -66,13 +74,18 @@ __all__ = [
     "entries",
     "entropy_bonus",
     "gae",
+    "geometric_rejection",
     "group_advantages",
     "high_entropy_tokens",
+    "icepop",
     "ipo",
+    "k3_rejection",
     "kl_estimate",
     "kl_in_reward",
     "kl_penalty",
     "kto",
+    "m2po",
+    "masked_is",
     "names",
     "parse",
     "policy_gradient",
@@ -81,6 +94,7 @@ __all__ = [
     "register",
     "reinforce_pp_baseline",
     "resolve",
+    "rollout_kl",
     "sequence_ratio",
     "simpo",
     "stateless",

@@ -207,15 +207,19 @@ def _literal(node, text):
         ) from None
 
 
-def check(spec: str, *, group_size: int, max_len: int, key: str = "objective.chain") -> list[str]:
+def check(
+    spec: str, *, group_size: int, max_len: int, key: str = "objective.chain", absent=None
+) -> list[str]:
     """Every problem with a chain, as messages naming `key`; never raises.
 
     Problems: a spec that does not parse; an unknown transform; an unknown argument, one of
     the wrong type, or one its factory rejects; a batch-stage transform after a loss-stage
     one; a required term (as the transform's arguments choose it) that neither the run
-    supplies to that stage nor an earlier transform provides; a term changed after every
-    transform that reads it (KL in the reward after the advantages); a loss stage that does
-    not end in an aggregation; a value head read (GAE's `old_value`) that nothing trains.
+    supplies to that stage nor an earlier transform provides, or that this run cannot supply
+    (`absent`, a dict term -> why: e.g. the generator's `sampler_logp` of greedy samples); a term
+    changed after every transform that reads it (KL in the reward after the advantages); a
+    loss stage that does not end in an aggregation; a value head read (GAE's `old_value`)
+    that nothing trains.
     """
     try:
         items = parse(spec)
@@ -246,6 +250,11 @@ def check(spec: str, *, group_size: int, max_len: int, key: str = "objective.cha
             # After an unknown transform, which might have provided anything, say nothing.
             if term not in supplied and term not in provided and None not in known:
                 problems.append(f"{key}: {_missing_term(entry, term)}")
+            elif term in (absent or {}) and term not in provided:
+                problems.append(
+                    f"{key}: {name} needs term {term!r}, which this run does not supply: "
+                    f"{absent[term]}"
+                )
         provided |= set(entry.provides)
     loss_stage = [e for e in known if e is None or e.stage == "loss"]
     if not loss_stage:

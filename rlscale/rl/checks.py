@@ -339,13 +339,19 @@ def _objective_problems(config) -> list[str]:
     a teacher's logprobs, preference pairs, learned step rewards."""
     b = config.batch
     problems = objectives.check(
-        config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
+        config.objective.chain,
+        group_size=b.group_size,
+        max_len=config.sampling.max_new_tokens,
+        absent=_absent_terms(config),
     )
     readers = resolved = None
-    if not problems:  # The transforms that read the teacher's logprobs.
+    try:  # Unless the chain has problems of its own (a term the run lacks is not one).
         resolved = objectives.resolve(
             config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
         )
+    except ValueError:
+        pass
+    else:  # The transforms that read the teacher's logprobs.
         readers = [e.name for e, kwargs in resolved if "teacher_logp" in e.required(kwargs)]
     problems += _teacher_problems(config, readers)
     problems += _preference_problems(config, resolved)
@@ -355,6 +361,18 @@ def _objective_problems(config) -> list[str]:
         else [e.name for e, kwargs in resolved if "step_reward" in e.required(kwargs)]
     )
     return problems + _learned_reward_problems(config, steps)
+
+
+def _absent_terms(config) -> dict[str, str]:
+    """Terms the batch carries but this run cannot fill, with why: the generator's logprobs
+    (`sampler_logp`) of greedy samples (0) and of preference pairs (never sampled)."""
+    if config.sampling.temperature == 0:
+        why = "sampling.temperature=0 (greedy) gives the sampled tokens no logprobs"
+    elif config.preference.enabled:
+        why = f"a preference run ({config.preference.key}) trains on pairs no generator sampled"
+    else:
+        return {}
+    return {"sampler_logp": why}
 
 
 def _batch_problems(config) -> list[str]:
