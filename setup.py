@@ -42,7 +42,9 @@ setuptools.setup(
         # Hugging Face files and directories tests/test_data_formats.py reads, as published.
         # nbclient and ipykernel: tests/test_notebook.py runs the notebook headless.
         # pytest-xdist runs the suite on every core; filelock shares its warm start.
+        # wandb: tests/test_tracking.py reads back an offline Weights & Biases run.
         "test": [
+            "wandb==0.31.0",
             "pytest==9.2.0",
             "pytest-xdist==3.8.0",
             "filelock==4.2.12",
@@ -55,6 +57,8 @@ setuptools.setup(
         # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
         # keeps the CPU build instead of pulling the CUDA one.
         "hf": ["torch==2.13.0", "transformers==5.23.0"],
+        # Experiment tracking: `config.tracking.wandb_project` (rlscale/tracking.py).
+        "wandb": ["wandb==0.31.0"],
         # tools/peers.py: TRL's GRPOTrainer on the quickstart, transformers' generate.
         "peers": [
             "torch==2.13.0",

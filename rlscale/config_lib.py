@@ -267,6 +267,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         workers=8,
         parked=0,
     )
+    # Experiment tracking beside metrics.jsonl (rlscale/tracking.py): a Weights & Biases run
+    # in `wandb_project` ("" for none), `wandb_entity` ("": the account's default).
+    c.tracking = dict(wandb_project="", wandb_entity="")
     return c
 
 

@@ -43,7 +43,7 @@ class MetricWriter:
 
     `resume_offset` (a resumed run: `offset()` as saved with its checkpoint) first cuts the
     file back to that length, dropping the lines written after the checkpoint, which the
-    resumed run writes again.
+    resumed run writes again. `sink`: where each record goes too (`tracking.WandbSink`).
     """
 
     def __init__(
@@ -52,8 +52,9 @@ class MetricWriter:
         total_steps: int | None = None,
         enabled: bool = True,
         resume_offset: int | None = None,
+        sink=None,
     ):
-        self.enabled = enabled
+        self.enabled, self.sink = enabled, sink
         self._lines = console.StepLines(total_steps)
         if enabled:
             os.makedirs(workdir, exist_ok=True)
@@ -85,6 +86,8 @@ class MetricWriter:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 # TensorBoard tags allow no "@": eval/pass@1 -> eval/pass_at_1.
                 self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+        if self.sink is not None:
+            self.sink.log(step, record)
         if progress:
             self._lines.write(step, record)
 
@@ -97,3 +100,5 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+        if self.sink is not None:
+            self.sink.close()

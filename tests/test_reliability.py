@@ -26,6 +26,7 @@ import time
 import env_fixtures
 import numpy as np
 import pytest
+import wandb_files
 from conftest import ROOT, load_config, subprocess_env
 
 from rlscale import config_lib, rl
@@ -231,8 +232,10 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(warm, straight, tmp_p
     assert _comparable(lines[: STEPS + 1]) == _comparable(_lines(straight))
 
 
-def test_changed_config_is_refused_unless_allowed(warm, straight, tmp_path):
-    """Refused on the command line (one `error:` line, exit 1); allowed in this process."""
+def test_changed_config_is_refused_unless_allowed(warm, straight, tmp_path, monkeypatch):
+    """Refused on the command line (one `error:` line, exit 1); allowed in this process, with
+    its metrics copied to a Weights & Biases run too (offline; `tracking.*` changes nothing
+    the run computes, so no change to allow): the resumed step's record."""
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
     settings = {**RUN, "steps": STEPS + 1, "optim.lr": 0.01, "sft.reuse_from": str(warm)}
@@ -245,8 +248,15 @@ def test_changed_config_is_refused_unless_allowed(warm, straight, tmp_path):
     )
     assert out.returncode == 1
     assert "optim.lr: 0.0001 -> 0.01" in out.stderr and "--allow_config_change" in out.stderr
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    settings["tracking.wandb_project"] = "rlscale-test"
     _run_here(_config_of("smoke,sync", settings), workdir, allow_config_change=True)
-    assert [x["step"] for x in _lines(workdir)] == list(range(STEPS + 2))
+    lines = _lines(workdir)
+    assert [x["step"] for x in lines] == list(range(STEPS + 2))
+    [run] = wandb_files.offline_runs(workdir)
+    assert [row["_step"] for row in run["history"]] == [STEPS + 1]
+    assert run["history"][0]["train/loss"] == lines[-1]["train/loss"]
+    assert run["config"]["tracking"]["wandb_project"] == "rlscale-test"
 
 
 # ------------------------------------------------------------------------------------------

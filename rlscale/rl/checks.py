@@ -29,6 +29,8 @@ RESUMABLE_CHANGES = (
     "pipeline.decode_chunk",  # How often the generator checks for weights: not the samples.
     "env.workers",  # Threads running environment calls: their speed, not their replies.
     "env.parked",  # Parking rows: a parked sample goes on token for token as in its slot.
+    "tracking.wandb_project",  # Where the metrics are copied, not what they are.
+    "tracking.wandb_entity",
 )
 
 

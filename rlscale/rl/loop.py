@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from rlscale import faults, metrics, preemption
+from rlscale import faults, metrics, preemption, tracking
 from rlscale.rl import learned_rewards, pairs, report, setup, state
 
 
@@ -44,7 +44,10 @@ class Loop:
                 c.reward, c.seed, s, made, self.run, self.comp, workdir, fresh=self.start == 0
             )
         is_main = jax.process_index() == 0
-        self.writer = metrics.MetricWriter(workdir, config.steps, is_main, self.run.metrics_offset)
+        sink = tracking.sink(config.tracking, workdir, config.to_dict(), is_main)
+        self.writer = metrics.MetricWriter(
+            workdir, config.steps, is_main, self.run.metrics_offset, sink
+        )
         self.skips = faults.SkipCounter(config.faults.max_consecutive_skips)
         self.guard = None
 

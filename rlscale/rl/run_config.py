@@ -11,7 +11,17 @@ from typing import Any
 
 import ml_collections
 
-from rlscale import checkpoint, faults, hub, model, optim, sections, sharding, warm_start
+from rlscale import (
+    checkpoint,
+    faults,
+    hub,
+    model,
+    optim,
+    sections,
+    sharding,
+    tracking,
+    warm_start,
+)
 from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.envs import registry as env_registry
@@ -41,6 +51,7 @@ SECTIONS = {
     "faults": faults.FaultConfig,
     "reward": isolation.RewardConfig,
     "env": env_registry.EnvConfig,
+    "tracking": tracking.TrackingConfig,
 }
 
 # The keys that name a checkpoint or a file, which may name one on the Hugging Face Hub
@@ -88,6 +99,7 @@ class RunConfig:
     faults: faults.FaultConfig
     reward: isolation.RewardConfig
     env: env_registry.EnvConfig
+    tracking: tracking.TrackingConfig
     raw: Any
 
     def to_dict(self) -> dict:
