@@ -68,8 +68,8 @@ def _check_train(t, cfg, peak):
     assert all(t["updates_applied"]) and len(t["updates_applied"]) == len(t["step_times_s"]) + 1
 
 
-def _check_decode(d, cfg, bandwidth):
-    total, _, _ = _param_counts(cfg)
+def _check_decode(d, cfg, peak, bandwidth):
+    total, _, embed = _param_counts(cfg)
     S, C = d["slots"], d["cache_columns"]
     assert C == d["prompt_len"] + d["new_tokens"]  # One prompt bucket + the budget.
     assert d["steps"] == d["new_tokens"] and d["tokens"] == S * d["new_tokens"]
@@ -82,7 +82,10 @@ def _check_decode(d, cfg, bandwidth):
     assert d["bytes_per_s"] == pytest.approx(d["bytes_per_step"] / d["step_s"], rel=REL)
     assert d["hbm_bytes_per_s"] == bandwidth
     assert d["hbm_fraction"] == pytest.approx(d["bytes_per_s"] / bandwidth, rel=REL)
-    assert d["roofline_fraction"] >= d["hbm_fraction"]
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * C * S  # Over every column.
+    assert d["flops_per_step"] == 2 * (total - embed) * S + attn and d["peak_flops_per_s"] == peak
+    bound = max(d["flops_per_step"] / peak, d["bytes_per_step"] / bandwidth)
+    assert d["roofline_fraction"] == pytest.approx(bound / d["step_s"], rel=REL)
 
 
 def _check_attention(a, cfg, peak):
@@ -113,7 +116,7 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
     assert m["device_kind"] == jax.devices()[0].device_kind and m["table"] is None
     peak, bandwidth = c["matmul_flops_per_s"], c["read_bytes_per_s"]  # A CPU has no row.
     _check_train(s["train/tiny"], cfg, peak)
-    _check_decode(s["decode/tiny"], cfg, bandwidth)
+    _check_decode(s["decode/tiny"], cfg, peak, bandwidth)
     e = s["engine"]
     assert e["engine_tokens_per_s"] == pytest.approx(e["useful_tokens"] / e["engine_s"], rel=REL)
     assert e["engine_utilization"] == pytest.approx(
@@ -140,6 +143,7 @@ def test_the_deadline_stops_the_running_section_and_writes_what_is_done():
     written, exits = [], []
     results = {"sections": {}}
     runner = tool.Runner(results, 1.0, lambda r: written.append(json.dumps(r)), exits.append)
+    runner.start()
     runner.run("quick", 0.5, 0.1, lambda deadline: {"deadline": deadline})
     runner.run("slow", 5.0, 0.1, lambda deadline: time.sleep(3) or {})  # Past the deadline.
     assert exits == [3]  # The watchdog's exit (the tool's: os._exit).

@@ -5,7 +5,8 @@ minutes, and writes the figures as JSON and as Markdown rows for docs/benchmarks
     python tools/gpu_check.py --tiny --out /tmp/gpu.json             # any CPU: it runs
 
 (`tools/gpu_check` installs the wheels the device image lacks, `.whl/`, and runs this file;
-`tools/gpu_check wheels` fetches them here.) Sections, in this order; each catches its own
+`tools/gpu_check wheels` fetches them here.) Sections, in this order (the engine right after
+the first model's decode, whose params and decode program it shares); each catches its own
 failure and records it, and both files are rewritten after each, so a section that breaks
 on a rare GPU loses no other's figures:
 
@@ -30,13 +31,13 @@ on a rare GPU loses no other's figures:
 Budget: the command stops itself at `--budget_s` (default 465 s; with Python's start and the
 imports, under 8 minutes): a watchdog writes both files, the running section marked
 "deadline", and exits (status 3). Each section has a planned share (`GPU.budgets`, summing
-to 465 s: about twice what compiling and timing it should take, the quickstart's at most
-what a quiet CPU needs) and runs until its planned end or for its minimum, whichever is
-later; its timed loop stops there once it has its fewest runs (compiling cannot be stopped,
-so an overrun takes from the sections after it; one that cannot have its minimum is
-skipped). Models are initialized with random weights in bf16 (their presets); the GPU's
-memory is JAX's default preallocation (75%), and the quickstart runs with none, in what is
-left.
+to 465 s: about twice the compiling and timing estimated for it, not yet measured on a GPU;
+the quickstart's what a quiet 2-core CPU needs) and runs until its planned end or for its
+minimum, whichever is later; its timed loop stops there once it has its fewest runs
+(compiling cannot be stopped, so an overrun takes from the sections after it; one that
+cannot have its minimum is skipped). Models are initialized with random weights in bf16
+(their presets); the GPU's memory is JAX's default preallocation (75%), and the quickstart
+runs with none, in what is left.
 
 `--tiny`: tiny presets and shapes, a few steps, no quickstart (`--quickstart` names a config
 to run one, e.g. `configs/quickstart.py:smoke`), the peaks measured (a CPU has no table row):
@@ -47,6 +48,7 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,7 +126,15 @@ TINY = Plan(
     attention=dict(model="tiny", batch=2, seq_len=16),
     ceilings=dict(sizes=(128, 256), calls=1, nbytes=16 << 20),
     quickstart="",
-    budgets=GPU.budgets | {"train/tiny": 30, "decode/tiny": 20},
+    budgets={
+        "machine": 5,
+        "ceilings": 10,
+        "train/tiny": 60,
+        "decode/tiny": 30,
+        "engine": 30,
+        "quickstart": 140,
+        "attention": 30,
+    },
 )
 
 
@@ -161,12 +171,16 @@ class Context:
             raise RuntimeError("no peaks: the device has no table row and none was measured")
         return dict(**self.measured, source="measured: no table row")
 
+    def release(self) -> None:
+        """Lets the held model's params go (a section that makes its own needs the memory)."""
+        self.held = None
+        gc.collect()
+
     def model(self, name: str):
-        """(cfg, graphdef, params) of model `name`, random bf16 weights (the preset's), held
-        until another model is asked for."""
+        """(cfg, graphdef, params) of model `name`, random weights (in the preset's dtype),
+        held until another model is asked for."""
         if self.held is None or self.held[0] != name:
-            self.held = None
-            gc.collect()
+            self.release()
             cfg = model.get(name)
             params = jax.jit(lambda r: model.init_params(cfg, r))(jax.random.key(0))
             self.held = (name, cfg, model.abstract_model(cfg)[0], params)
@@ -177,7 +191,7 @@ def _is_oom(e: Exception) -> bool:
     return any(s in str(e) for s in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory"))
 
 
-def halving_on_oom(run, size: int, halve):
+def halving_on_oom(run, size: int):
     """`run(size)`, and once more at half the size if the device runs out of memory (the
     first error recorded as `oom_retry`)."""
     try:
@@ -187,7 +201,7 @@ def halving_on_oom(run, size: int, halve):
             raise
         first = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     gc.collect()
-    return {**run(halve(size)), "oom_retry": first}
+    return {**run(size // 2), "oom_retry": first}
 
 
 def machine_section(ctx: Context, deadline: float) -> dict:
@@ -210,7 +224,7 @@ def ceilings_section(ctx: Context, plan: Plan, deadline: float) -> dict:
 
 
 def train_section(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
-    ctx.held = None
+    ctx.release()
     peaks = ctx.peaks()
     cfg = model.get(name)
 
@@ -218,7 +232,7 @@ def train_section(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
         shape = plan.learner[name]._replace(prompts=prompts)
         return learner.bench_learner(cfg, shape, peaks["flops"], deadline)
 
-    out = halving_on_oom(run, plan.learner[name].prompts, lambda n: n // 2)
+    out = halving_on_oom(run, plan.learner[name].prompts)
     return {"model": name, "peak_source": peaks["source"], **out}
 
 
@@ -247,7 +261,7 @@ def engine_section(ctx: Context, plan: Plan, deadline: float) -> dict:
 def attention_side_by_side(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
     """The model's forward + backward (`bench.attention`) with attention implementation
     `name`: one section per name of `ATTENTION`, so a broken one loses no other's figures."""
-    ctx.held = None
+    ctx.release()
     peaks = ctx.peaks()
     a = plan.attention
     cfg = with_attention(model.get(a["model"]), name)
@@ -255,7 +269,7 @@ def attention_side_by_side(ctx: Context, plan: Plan, name: str, deadline: float)
     def run(batch):
         return attention.bench_forward_backward(cfg, batch, a["seq_len"], peaks["flops"], deadline)
 
-    out = halving_on_oom(run, a["batch"], lambda n: n // 2)
+    out = halving_on_oom(run, a["batch"])
     return {"model": a["model"], "attention": name, "peak_source": peaks["source"], **out}
 
 
@@ -276,7 +290,7 @@ def run_command(cmd: list[str], timeout: float, runner=None) -> dict:
             code = child.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
-            code = child.wait()
+            child.wait()
             code = None
         finally:
             if runner is not None:
@@ -301,7 +315,7 @@ def quickstart_section(spec: str, runner, deadline: float) -> dict:
             s = json.load(f)
         keep = ("wall_s", "start/eval_pass@1", "end/eval_pass@1", "sft/steps", "sft/pass@1")
         out["summary"] = {k: s[k] for k in keep if k in s}
-    subprocess.run(["rm", "-rf", workdir], check=False)
+    shutil.rmtree(workdir, ignore_errors=True)
     return {"config": spec, **out}
 
 
@@ -334,12 +348,16 @@ class Runner:
 
     def __init__(self, results: dict, budget_s: float, write, exit=os._exit):
         self.results, self.write, self.exit = results, write, exit
-        self.start = time.perf_counter()
-        self.deadline = self.start + budget_s
+        self.budget_s = budget_s
         self.lock = threading.Lock()
         self.current, self.child = None, None
         self.timer = threading.Timer(budget_s, self.expire)
         self.timer.daemon = True
+
+    def start(self) -> None:
+        """Starts the clock: the deadline is `budget_s` from now."""
+        self.start_time = time.perf_counter()
+        self.deadline = self.start_time + self.budget_s
         self.timer.start()
 
     def run(self, name: str, planned_end: float, minimum: float, fn) -> None:
@@ -350,7 +368,7 @@ class Runner:
             entry = {"status": "skipped", "error": f"{self.deadline - now:.0f} s left"}
             return self.record(name, entry, now)
         self.current = name
-        end = min(self.deadline, max(self.start + planned_end, now + minimum))
+        end = min(self.deadline, max(self.start_time + planned_end, now + minimum))
         try:
             entry = {"status": "ok", **fn(end)}
         except Exception as e:  # noqa: BLE001 (any failure is the section's finding)
@@ -365,7 +383,7 @@ class Runner:
             self.current = None
             entry["seconds"] = time.perf_counter() - started
             self.results["sections"][name] = entry
-            self.results["wall_s"] = time.perf_counter() - self.start
+            self.results["wall_s"] = time.perf_counter() - self.start_time
             self.write(self.results)
 
     def expire(self) -> None:
@@ -377,9 +395,9 @@ class Runner:
             if self.current is not None:
                 self.results["sections"][self.current] = {
                     "status": "deadline",
-                    "error": f"still running at the {self.deadline - self.start:.0f} s deadline",
+                    "error": f"still running at the {self.budget_s:.0f} s deadline",
                 }
-            self.results["wall_s"] = time.perf_counter() - self.start
+            self.results["wall_s"] = time.perf_counter() - self.start_time
             self.write(self.results)
         self.exit(3)
 
@@ -401,6 +419,8 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
 
 
 def main(fv: flags.FlagValues) -> None:
+    if fv.budget_s <= 0:
+        raise ValueError(f"--budget_s={fv.budget_s} must be positive")
     plan = TINY if fv.tiny else GPU
     quickstart = plan.quickstart if fv.quickstart is None else fv.quickstart
     results = {
@@ -419,6 +439,7 @@ def main(fv: flags.FlagValues) -> None:
     unknown = sorted(set(fv.skip) - known)
     if unknown:
         raise ValueError(f"--skip: unknown section(s) {unknown}; known: {sorted(known)}")
+    runner.start()
     planned = 0.0
     for name, seconds, fn in sections:
         planned += seconds

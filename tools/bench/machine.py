@@ -1,7 +1,7 @@
 """The machine a benchmark ran on: the device and the software versions (JAX, jaxlib, the
-CUDA plugin and libraries, the driver where `nvidia-smi` answers), and which row of the
-planner's accelerator table (`rlscale.planning.report.ACCELERATORS`: datasheet peaks) the
-device is."""
+CUDA plugin and libraries, the driver where `nvidia-smi` answers), and the key of the
+device's row in the planner's accelerator table (`rlscale.planning.report.ACCELERATORS`:
+datasheet peaks)."""
 
 import importlib.metadata
 import os
@@ -10,8 +10,6 @@ import shutil
 import subprocess
 
 import jax
-
-from rlscale.planning import report
 
 PACKAGES = (
     "jax",
@@ -92,7 +90,7 @@ def _nvidia_smi() -> dict:
 
 
 def describe() -> dict:
-    """The device, its accelerator table row (None without one), the versions."""
+    """The device, its `ACCELERATORS` key (None without a row), the versions."""
     device = jax.devices()[0]
     key = accelerator_key(device.device_kind)
     stats = device.memory_stats() or {}  # None on a CPU.
@@ -102,7 +100,6 @@ def describe() -> dict:
         "device_count": jax.device_count(),
         "device_memory_bytes": stats.get("bytes_limit"),
         "accelerator": key,
-        "accelerator_row": report.ACCELERATORS[key].__dict__ if key else None,
         "python": platform.python_version(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
