@@ -152,6 +152,17 @@ def test_the_deadline_stops_the_running_section_and_writes_what_is_done():
     assert at_deadline["quick"]["deadline"] <= runner.deadline
 
 
+def test_every_accelerator_row_has_a_device_kind():
+    from rlscale.planning.report import ACCELERATORS
+
+    tool = _tool()
+    assert sorted(tool.machine.TABLE_KEYS) == sorted(ACCELERATORS)
+    assert tool.machine.accelerator_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert tool.machine.accelerator_key("NVIDIA H100 PCIe") is None  # Not the SXM row's peaks.
+    assert tool.machine.accelerator_key("NVIDIA H200") == "h200"
+    assert tool.machine.accelerator_key("cpu") is None
+
+
 def test_attention_names_run_the_model_or_fail_naming_the_field():
     tool = _tool()
     cfg = model.get("tiny")

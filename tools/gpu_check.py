@@ -68,10 +68,14 @@ ROOT = os.path.dirname(TOOLS_DIR)
 if TOOLS_DIR not in sys.path:
     sys.path.insert(0, TOOLS_DIR)
 
-from bench import attention, common, generator, gpu_report, learner, machine  # noqa: E402
+from bench import attention, common, generator, gpu_report, machine  # noqa: E402
 
 from rlscale import cli, model  # noqa: E402
-from rlscale.planning.report import ACCELERATORS  # noqa: E402
+
+# `bench.learner` and the accelerator table (`rlscale.planning.report`) are imported by the
+# sections that use them: they import `rlscale.rl`, and with it the data stack
+# (tensorflow_datasets and what it imports), which a device image may lack or break; the
+# other sections need none of it, and go on without it.
 
 # Attention implementations timed side by side (`ModelConfig.attention`, where it exists).
 ATTENTION = ("xla",)
@@ -82,7 +86,7 @@ class Plan(NamedTuple):
     seconds (`budgets`, by section name; the attention sections share "attention")."""
 
     models: tuple[str, ...]
-    learner: dict[str, learner.LearnerShape]
+    learner: dict[str, dict]  # `bench.learner.LearnerShape`'s fields, per model.
     decode: dict[str, Any]  # bench_engine_decode's slots, prompt_len, new_tokens, k
     engine: dict[str, Any]  # The model and bench_generator's shape.
     attention: dict[str, Any]  # The model, batch and seq_len.
@@ -97,8 +101,8 @@ GPU = Plan(
     # 4 prompts x 8 samples of 128 + 384 tokens; the 1.5B model's blocks keep only their
     # matmul outputs for the backward pass (`remat=dots`), so both fit in 75% of an H100.
     learner={
-        QWEN[0]: learner.LearnerShape(4, 8, 128, 384, remat="none", chunk=2048),
-        QWEN[1]: learner.LearnerShape(4, 8, 128, 384, remat="dots", chunk=2048),
+        QWEN[0]: dict(prompts=4, group=8, prompt_len=128, completion=384, remat="none", chunk=2048),
+        QWEN[1]: dict(prompts=4, group=8, prompt_len=128, completion=384, remat="dots", chunk=2048),
     },
     decode=dict(slots=64, prompt_len=64, new_tokens=256, k=8),
     # The decode section's engine settings (one compiled decode program for both).
@@ -120,7 +124,7 @@ GPU = Plan(
 )
 TINY = Plan(
     models=("tiny",),
-    learner={"tiny": learner.LearnerShape(2, 2, 8, 8)},
+    learner={"tiny": dict(prompts=2, group=2, prompt_len=8, completion=8)},
     decode=dict(slots=4, prompt_len=8, new_tokens=8, k=4),
     engine=dict(model="tiny", slots=4, requests=8, prompt_len=8, longest=8, k=4),
     attention=dict(model="tiny", batch=2, seq_len=16),
@@ -155,6 +159,7 @@ class Context:
     def __init__(self, accelerator: str):
         self.accelerator = accelerator  # An ACCELERATORS key, or "" (the device's row).
         self.table = None  # The accelerator's row, once the machine section has found it.
+        self.table_error = ""
         self.measured = {}
         self.held = None
 
@@ -169,7 +174,8 @@ class Context:
             )
         if not self.measured:
             raise RuntimeError("no peaks: the device has no table row and none was measured")
-        return dict(**self.measured, source="measured: no table row")
+        why = self.table_error or "no table row"
+        return dict(**self.measured, source=f"measured: {why}")
 
     def release(self) -> None:
         """Lets the held model's params go (a section that makes its own needs the memory)."""
@@ -208,6 +214,11 @@ def machine_section(ctx: Context, deadline: float) -> dict:
     del deadline
     out = machine.describe()
     key = ctx.accelerator or out["accelerator"]
+    try:
+        from rlscale.planning.report import ACCELERATORS
+    except ImportError as e:  # The device's facts are still worth recording.
+        ctx.table_error = f"the accelerator table did not load: {type(e).__name__}: {e}"
+        return {**out, "accelerator": key, "table": None, "table_error": ctx.table_error}
     ctx.table = ACCELERATORS[key] if key else None
     return {**out, "accelerator": key, "table": dataclasses.asdict(ctx.table) if key else None}
 
@@ -224,15 +235,17 @@ def ceilings_section(ctx: Context, plan: Plan, deadline: float) -> dict:
 
 
 def train_section(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
+    from bench import learner
+
     ctx.release()
     peaks = ctx.peaks()
     cfg = model.get(name)
 
     def run(prompts):
-        shape = plan.learner[name]._replace(prompts=prompts)
+        shape = learner.LearnerShape(**{**plan.learner[name], "prompts": prompts})
         return learner.bench_learner(cfg, shape, peaks["flops"], deadline)
 
-    out = halving_on_oom(run, plan.learner[name].prompts)
+    out = halving_on_oom(run, plan.learner[name]["prompts"])
     return {"model": name, "peak_source": peaks["source"], **out}
 
 
@@ -409,8 +422,9 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_bool("tiny", False, "tiny models and shapes: proves it runs", flag_values=fv)
     flags.DEFINE_float("budget_s", 465.0, "stop here, whatever is running", flag_values=fv)
     flags.DEFINE_enum(
-        "accelerator", "", ["", *ACCELERATORS], "table row (default: the device's)", flag_values=fv
-    )
+        "accelerator", "", ["", *machine.TABLE_KEYS], "table row (default: the device's)",
+        flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_list("skip", [], "sections (or their kind: train, decode, ...)", flag_values=fv)
     flags.DEFINE_string(
         "quickstart", None, "config to time (default: the quickstart; none with --tiny)",

@@ -62,6 +62,8 @@ def machine_line(results: dict) -> str:
             f"table row `{m['accelerator']}`: {_si(t['peak_flops'], 'FLOP/s')} dense bf16, "
             f"{_si(t['hbm_bandwidth'], 'B/s')} HBM"
         )
+    if m.get("table_error"):
+        parts.append(m["table_error"].splitlines()[0])
     if smi.get("driver_version"):
         parts.append(f"driver {smi['driver_version']}")
     if cuda:
@@ -81,7 +83,7 @@ def machine_line(results: dict) -> str:
     return f"**Machine**: {'; '.join(parts)}. {head}`tools/gpu_check` ({results['mode']}) {wall}."
 
 
-def _train_row(name, r):
+def _train_row(r):
     shape = (
         f"{r['rows']} rows x {r['prompt_len'] + r['completion_len']} tokens ({r['prompts']} "
         f"prompts x {r['group_size']}, P={r['prompt_len']}, M={r['completion_len']}), "
@@ -95,7 +97,7 @@ def _train_row(name, r):
     return ["train step (learner update)", r["model"], shape, figure, peak, f"MFU {r['mfu']:.1%}"]
 
 
-def _decode_row(name, r):
+def _decode_row(r):
     shape = (
         f"S={r['slots']}, P={r['prompt_len']}, M={r['new_tokens']}, step({r['steps_per_call']}), "
         f"{r['cache_columns']} cache columns"
@@ -109,7 +111,7 @@ def _decode_row(name, r):
     return ["decode (engine)", r["model"], shape, figure, against, fraction]
 
 
-def _engine_row(name, r):
+def _engine_row(r):
     shape = (
         f"S={r['slots']}, {r['requests']} long-tailed requests, M<={r['max_new_tokens']}, "
         f"step({r['steps_per_call']})"
@@ -120,7 +122,7 @@ def _engine_row(name, r):
             f"utilization {r['engine_utilization']:.1%}"]  # fmt: skip
 
 
-def _attention_row(name, r):
+def _attention_row(r):
     figure = (
         f"{r['tokens_per_s']:,.0f} tokens/s, {_si(r['model_flops_per_s'], 'FLOP/s')} "
         f"(attention {r['attention_flops_share']:.0%} of the FLOPs)"
@@ -130,12 +132,12 @@ def _attention_row(name, r):
             f"B={r['batch']}, T={r['seq_len']}", figure, peak, f"MFU {r['mfu']:.1%}"]  # fmt: skip
 
 
-def _quickstart_row(name, r):
+def _quickstart_row(r):
     s = r.get("summary", {})
     figure = f"{r['wall_s']:.1f} s wall"
     if "end/eval_pass@1" in s:
         figure += f"; pass@1 {s['start/eval_pass@1']:.3f} -> {s['end/eval_pass@1']:.3f}"
-    return ["quickstart", "tiny", f"`--config {r['config']}`", figure, "", ""]
+    return ["quickstart", "the config's", f"`--config {r['config']}`", figure, "", ""]
 
 
 ROWS = {
@@ -159,7 +161,7 @@ def markdown(results: dict) -> str:
         if r["status"] != "ok":
             notes.append(f"* `{name}` {r['status']}: {r.get('error', '')}".splitlines()[0])
         elif kind in ROWS:
-            lines.append("| " + " | ".join(ROWS[kind](name, r)) + " |")
+            lines.append("| " + " | ".join(ROWS[kind](r)) + " |")
     if results["mode"] == "tiny":
         notes.append("* `--tiny`: tiny models on this machine; proves the command runs, no result.")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -32,6 +32,8 @@ KINDS = (
     ("TPU v5p", (), "tpu_v5p"),
     ("TPU v6 lite", (), "tpu_v6e"),
 )
+# The rows `--accelerator` may name (the table's keys: tests/test_gpu_check.py checks).
+TABLE_KEYS = tuple(key for _, _, key in KINDS)
 
 
 def accelerator_key(device_kind: str) -> str | None:
