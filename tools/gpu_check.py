@@ -98,11 +98,23 @@ class Plan(NamedTuple):
 QWEN = ("qwen2.5_0.5b", "qwen2.5_1.5b")
 GPU = Plan(
     models=QWEN,
-    # 4 prompts x 8 samples of 128 + 384 tokens; the 1.5B model's blocks keep only their
-    # matmul outputs for the backward pass (`remat=dots`), so both fit in 75% of an H100.
+    # 4 prompts x 8 samples of 128 + 384 tokens in one optimizer step, accumulated over
+    # micro-batches of 16 / 8 rows; the 1.5B model's blocks keep only their matmul outputs for
+    # the backward pass (`remat=dots`). `python -m rlscale.main.plan` (compiled for XLA:CPU,
+    # whose temporaries are not a GPU's) gives 70 GiB and 81 GiB per device for one
+    # micro-batch of 32 rows, too much for the 60 GiB JAX takes of an H100's 80; 43.9 and
+    # 51.3 GiB with these.
     learner={
-        QWEN[0]: dict(prompts=4, group=8, prompt_len=128, completion=384, remat="none", chunk=2048),
-        QWEN[1]: dict(prompts=4, group=8, prompt_len=128, completion=384, remat="dots", chunk=2048),
+        QWEN[0]: dict(prompts=4, group=8, prompt_len=128, completion=384, pack_rows=16, chunk=2048),
+        QWEN[1]: dict(
+            prompts=4,
+            group=8,
+            prompt_len=128,
+            completion=384,
+            pack_rows=8,
+            remat="dots",
+            chunk=2048,
+        ),
     },
     decode=dict(slots=64, prompt_len=64, new_tokens=256, k=8),
     # The decode section's engine settings (one compiled decode program for both).

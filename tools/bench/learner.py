@@ -30,13 +30,15 @@ from rlscale.sampling import SamplingConfig
 
 
 class LearnerShape(NamedTuple):
-    """A batch of `prompts` x `group` rows of `prompt_len` + `completion` tokens, the
-    learner's `remat` policy and `logprob_chunk`."""
+    """A batch of `prompts` x `group` rows of `prompt_len` + `completion` tokens, and the
+    learner's memory knobs: rows per micro-batch (`pack_rows`; 0: the whole batch at once),
+    its `remat` policy and `logprob_chunk`."""
 
     prompts: int
     group: int
     prompt_len: int
     completion: int
+    pack_rows: int = 0
     remat: str = "none"
     chunk: int = 0
 
@@ -82,7 +84,12 @@ def make_learner(cfg: model.ModelConfig, shape: LearnerShape, mesh, params):
     """The learner a run with this batch would build (`rl.setup.make_learner`'s settings)."""
     G, M = shape.group, shape.completion
     layout = batch_layout.Layout(
-        pack_length=0, pack_rows=0, group_size=G, minibatches=1, max_len=M, length_buckets=1
+        pack_length=0,
+        pack_rows=shape.pack_rows,
+        group_size=G,
+        minibatches=1,
+        max_len=M,
+        length_buckets=1,
     )
     return learner.Learner(
         graphdef=model.abstract_model(cfg)[0],
@@ -129,6 +136,7 @@ def bench_learner(cfg, shape: LearnerShape, peak_flops: float, deadline: float, 
         "group_size": shape.group,
         "prompt_len": shape.prompt_len,
         "completion_len": shape.completion,
+        "pack_rows": shape.pack_rows,
         "remat": shape.remat,
         "logprob_chunk": shape.chunk,
         "chain": config_lib.QUICKSTART_CHAIN,
