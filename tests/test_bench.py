@@ -1,7 +1,8 @@
-"""`tools/bench.py`: one invocation runs its sections in turn on the same params."""
+"""`tools/bench.py`: one invocation runs its sections (the package `tools/bench/`) in turn
+on the same params."""
 
-import importlib.util
 import os
+import sys
 
 import jax
 import numpy as np
@@ -9,14 +10,11 @@ import pytest
 
 from rlscale import model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "tools", "bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench import episodes, train  # noqa: E402
 
 
 @pytest.mark.slow
@@ -27,7 +25,7 @@ def test_train_section_leaves_the_params_to_the_sections_after_it():
     graphdef, _ = model.abstract_model(cfg)
     params = model.init_params(cfg, jax.random.key(0))
     before = jax.tree.map(np.array, params)
-    _bench().bench_train(cfg, params, graphdef, 2, 16, peak=1.0, repeats=1)
+    train.bench_train(cfg, params, graphdef, 2, 16, peak=1.0, repeats=1)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), before)
 
 
@@ -40,9 +38,8 @@ def test_episodes_section_runs_one_workload_and_compiles_before_timing(
     would share about 1 / 256 of them), utilization is the engine's policy tokens /
     slot-steps, the side without parking rows parks nothing, and once the section has
     compiled (`warm_engine`, an untimed run) its timed runs compile nothing."""
-    bench = _bench()
     graphdef, params = tiny_model
-    compiled, run = [], bench.run_episodes
+    compiled, run = [], episodes.run_episodes
 
     def counted(*args):
         with count_compiles() as counter:
@@ -50,8 +47,8 @@ def test_episodes_section_runs_one_workload_and_compiles_before_timing(
         compiled.append(counter.count)
         return out
 
-    monkeypatch.setattr(bench, "run_episodes", counted)
-    out = bench.bench_episodes(
+    monkeypatch.setattr(episodes, "run_episodes", counted)
+    out = episodes.bench_episodes(
         tiny_cfg, params, graphdef, slots=2, requests=6, prompt_len=8, max_new_tokens=32,
         turn_tokens=6, turns=2, reply_len=2, latency=0.01, parked=4, k=4, repeats=1,
     )  # fmt: skip
@@ -62,5 +59,5 @@ def test_episodes_section_runs_one_workload_and_compiles_before_timing(
         assert s["utilization"] == s["policy_tokens"] / s["slot_steps"]
     assert sides[0]["env_calls"] > 0 and sides[2]["parked"] == 0
     out["section_s"] = 0.0
-    bench.print_episodes(out)
+    episodes.print_episodes(out)
     assert "10 ms, parked=0" in capsys.readouterr().out
