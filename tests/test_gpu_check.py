@@ -3,7 +3,6 @@ consistent with each other and with counts re-derived here from the model's own 
 command it times is killed at its limit; the deadline stops a section and writes what is
 done; an attention name the model lacks fails naming the field."""
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -163,13 +162,9 @@ def test_every_accelerator_row_has_a_device_kind():
     assert tool.machine.accelerator_key("cpu") is None
 
 
-def test_attention_names_run_the_model_or_fail_naming_the_field():
+def test_attention_sections_are_the_implementations_this_platform_runs():
     tool = _tool()
-    cfg = model.get("tiny")
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    if "attention" in fields:  # Each name is the field's value.
-        assert tool.with_attention(cfg, "xla").attention == "xla"
-    else:  # One implementation: the model as it is.
-        assert tool.with_attention(cfg, "xla") is cfg
-        with pytest.raises(ValueError, match="no `attention` field"):
-            tool.with_attention(cfg, "flash")
+    assert tool.attention_names() == ("xla", "dot_product")  # On the CPU: not cudnn, splash.
+    assert tool.with_attention(model.get("tiny"), "dot_product").attention == "dot_product"
+    with pytest.raises(ValueError, match="attention='flash'"):
+        tool.with_attention(model.get("tiny"), "flash")

@@ -25,7 +25,7 @@ on a rare GPU loses no other's figures:
               the engine side): tokens/s and slot utilization against the ideal engine's
   quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
               subprocess: compilation and the SFT warm start included) and its pass@1
-  attention/A per name A of `ATTENTION`: the model's forward + backward
+  attention/A per name A of `attention_names()`: the model's forward + backward
               (`attention_side_by_side`)
 
 Budget: the command stops itself at `--budget_s` (default 465 s; with Python's start and the
@@ -71,14 +71,19 @@ if TOOLS_DIR not in sys.path:
 from bench import attention, common, generator, gpu_report, machine  # noqa: E402
 
 from rlscale import cli, model  # noqa: E402
+from rlscale.model import attention as attention_lib  # noqa: E402
 
 # `bench.learner` and the accelerator table (`rlscale.planning.report`) are imported by the
 # sections that use them: they import `rlscale.rl`, and with it the data stack
 # (tensorflow_datasets and what it imports), which a device image may lack or break; the
 # other sections need none of it, and go on without it.
 
+
 # Attention implementations timed side by side (`ModelConfig.attention`, where it exists).
-ATTENTION = ("xla",)
+def attention_names() -> tuple[str, ...]:
+    """The attention implementations the attention sections compare: every registered one
+    this platform runs (`rlscale.model.attention`: on a GPU xla, dot_product and cudnn)."""
+    return tuple(n for n in attention_lib.names() if not attention_lib.platform_problems(n))
 
 
 class Plan(NamedTuple):
@@ -155,13 +160,8 @@ TINY = Plan(
 
 
 def with_attention(model_cfg: model.ModelConfig, name: str) -> model.ModelConfig:
-    """`model_cfg` with attention implementation `name`. A ModelConfig without an
-    `attention` field has one implementation, "xla": the model as it is."""
-    if "attention" in {f.name for f in dataclasses.fields(model_cfg)}:
-        return dataclasses.replace(model_cfg, attention=name)
-    if name == "xla":
-        return model_cfg
-    raise ValueError(f"attention={name!r}: ModelConfig has no `attention` field (only 'xla')")
+    """`model_cfg` with attention implementation `name` (its own checks apply)."""
+    return dataclasses.replace(model_cfg, attention=name)
 
 
 class Context:
@@ -285,7 +285,8 @@ def engine_section(ctx: Context, plan: Plan, deadline: float) -> dict:
 
 def attention_side_by_side(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
     """The model's forward + backward (`bench.attention`) with attention implementation
-    `name`: one section per name of `ATTENTION`, so a broken one loses no other's figures."""
+    `name`: one section per name of `attention_names()`, so a broken one loses no other's
+    figures."""
     ctx.release()
     peaks = ctx.peaks()
     a = plan.attention
@@ -361,8 +362,9 @@ def schedule(plan: Plan, ctx: Context, quickstart: str, runner) -> list:
             add("engine", lambda d: engine_section(ctx, plan, d))
     if quickstart:
         add("quickstart", lambda d: quickstart_section(quickstart, runner, d))
-    share = plan.budgets["attention"] / len(ATTENTION)
-    for name in ATTENTION:
+    names = attention_names()
+    share = plan.budgets["attention"] / len(names)
+    for name in names:
         add(f"attention/{name}", lambda d, n=name: attention_side_by_side(ctx, plan, n, d), share)
     return sections
 

@@ -1,6 +1,6 @@
 """The model's forward and backward pass alone (the gradient of the next-token loss, no
 optimizer), timed: what an attention implementation changes, side by side
-(`tools/gpu_check.py`'s `ATTENTION`).
+(`tools/gpu_check.py`'s `attention_names()`).
 
 Model FLOPs of a pass over B x T tokens (the LM head over every token; causal attention
 attends to t + 1 positions at position t), forward and backward:
