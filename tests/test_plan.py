@@ -4,7 +4,9 @@ the arrays a run really allocates, FLOPs per step independent of how the batch i
 flag checks, the verdict, the JSON, and the CLI's bad input."""
 
 import dataclasses
+import functools
 import json
+import math
 import subprocess
 import sys
 
@@ -12,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import ROOT, load_config, subprocess_env
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlscale import model, rl, sharding
-from rlscale.planning import inputs, planner, report
+from rlscale.planning import inputs, planner, report, topology
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import generator
@@ -185,7 +188,12 @@ def test_check_target_defaults_and_every_problem_at_once():
     problems, target = inputs.check_target(**flag_values)
     assert problems == []
     assert target == inputs.Target(
-        (1, 4, 2), 8, "tpu_v5p", report.ACCELERATORS["tpu_v5p"].hbm_bytes, 64
+        (1, 4, 2),
+        8,
+        "tpu_v5p",
+        report.ACCELERATORS["tpu_v5p"].hbm_bytes,
+        64,
+        topology.parse("v5p-16"),  # The accelerator's slice of 8 chips.
     )
     bad = {**flag_values, "mesh": "2,x,1", "accelerator": "a100", "prompt_len": 65}
     problems, _ = inputs.check_target(**bad)
@@ -364,3 +372,155 @@ def test_cli_budget_too_small_exits_naming_the_largest_term(tmp_path):
     assert "params" in r.stdout and "kv_cache" in r.stdout  # The table comes first.
     assert saved["fits"] is False and saved["flops_per_device"] > 0
     assert "1 fake CPU devices" in saved["compiled_on"]
+
+
+# ------------------------------------------------------------------------------------------
+# TPU slices: compiled for by libtpu with no TPU attached (`rlscale.planning.topology`).
+# ------------------------------------------------------------------------------------------
+
+# Cloud TPU's slice tables (cloud.google.com/tpu/docs/v5p, v5e, v6e): name -> chips per axis.
+CLOUD_SLICES = {
+    "v5p-8": (2, 2, 1),
+    "v5p-64": (2, 4, 4),
+    "v5p-128": (4, 4, 4),
+    "v5p-1024": (8, 8, 8),
+    "v5litepod-16": (4, 4),
+    "v5e-256": (16, 16),
+    "v6e-8": (2, 4),
+    "v6e-32": (4, 8),
+}
+
+
+@pytest.mark.parametrize("name,shape", CLOUD_SLICES.items())
+def test_tpu_slice_names_are_cloud_tpus(name, shape):
+    """A Cloud TPU name gives libtpu the slice's shape in chips (v5p names count two
+    TensorCores a chip, v5e and v6e names chips); libtpu's own name gives the same slice."""
+    s = topology.parse(name)
+    assert s.shape == shape and s.chips == math.prod(shape)
+    generation = name.split("-")[0].replace("v5litepod", "v5e")
+    assert s.topology_name == f"{generation}:{'x'.join(map(str, shape))}"
+    assert s.accelerator == f"tpu_{generation}"
+    assert topology.parse(s.topology_name) == s
+    assert topology.of(s.accelerator, s.chips) == s
+    per_chip = 2 if generation == "v5p" else 1
+    assert s.name == f"{generation}-{s.chips * per_chip}"
+
+
+def test_tpu_slice_bad_names_list_the_known_ones():
+    for bad in ("v5p-63", "v5p-2", "v4-8", "v6e:4x4x4", "v5e-", "h100"):
+        with pytest.raises(ValueError, match="is not a TPU slice: expected a Cloud TPU name"):
+            topology.parse(bad)
+    assert topology.of("h100", 8) is None and topology.of("tpu_v5e", 3) is None
+
+
+def test_check_target_tpu_slice_every_problem_at_once():
+    """The slice sets the devices' count, the accelerator and its memory; a mesh of another
+    size, another accelerator and a slice without `--platform tpu` are refused, naming the
+    flags."""
+    flag_values = dict(
+        model="tiny",
+        mesh="1,16,2",
+        devices=None,
+        platform="tpu",
+        accelerator=None,
+        hbm_gib=None,
+        prompt_len=None,
+        config_mesh=(1, 8, 1),
+        buckets=(64,),
+        topology_name="v6e-32",
+    )
+    problems, target = inputs.check_target(**flag_values)
+    assert problems == []
+    assert target.tpu == topology.parse("v6e:4x8") and target.devices == 32
+    assert (target.accelerator, target.hbm_bytes) == ("tpu_v6e", 32e9)
+    bad = {**flag_values, "mesh": None, "accelerator": "tpu_v5p"}
+    problems, _ = inputs.check_target(**bad)
+    assert problems == [
+        "--accelerator=tpu_v5p but --topology=v6e-32 is a tpu_v6e slice",
+        "--mesh=1,8,1 plans 8 devices but --topology=v6e-32 has 32 chips (a device each); "
+        "they must be equal, e.g. --mesh=1,32,1",
+    ]
+    problems, _ = inputs.check_target(**{**flag_values, "platform": "cpu"})
+    assert problems == ["--topology=v6e-32 names a TPU slice: it needs --platform=tpu"]
+    problems, _ = inputs.check_target(**{**flag_values, "topology_name": "v6e-33"})
+    assert len(problems) == 1 and problems[0].startswith("--topology=v6e-33: 'v6e-33' is not")
+
+
+def test_platform_tpu_without_libtpu_is_one_error_line(monkeypatch):
+    """The suite's environment has no libtpu: `--platform tpu` fails at start-up in one
+    line saying what to install (and nothing else is wrong with the command)."""
+    monkeypatch.setattr(topology, "libtpu_version", lambda: None)
+    (message,) = inputs.missing_libtpu("tpu")
+    assert message.startswith("--platform=tpu compiles with libtpu, which is not installed")
+    assert inputs.missing_libtpu("cpu") == []
+
+
+@pytest.mark.skipif(topology.libtpu_version() is not None, reason="libtpu is installed")
+def test_cli_platform_tpu_without_libtpu():
+    r = _cli(
+        "--config=configs/quickstart.py:smoke",
+        "--model=tiny",
+        "--platform=tpu",
+        "--topology=v5p-16",
+        "--mesh=1,8,1",
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: --platform=tpu compiles with libtpu, which is not installed")
+
+
+def test_retarget_moves_a_program_onto_other_devices():
+    """`topology.retarget` keeps each array's shape, dtype, spec and memory kind and each
+    mesh's shape and axes, on the target devices (device i -> targets[i]), in the arguments
+    and in the static ones (a `_Layout`'s mesh): the program then compiles for the targets."""
+    mesh = sharding.make_mesh((1, 2, 2), jax.devices()[:4])
+    targets = jax.devices()[::-1]
+    x = jax.device_put(jnp.zeros((4, 8)), NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
+    y = jax.ShapeDtypeStruct(
+        (8,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("tensor"), "pinned_host")
+    )
+    layout = _Layout(mesh, sharding.SAMPLE_RULES)
+    (mx, my), static = topology.retarget(((x, y), {"layout": layout, "n": 3}), targets)
+    moved = [targets[d.id] for d in mesh.devices.flat]
+    for a, b in ((x, mx), (y, my)):
+        assert isinstance(b, jax.ShapeDtypeStruct)
+        assert (b.shape, b.dtype, b.sharding.spec) == (a.shape, a.dtype, a.sharding.spec)
+        assert b.sharding.memory_kind == a.sharding.memory_kind
+        assert list(b.sharding.mesh.devices.flat) == moved
+    assert list(static["layout"].mesh.devices.flat) == moved and static["n"] == 3
+    assert static["layout"].mesh.axis_names == mesh.axis_names
+    assert static["layout"].rules == layout.rules
+
+    @functools.partial(jax.jit, static_argnames="layout")
+    def double(x, *, layout):
+        spec = PartitionSpec(None, "fsdp")
+        return jax.lax.with_sharding_constraint(2 * x, NamedSharding(layout.mesh, spec))
+
+    progs = planner.Compiler(mesh, targets)
+    progs.run("double", double, (x,), {"layout": layout})
+    assert set(planner.executable_devices(progs.compiled["double"])) == set(moved)
+    assert progs.entry("double")["device_kind"] == moved[0].device_kind
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    topology.libtpu_version() is None,
+    reason="needs libtpu (pip install -e '.[tpu]'); the suite's environment has none",
+)
+def test_update_compiles_for_a_tpu_slice_without_a_tpu():
+    """libtpu compiles the learner's update for a v5e-4 with no TPU attached: the program
+    is for the slice's devices, its FLOPs are `scaling.compute`'s count (as on XLA:CPU:
+    `test_update_flops_match_the_analytic_count`), and its arguments hold the train state."""
+    config = load_config("quickstart")
+    config.mesh.shape = (1, 4, 1)
+    cfg = model.get("tiny", **WIDE)
+    mesh = sharding.make_mesh((1, 4, 1))
+    targets = topology.devices(topology.parse("v5e-4"))
+    P = 64
+    _, _, state, _, entry = planner.compile_update(rl.resolve(config), cfg, mesh, P, targets)
+    assert entry["device_kind"] == targets[0].device_kind
+    assert targets[0].platform == "tpu"
+    rows, T = config.batch.prompts * config.batch.group_size, P + config.sampling.max_new_tokens
+    expected = 3 * compute.forward_flops(cfg, rows * T, T) / 4
+    assert entry["flops_per_device"] * entry["loop_factor"] == pytest.approx(expected, rel=0.02)
+    assert entry["argument_bytes"] >= planner.device_bytes(state)

@@ -2,19 +2,23 @@
 target mesh, from its programs compiled ahead of time on this machine.
 
     python -m rlscale.main.plan --config configs/math.py --model llama3_8b --mesh 1,8,1 \\
-        [--devices 8] [--platform cpu|gpu|tpu] [--accelerator h100] [--hbm_gib 80] \\
-        [--prompt_len 512] [--out plan.json] [--config.learner.pack_rows=4 ...]
+        [--devices 8] [--platform cpu|gpu|tpu] [--topology v5p-64] [--accelerator h100] \\
+        [--hbm_gib 80] [--prompt_len 512] [--out plan.json] [--config.learner.pack_rows=4 ...]
 
 The architecture is `--model`'s; everything else is the config's. The programs compile for
-`--devices` fake CPU devices (set here, before JAX starts), or with `--platform gpu|tpu` on
-that many attached devices (else on fake CPU devices, saying why). It prints the table
-(`rlscale.planning.report`), then FITS, or one `error: DOES NOT FIT: ...` line naming the
-largest term and its knobs with exit status 1; bad input gives `error:` lines and status 2.
-`--out` writes the plan as JSON. See docs/pods_and_planning.md.
+`--devices` fake CPU devices (set here, before JAX starts); with `--platform gpu` on that
+many attached GPUs (else on fake CPU devices, saying why); with `--platform tpu` for the TPU
+slice `--topology` names, by libtpu with no TPU attached (`rlscale.planning.topology`).
+It prints the table (`rlscale.planning.report`), then FITS, or one `error: DOES NOT FIT:
+...` line naming the largest term and its knobs with exit status 1; bad input gives `error:`
+lines and status 2. `--out` writes the plan as JSON. See docs/pods_and_planning.md.
 """
 
 import os
 import sys
+
+# Imports JAX, which reads XLA_FLAGS and JAX_PLATFORMS only when its backends start.
+from rlscale.planning import topology
 
 _FALLBACK = "RLSCALE_PLAN_FALLBACK"  # Why this is a re-run on CPU (`_compiled_on`).
 
@@ -30,11 +34,14 @@ def _flag(argv, name):
 
 
 def _device_count(argv) -> int:
-    """How many devices to plan for: `--devices`, else the product of `--mesh` (0 when
-    neither is a number: reported with the other flag problems, once absl has parsed them)."""
+    """How many devices to plan for: `--devices`, else the product of `--mesh`, else the
+    chips of `--topology` (0 when none is a number: reported with the other flag problems,
+    once absl has parsed them)."""
     try:
         if _flag(argv, "devices") is not None:
             return int(_flag(argv, "devices"))
+        if _flag(argv, "mesh") is None and _flag(argv, "topology") is not None:
+            return topology.parse(_flag(argv, "topology")).chips
         sizes = [int(s) for s in (_flag(argv, "mesh") or "").split(",")]
     except ValueError:
         return 0
@@ -43,8 +50,9 @@ def _device_count(argv) -> int:
 
 def _set_up_devices(argv):
     """Before JAX starts: that many fake CPU devices, and the CPU platform unless
-    `--platform gpu|tpu` asks for real devices (`_compiled_on` falls back when they are
-    missing)."""
+    `--platform gpu` asks for real devices (`_compiled_on` falls back when they are
+    missing). A TPU slice is compiled for from the CPU platform: the parts are built on fake
+    CPU devices and compiled for the slice's (`topology.retarget`)."""
     n = _device_count(argv)
     if n > 0:
         kept = [
@@ -56,8 +64,16 @@ def _set_up_devices(argv):
     # Compiling a real-size update on XLA:CPU takes minutes by design: no "slow compile"
     # alarms between the table and its verdict.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if (_flag(argv, "platform") or "cpu") == "cpu" or os.environ.get(_FALLBACK):
+    platform = _flag(argv, "platform") or "cpu"
+    if platform in ("cpu", "tpu") or os.environ.get(_FALLBACK):
         os.environ["JAX_PLATFORMS"] = "cpu"
+    if platform == "tpu":  # Off a TPU VM, libtpu warns that it cannot find these.
+        try:
+            name = topology.parse(_flag(argv, "topology") or "").name
+        except ValueError:
+            name = "v5p-8"  # Any: the slice compiled for is the one `--topology` names.
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", name)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 if __name__ == "__main__":
@@ -83,6 +99,13 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
         "platform", "cpu", ("cpu", "gpu", "tpu"), "Where to compile (see above).", flag_values=fv
     )
     flags.DEFINE_string(
+        "topology",
+        None,
+        "With --platform tpu, the TPU slice to compile for: v5p-64, v5e-16, v6e-32 or libtpu's "
+        "v5p:2x4x4 (default: the accelerator's slice of --devices chips).",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
         "accelerator",
         None,
         f"Peaks for the step-time bound: one of {', '.join(report.ACCELERATORS)} "
@@ -103,10 +126,11 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
 
 
 def _compiled_on(platform: str, n: int) -> str:
-    """Where the programs compile, in words. When `platform` lacks the `n` devices, first
-    runs this command again on fake CPU devices (JAX picks its platform once, at start)."""
+    """Where the programs compile, in words. When `platform` (gpu) lacks the `n` devices,
+    first runs this command again on fake CPU devices (JAX picks its platform once, at
+    start)."""
     fallback = os.environ.get(_FALLBACK)
-    why = None if fallback or platform == "cpu" else inputs.missing_devices(platform, n)
+    why = None if fallback or platform != "gpu" else inputs.missing_devices(platform, n)
     if why:
         argv = [sys.executable, "-m", __spec__.name, *sys.argv[1:]]
         os.execve(sys.executable, argv, {**os.environ, _FALLBACK: why})
@@ -123,13 +147,22 @@ def main(fv: flags.FlagValues) -> None:
         accelerator=fv.accelerator,
         hbm_gib=fv.hbm_gib,
         prompt_len=fv.prompt_len,
+        topology_name=fv.topology,
     )
     if problems:
         cli.fail("\n  ".join(problems), status=2)
-    where = _compiled_on(fv.platform, target.devices)
+    targets = None
+    if target.tpu is not None:
+        try:
+            targets = topology.devices(target.tpu)
+        except Exception as e:  # noqa: BLE001  (libtpu's own reason, on one line)
+            cli.fail(f"libtpu cannot describe {target.tpu.describe()}: {e}".replace("\n", " "))
+        where = inputs.devices_used(fv.platform, target.devices, tpu=target.tpu)
+    else:
+        where = _compiled_on(fv.platform, target.devices)
     acc = report.ACCELERATORS[target.accelerator]
     train_mesh, gen_mesh = sharding.role_meshes(target.mesh, config.pipeline.generator_devices)
-    p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, target.prompt_len)
+    p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, target.prompt_len, targets)
     fits, line = report.verdict(p, target.hbm_bytes)
     print(report.table(p, acc, target.hbm_bytes, where, fv.model, config.recipe), flush=True)
     if fits:
@@ -146,6 +179,7 @@ def main(fv: flags.FlagValues) -> None:
             hbm_bytes=target.hbm_bytes,
             fits=fits,
             compiled_on=where,
+            topology=target.tpu.topology_name if target.tpu else None,
         )
     sys.exit(0 if fits else 1)
 

@@ -1,7 +1,8 @@
 """What a plan is asked for, checked before anything compiles: the target (mesh, devices,
-accelerator, memory per device, prompt length) from the plan command's flag values, the run's
-own start-up checks at the planned mesh, the shapes the model must hold (every problem at
-once, each naming its flag or config key), and the devices the programs compile on.
+accelerator, memory per device, prompt length, TPU slice) from the plan command's flag
+values, the run's own start-up checks at the planned mesh, the shapes the model must hold
+(every problem at once, each naming its flag or config key), and the devices the programs
+compile on.
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import ml_collections
 
 from rlscale import rl, sections
 from rlscale.model.config import NAMES
-from rlscale.planning import planner, report
+from rlscale.planning import planner, report, topology
 from rlscale.rl import checks
 from rlscale.rl import run_config as resolve_lib
 
@@ -27,6 +28,7 @@ class Target:
       accelerator: a key of `report.ACCELERATORS`.
       hbm_bytes: memory per device.
       prompt_len: the longest prompt, in tokens.
+      tpu: with `--platform tpu`, the slice the programs compile for.
     """
 
     mesh: tuple[int, int, int] | None
@@ -34,6 +36,7 @@ class Target:
     accelerator: str
     hbm_bytes: float | None
     prompt_len: int
+    tpu: topology.Slice | None = None
 
 
 def check_target(
@@ -47,11 +50,12 @@ def check_target(
     prompt_len: int | None,
     config_mesh: tuple,
     buckets: tuple,
+    topology_name: str | None = None,
 ) -> tuple[list[str], Target]:
     """Every problem with the plan command's flag values at once, each naming its flag; and
     the target they give. `mesh` defaults to `config_mesh`, `devices` to the mesh's product,
-    `accelerator` to the platform's usual one, `hbm_gib` to its HBM and `prompt_len` to the
-    largest of the config's prompt `buckets`."""
+    `accelerator` to the TPU slice's (`tpu_slice`) or else the platform's usual one, `hbm_gib`
+    to its HBM and `prompt_len` to the largest of the config's prompt `buckets`."""
     problems = []
     mesh_text = mesh or ",".join(str(s) for s in config_mesh)
     try:
@@ -73,7 +77,13 @@ def check_target(
         near = difflib.get_close_matches(model, NAMES, n=3, cutoff=0.5)
         hint = f"did you mean {' or '.join(near)}? " if near else ""
         problems.append(f"--model={model}: no such model; {hint}known: {', '.join(NAMES)}")
-    accelerator = accelerator or ("tpu_v5p" if platform == "tpu" else "h100")
+    tpu = None
+    if topology_name is not None and platform != "tpu":
+        problems.append(f"--topology={topology_name} names a TPU slice: it needs --platform=tpu")
+    elif platform == "tpu":
+        tpu, slice_problems = tpu_slice(topology_name, accelerator, devices, mesh_text)
+        problems += slice_problems
+    accelerator = accelerator or (tpu.accelerator if tpu else "h100")
     hbm = None
     if accelerator not in report.ACCELERATORS:
         known = ", ".join(report.ACCELERATORS)
@@ -91,7 +101,51 @@ def check_target(
             f"--prompt_len={longest} is longer than the largest prompt bucket "
             f"(sampling.buckets={buckets})"
         )
-    return problems, Target(sizes, devices, accelerator, hbm, longest)
+    return problems, Target(sizes, devices, accelerator, hbm, longest, tpu)
+
+
+def tpu_slice(
+    name: str | None, accelerator: str | None, devices: int | None, mesh_text: str
+) -> tuple[topology.Slice | None, list[str]]:
+    """(the TPU slice `--topology` names, or else the `accelerator`'s (default `tpu_v5p`)
+    slice of `devices` chips; the problems with them, each naming its flag)."""
+    if name is not None:
+        try:
+            tpu = topology.parse(name)
+        except ValueError as e:
+            return None, [f"--topology={name}: {e}"]
+    elif devices is None or (accelerator or "tpu_v5p") not in report.ACCELERATORS:
+        return None, []  # The mesh's or the accelerator's problem says why.
+    else:
+        accelerator = accelerator or "tpu_v5p"
+        tpu = topology.of(accelerator, devices)
+        if tpu is None:
+            return None, [
+                f"--platform=tpu: --accelerator={accelerator} has no TPU slice of {devices} "
+                "chips; name one with --topology (v5p-64, v5e-16, v6e-32, or libtpu's "
+                "v5p:2x4x4)"
+            ]
+    problems = []
+    flag = f"--topology={name}" if name is not None else f"the default slice {tpu.name}"
+    if accelerator is not None and accelerator != tpu.accelerator:
+        problems.append(f"--accelerator={accelerator} but {flag} is a {tpu.accelerator} slice")
+    if devices is not None and devices != tpu.chips:
+        problems.append(
+            f"--mesh={mesh_text} plans {devices} devices but {flag} has {tpu.chips} chips "
+            f"(a device each); they must be equal, e.g. --mesh=1,{tpu.chips},1"
+        )
+    return tpu, problems
+
+
+def missing_libtpu(platform: str) -> list[str]:
+    """Why this machine cannot compile for `platform` (libtpu absent for `tpu`), or []."""
+    if platform != "tpu" or topology.libtpu_version() is not None:
+        return []
+    return [
+        "--platform=tpu compiles with libtpu, which is not installed: pip install -e '.[tpu]' "
+        "(jax[tpu]==0.10.2 pins libtpu 0.0.42.1; it compiles for a TPU slice with no TPU "
+        "attached)"
+    ]
 
 
 def resolve_shapes(config) -> tuple[list[str], "rl.RunConfig | None"]:
@@ -150,6 +204,7 @@ def resolve(config, model: str, **flag_values):
         buckets=tuple(config.sampling.buckets),
         **flag_values,
     )
+    problems += missing_libtpu(flag_values["platform"])
     config = config.copy_and_resolve_references()
     with config.unlocked():  # The checks below see the planned mesh when it is a valid one.
         config.mesh.shape = target.mesh if not problems else (1, 1, 1)
@@ -169,30 +224,28 @@ def resolve(config, model: str, **flag_values):
 
 
 def missing_devices(platform: str, n: int) -> str | None:
-    """Why this machine cannot compile for `n` attached `platform` (gpu, tpu) devices, or
-    None when it can."""
+    """Why this machine cannot compile for `n` attached `platform` (gpu) devices, or None
+    when it can. (A TPU slice needs none attached: `topology`.)"""
     have = [d for d in jax.devices() if d.platform == platform]
     if len(have) >= n:
         return None
-    why = f"this machine has {len(have)} {platform.upper()} devices, not {n}"
-    if platform == "tpu":
-        try:
-            from jax.experimental import topologies
-
-            topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-            why += "; jax.experimental.topologies is available but the learner places a batch"
-            why += " on its devices, which needs them attached"
-        except Exception as e:  # noqa: BLE001  (the TPU runtime is absent: say why)
-            why += f"; jax.experimental.topologies is unavailable ({str(e).split('. ')[0]})"
-    return why
+    return f"this machine has {len(have)} {platform.upper()} devices, not {n}"
 
 
-def devices_used(platform: str, n: int, fallback: str | None = None) -> str:
-    """Where the programs are compiled, in words: `n` fake CPU devices, standing in for
-    `platform` when `fallback` (why its devices are missing), or `n` attached devices."""
+def devices_used(
+    platform: str, n: int, fallback: str | None = None, tpu: topology.Slice | None = None
+) -> str:
+    """Where the programs are compiled, in words after "compiled": for the TPU slice `tpu`
+    by libtpu; on `n` fake CPU devices, standing in for `platform` when `fallback` (why its
+    devices are missing); or on `n` attached devices."""
+    if tpu is not None:
+        return (
+            f"for {tpu.describe()} by libtpu {topology.libtpu_version()}, no TPU attached "
+            f"(the parts built on {n} fake CPU devices)"
+        )
     if fallback:
-        return f"{n} fake CPU devices (XLA:CPU), standing in for {platform}: {fallback}"
+        return f"on {n} fake CPU devices (XLA:CPU), standing in for {platform}: {fallback}"
     if platform == "cpu":
-        return f"{n} fake CPU devices (XLA:CPU)"
+        return f"on {n} fake CPU devices (XLA:CPU)"
     have = [d for d in jax.devices() if d.platform == platform]
-    return f"{n} attached {platform.upper()} devices ({have[0].device_kind})"
+    return f"on {n} attached {platform.upper()} devices ({have[0].device_kind})"

@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder
+from rlscale.planning import topology
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine
@@ -181,19 +182,30 @@ def loop_factor(jaxpr, while_trips: float = 1.0) -> float:
     return matmul_flops(jaxpr, loops=True, while_trips=while_trips) / once if once else 1.0
 
 
+def executable_devices(executable) -> list:
+    """The devices a compiled program is for (those its first argument is sharded over)."""
+    return list(jax.tree.leaves(executable.input_shardings)[0]._device_assignment)
+
+
 class Compiler(programs.Programs):
     """A `programs.Programs` that compiles and records but never runs: `run` returns the
     outputs' abstract values, so a part built to call it (`Learner.update`) goes through its
-    real host path up to the compiled call. Each entry adds `loop_factor` and keeps its
-    executable (`compiled`)."""
+    real host path up to the compiled call. Each entry adds `loop_factor` and the kind of
+    device compiled for (`device_kind`), and keeps its executable (`compiled`). With
+    `targets` (a TPU slice's devices, `topology.devices`), each program compiles for them
+    instead of the devices its arguments are on (`topology.retarget`)."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, targets: list | None = None):
         super().__init__(mesh)
+        self.targets = targets
         self.compiled: dict[str, Any] = {}
         self.jaxprs: dict[str, Any] = {}
 
     def run(self, name: str, fn, args: tuple, static: dict | None = None):
-        traced = fn.trace(*args, **(static or {}))
+        static = static or {}
+        if self.targets:
+            args, static = topology.retarget((args, static), self.targets)
+        traced = fn.trace(*args, **static)
         executable = traced.lower().compile()
         self.compiled[name], self.jaxprs[name] = executable, traced.jaxpr
         self.entries.append(
@@ -201,6 +213,7 @@ class Compiler(programs.Programs):
                 "name": name,
                 **programs.cost(executable),
                 "loop_factor": loop_factor(traced.jaxpr),
+                "device_kind": executable_devices(executable)[0].device_kind,
                 "mesh_shape": dict(self.mesh.shape),
                 "devices": int(self.mesh.devices.size),
             }
@@ -340,13 +353,14 @@ class Plan:
         return max(TERMS, key=lambda k: b[k])
 
 
-def compile_update(config, model_cfg, mesh, prompt_bucket: int):
+def compile_update(config, model_cfg, mesh, prompt_bucket: int, targets: list | None = None):
     """Compiles the learner's update on `mesh` for a worst-case batch (`rollouts.full_length`)
     through `Learner.update`, with the params, train state and reference `Setup` would give
-    it, abstract. Returns (graphdef, params, state, ref, the update's `Compiler` entry)."""
+    it, abstract; for the devices `targets` where given (`Compiler`). Returns (graphdef,
+    params, state, ref, the update's `Compiler` entry)."""
     B, G = config.batch.prompts, config.batch.group_size
     graphdef, params = abstract_params(model_cfg, mesh, sharding.TRAIN_RULES)
-    progs = Compiler(mesh)
+    progs = Compiler(mesh, targets)
     learn = rl_setup.make_learner(config, graphdef, params, mesh, progs)
     replicated = NamedSharding(mesh, PartitionSpec())
     value_params = {  # `Setup.initial_state`'s value head.
@@ -368,7 +382,9 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int):
     return graphdef, params, state, ref, entry
 
 
-def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
+def plan_run(
+    config, model_cfg, train_mesh, gen_mesh, prompt_len: int, targets: list | None = None
+) -> Plan:
     """Compiles a run's learner update and generator programs for `train_mesh` and
     `gen_mesh` (the same mesh when the roles share devices) from abstract arrays, and
     accounts its memory and work per device (`Plan`).
@@ -378,16 +394,18 @@ def plan_run(config, model_cfg, train_mesh, gen_mesh, prompt_len: int) -> Plan:
       model_cfg: the policy's architecture and numerics (`model_config`).
       train_mesh, gen_mesh: `sharding.role_meshes(config.mesh.shape, generator_devices)`.
       prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
+      targets: a TPU slice's devices (`topology.devices`), one per device of the meshes, to
+        compile for instead of the meshes' own (`Compiler`).
     """
     B, G = config.batch.prompts, config.batch.group_size
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
     shared = gen_mesh is train_mesh
-    graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P)
+    graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P, targets)
 
     # The generator: its params in the sampling layout, its state, its programs.
     _, gen_params = abstract_params(model_cfg, gen_mesh, sharding.SAMPLE_RULES)
-    gen_progs = Compiler(gen_mesh)
+    gen_progs = Compiler(gen_mesh, targets)
     engine_state, admitted, R = engine_programs(
         config, graphdef, model_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
     )

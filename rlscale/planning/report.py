@@ -75,13 +75,14 @@ def estimate(p: planner.Plan, acc: Accelerator) -> dict:
 
 def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str, recipe: str):
     """The plan as a table: bytes per device (a column per device group) against `hbm`, then
-    the work per RL step and its bound on `acc`. `where`: the devices it was compiled on;
+    the work per RL step and its bound on `acc`. `where`: where it was compiled
+    (`inputs.devices_used`);
     `model`, `recipe`: the names of the architecture and the config."""
     info = p.info
     lines = [
         f"plan: {model} ({_count(info['num_params'])} params, {info['param_dtype']} "
         f"params, {info['dtype']} compute), config {recipe}",
-        f"  compiled on {where}",
+        f"  compiled {where}",
         f"  trainer mesh {info['train_mesh']}, generator mesh {info['generator_mesh']}"
         + ("" if info["shared_devices"] else " (its own devices)"),
         f"  {info['rows']} rows, prompt bucket {info['prompt_bucket']} (prompts up to "
