@@ -166,6 +166,22 @@ def test_audit(default_verifier):
     scores = math_reward.verify_batch(
         [c.completion for c in cases], [c.gold for c in cases], timeout=AUDIT_TIMEOUT
     )
+    timeouts = _delta(before, math_reward.stats()).get("timeouts", 0)
+    # On a machine loaded many times over its cores, a legitimate check can pass the deadline
+    # (the slowest takes ~0.15 s alone) and score 0: each legitimate case that missed its
+    # label is checked again, with 10 times the deadline. A wrong verdict stays wrong (the
+    # check is deterministic); a late one gets its verdict.
+    late = [i for i, c in enumerate(cases) if not c.id.startswith("patho-")]
+    late = [i for i in late if scores[i] != cases[i].expected]
+    if late:
+        again = math_reward.verify_batch(
+            [cases[i].completion for i in late],
+            [cases[i].gold for i in late],
+            timeout=10 * AUDIT_TIMEOUT,
+        )
+        scores = list(scores)
+        for i, score in zip(late, again):
+            scores[i] = score
     rows = math_audit_corpus.audit(scores, cases)
     table = math_audit_corpus.report(rows)
     print("\n" + table)
@@ -176,9 +192,11 @@ def test_audit(default_verifier):
         (r.case.id, r.case.expected, r.verifier) for r in rows if r.verifier != r.case.expected
     ]
     assert not wrong, wrong
-    # The pathological cases timed out (and nothing else did).
+    # The pathological cases timed out (and nothing else did, but for the late ones above,
+    # which all finished when checked again).
     n_patho = sum(c.id.startswith("patho-") for c in cases)
-    assert _delta(before, math_reward.stats()).get("timeouts", 0) == n_patho
+    assert n_patho <= timeouts <= n_patho + len(late)
+    assert _delta(before, math_reward.stats()).get("timeouts", 0) == timeouts
 
     # The README documents exactly the current disagreements.
     disagree = {r.case.id for r in rows if r.verifier != r.string_match}
