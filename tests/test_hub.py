@@ -58,24 +58,31 @@ def _rows(n=8):
     ]
 
 
-def _tiny_checkpoint(directory, corpus) -> None:
-    """A tiny Llama-shaped checkpoint with a BPE `tokenizer.json` (the chat template's special
-    tokens included), written by rlscale's own export (`hf.save_hf`)."""
+def bpe_tokenizer_dir(path, corpus, vocab_size: int) -> int:
+    """A byte-level BPE `tokenizer.json` trained on `corpus`, with ChatML's special tokens and
+    a `tokenizer_config.json`, in `path`, as Qwen's checkpoints hold it; its vocabulary size."""
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320,
+        vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(corpus, trainer)
-    directory.mkdir()
-    backend.save(str(directory / "tokenizer.json"))
+    backend.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = model_lib.get("tiny", vocab_size=backend.get_vocab_size(), tie_embeddings=True)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return backend.get_vocab_size()
+
+
+def _tiny_checkpoint(directory, corpus) -> None:
+    """A tiny Llama-shaped checkpoint with a BPE `tokenizer.json` (the chat template's special
+    tokens included), written by rlscale's own export (`hf.save_hf`)."""
+    directory.mkdir()
+    vocab = bpe_tokenizer_dir(directory, corpus, 320)
+    cfg = model_lib.get("tiny", vocab_size=vocab, tie_embeddings=True)
     hf.save_hf(str(directory), cfg, model_lib.init_params(cfg, jax.random.key(0)))
 
 

@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 from huggingface_hub import constants
 from test_data_formats import verl_gsm8k, write_verl_parquet
-from test_hub import write_cached_repo
+from test_hub import bpe_tokenizer_dir, write_cached_repo
 
 from rlscale import checkpoint, rl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _rows(n=20):
@@ -38,25 +37,6 @@ def _rows(n=20):
     return rows
 
 
-def _tokenizer_dir(path, corpus):
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(corpus, trainer)
-    backend.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return backend.get_vocab_size()
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("math_e2e")
@@ -68,7 +48,7 @@ def inputs(tmp_path_factory):
         "system user assistant Please reason step by step, and put your final answer within "
         "\\boxed{}. You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     ] * 5
-    vocab = _tokenizer_dir(model_dir, corpus)
+    vocab = bpe_tokenizer_dir(model_dir, corpus, 400)
     config = transformers.Qwen2Config(
         vocab_size=vocab,
         hidden_size=64,
