@@ -265,21 +265,14 @@ def test_changed_config_is_refused_unless_allowed(warm, straight, tmp_path, monk
 
 
 def _config(**overrides):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "cfg", os.path.join(ROOT, "configs", "scalerl.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config("smoke,sync")
-    c.mesh.shape = (1, 1, 1)  # One device, as the subprocess runs.
-    c.steps = 4
-    c.learner.minibatches = 1  # One optimizer step per RL step: the NaN schedules count them.
-    for k, v in overrides.items():
-        section, key = k.split("__")
-        c[section][key] = v
-    return c
+    """The in-process runs' config: `_config_of`'s, `section__key=value` overrides."""
+    settings = {
+        "mesh.shape": (1, 1, 1),  # One device, as the subprocess runs.
+        "steps": 4,
+        "learner.minibatches": 1,  # One optimizer step per RL step: the NaN schedules count them.
+    }
+    settings.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return _config_of("smoke,sync", settings)
 
 
 def _nan_on(monkeypatch, steps):
