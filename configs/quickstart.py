@@ -18,7 +18,9 @@ from rlscale import config_lib
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0)
+    arg = config_lib.parse_arg(
+        arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0, lora=False
+    )
     if arg.demo:
         return _demo_config(arg)
     c = config_lib.rl_config()
@@ -37,6 +39,10 @@ def get_config(arg=None):
     # row of one sequence is padding here, and a zero-variance group is not run at all; the run
     # compiles one update program (docs/learner.md).
     c.learner.pack_length, c.learner.length_buckets = 96, 1
+    if arg.lora:  # Rank-8 adapters on every projection; the base stays the warm start.
+        c.recipe = "quickstart_lora"
+        c.lora.rank, c.lora.alpha = 8, 32.0
+        c.optim.lr = 1e-3
     if arg.smoke:
         config_lib.smoke(c)
         c.learner.pack_length = 0  # The golden runs (tests/golden): one sequence per row.

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from rlscale import faults, sharding
+from rlscale.model import lora as lora_lib
 from rlscale.model.decoder import ForwardSpec
 from rlscale.rl import batch_layout
 from rlscale.rl import rollouts as rollouts_lib
@@ -51,6 +52,17 @@ class Spec(NamedTuple):
     max_micro: int  # The most packed micro-batches an optimizer step can need (its groups).
     minibatches: int
     offload_ref: bool  # The reference's params arrive in host memory.
+    # LoRA (`lora_lib.LoraConfig`; None: full fine-tuning): the trained params are adapters
+    # and the reference's params the frozen base, which the policy's forward merges them into.
+    lora: Any = None
+
+
+def _policy(spec: Spec, params, ref_params):
+    """The policy's params from the trained ones: with LoRA the base (`ref_params`) with the
+    adapters merged in (`lora_lib.merge`, as the generator receives them), else themselves."""
+    if spec.lora is None:
+        return params
+    return lora_lib.merge(ref_params, params, spec.lora.scale)
 
 
 def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
@@ -96,9 +108,8 @@ def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, place, coun
     first = jax.tree.map(lambda x: x[: spec.minibatches], (place, count))  # Every row once.
     out = {}
     if spec.old_terms:
-        t = no_grad_terms(
-            spec.forward, state.params, state.value_params, batch, *first, spec.old_terms
-        )
+        policy = _policy(spec, state.params, ref_params)
+        t = no_grad_terms(spec.forward, policy, state.value_params, batch, *first, spec.old_terms)
         out.update({f"old_{k}": v for k, v in t.items()})
     if spec.ref:
         t = no_grad_terms(spec.forward, ref_params, state.value_params, batch, *first, ("logp",))
@@ -106,7 +117,7 @@ def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, place, coun
     return out
 
 
-def _optimizer_step(spec: Spec, batch, terms, train: TrainState, step):
+def _optimizer_step(spec: Spec, batch, terms, ref_params, train: TrainState, step):
     """One optimizer step (`step`: its `place` [N] arrays and micro-batch count): the
     gradient sums of its micro-batches (each sees every row, the others out of its mask; the
     loss transforms' state carried through), divided once by their summed denominator and
@@ -120,7 +131,8 @@ def _optimizer_step(spec: Spec, batch, terms, train: TrainState, step):
         mb = {**terms, "mask": terms["mask"] * in_N[:, None].astype(terms["mask"].dtype)}
 
         def loss_fn(params, value_params):
-            t = token_terms(spec.forward, params, value_params, fwd, spec.train_terms)
+            policy = _policy(spec, params, ref_params)
+            t = token_terms(spec.forward, policy, value_params, fwd, spec.train_terms)
             out, new_state = spec.objective.loss.update(
                 {**mb, **t, "update": train.step}, loss_state
             )
@@ -170,7 +182,8 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
 
     Args:
       state: the train state (donated).
-      ref_params: the reference's params (unused unless `spec.ref`).
+      ref_params: the reference's params (unused unless `spec.ref` or `spec.lora`: then the
+        frozen base the adapters merge into).
       batch: per row [N] or [N, M]: `mask`, `sampler_logp`, `reward`, `correct`,
         `row_weight`, and `teacher_logp`, `step_reward` and `step_mask` where the chain
         reads them; `tokens` and `attn` [N, L] (`batch_layout.Plan`: the rows, completions
@@ -201,7 +214,7 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
     metrics["batch"] = terms.pop("metrics", {})  # The batch-stage transforms' own.
 
-    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms)
+    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms, ref_params)
     state, per_step = jax.lax.scan(
         optimizer_step, state._replace(batch_state=batch_state), (place, count)
     )
@@ -226,6 +239,8 @@ class Learner:
         entropy computation (`vocab_token_terms`).
       remat: the decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
       offload_ref: keep the reference's params in pinned host memory between updates.
+      lora: LoRA's settings (None: full fine-tuning): the train state's params are adapters,
+        `update`'s `ref_params` the frozen base (`Spec.lora`).
       seed: seeds the minibatch order.
       programs: records each compiled program's cost.
     """
@@ -242,6 +257,7 @@ class Learner:
     logprob_chunk: int = 0
     remat: str = "none"
     offload_ref: bool = False
+    lora: lora_lib.LoraConfig | None = None
 
     def __post_init__(self):
         need = self.objective.model_terms
@@ -265,6 +281,7 @@ class Learner:
             max_micro=0,  # Set per batch size by `_inputs`.
             minibatches=self.layout.minibatches,
             offload_ref=self.offload_ref,
+            lora=self.lora,
         )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs.
         self.forward_passes = int(bool(old_terms)) + int(self.spec.ref)

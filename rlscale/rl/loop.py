@@ -65,7 +65,7 @@ class Loop:
             s.generator.precompile(
                 jax.tree.map(
                     lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                    self.run.train.params,
+                    s.params,  # The policy's shapes (with LoRA the base's; no adapters).
                     s.generator_shardings,
                 )
             )
