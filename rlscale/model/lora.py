@@ -1,16 +1,16 @@
 """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): the `config.lora`
 section, adapter init, `merge` (W + alpha / r * A @ B in the weight's layout, a pure function),
-the adapters' PEFT files and the frozen base's identity. See docs/learner.md, "LoRA".
+the cross-section problems, the adapters' PEFT files. See docs/learner.md, "LoRA".
 
-A targeted weight W of the decoder, read as a matrix [I, O] (its first `n_in` dims the inputs,
-as `decoder.project` contracts them), gets A [I, R] and B [R, O]; the policy is the base with
-W + (alpha / R) A @ B in place of each W. A starts uniform in +-1/sqrt(I) (PEFT's default) and
-B at zero, so before the first update the policy is the base, bit for bit.
+A targeted weight W of the decoder, read as a matrix [inputs, outputs] (its first `n_in` dims
+the inputs, as `decoder.project` contracts them), gets A [inputs, r] and B [r, outputs]; the
+policy is the base with W + (alpha / r) A @ B in place of each W (r the rank). A starts
+uniform in +-1/sqrt(inputs) (PEFT's default) and B at zero, so before the first update the
+policy is the base, bit for bit.
 
 Adapters are a nested dict that mirrors the params' paths, string keys:
-`{"layers": {"0": {"attn": {"q": {"a": A_IR, "b": B_RO}}}}}`, float32 whatever the base's dtype.
-
-Dimension letters: I a weight's inputs, O its outputs, R the rank.
+`{"layers": {"0": {"attn": {"q": {"a": A, "b": B}}}}}`, float32 whatever the base's dtype
+(A [inputs, rank], B [rank, outputs]).
 """
 
 import dataclasses
@@ -134,7 +134,7 @@ def _matrix_dims(shape, n_in: int) -> tuple[int, int]:
 
 
 def init(base_params, cfg: LoraConfig, rng) -> dict:
-    """Fresh adapters for `base_params` (on the default device): A uniform in +-1/sqrt(I), B
+    """Fresh adapters for `base_params` (on the default device): A uniform in +-1/sqrt(inputs), B
     zero, so the adapted policy starts as the base.
 
     Raises:
@@ -150,13 +150,13 @@ def init(base_params, cfg: LoraConfig, rng) -> dict:
         found.add(target)
         inputs, outputs = _matrix_dims(var.shape, TARGETS[target].n_in)
         bound = 1.0 / math.sqrt(inputs)
-        a_IR = jax.random.uniform(
+        a = jax.random.uniform(
             jax.random.fold_in(rng, i), (inputs, cfg.rank), jnp.float32, -bound, bound
         )
         node = adapters
         for name in names[:-1]:
             node = node.setdefault(name, {})
-        node[names[-1]] = {"a": a_IR, "b": jnp.zeros((cfg.rank, outputs), jnp.float32)}
+        node[names[-1]] = {"a": a, "b": jnp.zeros((cfg.rank, outputs), jnp.float32)}
     missing = [t for t in cfg.targets if t not in found]
     if missing:
         raise ValueError(
@@ -166,10 +166,10 @@ def init(base_params, cfg: LoraConfig, rng) -> dict:
     return adapters
 
 
-def delta(a_IR, b_RO, shape, scale: float):
+def delta(a, b, shape, scale: float):
     """scale * A @ B in float32, in a weight's layout `shape`."""
-    d_IO = jnp.matmul(a_IR, b_RO, precision=jax.lax.Precision.HIGHEST)
-    return (d_IO * jnp.float32(scale)).reshape(shape)
+    d = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    return (d * jnp.float32(scale)).reshape(shape)
 
 
 def merge(base_params, adapters: dict, scale: float):
@@ -196,9 +196,9 @@ def num_params(adapters: dict) -> int:
 
 
 def peft_tensors(adapters: dict, cfg: LoraConfig) -> dict[str, np.ndarray]:
-    """The adapters under PEFT's names and layouts: `lora_A.weight` [R, I] and `lora_B.weight`
-    [O, R] of `base_model.model.model.layers.<i>.<module>` (a torch Linear's weight is
-    [out, in]: the Hugging Face weight is W^T, its delta B^T A^T)."""
+    """The adapters under PEFT's names and layouts: `lora_A.weight` [rank, inputs] and
+    `lora_B.weight` [outputs, rank] of `base_model.model.model.layers.<i>.<module>` (a torch
+    Linear's weight is [out, in]: the Hugging Face weight is W^T, its delta B^T A^T)."""
     out = {}
     for i, layer in sorted(adapters.get("layers", {}).items(), key=lambda kv: int(kv[0])):
         for target in cfg.targets:
@@ -206,9 +206,9 @@ def peft_tensors(adapters: dict, cfg: LoraConfig) -> dict[str, np.ndarray]:
             if node is None:
                 continue
             prefix = f"base_model.model.model.layers.{i}.{TARGETS[target].module}"
-            a_IR, b_RO = (np.asarray(jax.device_get(node[k]), np.float32) for k in ("a", "b"))
-            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_IR.T)
-            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_RO.T)
+            a, b = (np.asarray(jax.device_get(node[k]), np.float32) for k in ("a", "b"))
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
     return out
 
 
