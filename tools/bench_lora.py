@@ -101,7 +101,8 @@ def _timed(fn, args, repeats):
 
 
 def measure(cfg, rank: int, rows: int, length: int, repeats: int) -> dict:
-    """Seconds of each variant's learner step, decode step and merge."""
+    """Seconds of each variant's learner step, decode step and merge; and how far apart
+    the two variants' losses are."""
     graphdef, _ = decoder.abstract_model(cfg)
     params = decoder.init_params(cfg, jax.random.key(0))
     lcfg = lora_lib.LoraConfig(rank=rank, alpha=32.0)
@@ -122,6 +123,13 @@ def measure(cfg, rank: int, rows: int, length: int, repeats: int) -> dict:
         finally:
             decoder.project = saved
 
+    # The two are one function: their losses agree to float32 rounding.
+    gap = abs(
+        float(
+            jax.jit(merged_loss)(adapters, params, tokens)
+            - jax.jit(fly_loss)(adapters, params, tokens)
+        )
+    )
     full = jax.jit(jax.grad(lambda p, t: _loss(graphdef, p, t)))
     out = {
         "learner/full_fine_tuning": _timed(full, (params, tokens), repeats),
@@ -137,16 +145,17 @@ def measure(cfg, rank: int, rows: int, length: int, repeats: int) -> dict:
         "decode/on_the_fly": _timed(jax.jit(fly_loss), (adapters, params, token), repeats),
         "swap/merge": _timed(lora_lib.merged, (params, adapters, lcfg.scale), repeats),
     }
-    return out
+    return out, gap
 
 
 def main(fv: flags.FlagValues, args) -> None:
     del args
     cfg = _model_cfg(fv.model)
-    times = measure(cfg, fv.rank, fv.rows, fv.length, fv.repeats)
+    times, gap = measure(cfg, fv.rank, fv.rows, fv.length, fv.repeats)
     print(
         f"{fv.model}: {cfg.num_params() / 1e6:.2f}M params, rank {fv.rank}, "
-        f"{fv.rows} x {fv.length} tokens ({jax.devices()[0].platform})"
+        f"{fv.rows} x {fv.length} tokens ({jax.devices()[0].platform}); "
+        f"|loss(merge) - loss(on the fly)| = {gap:.1e}"
     )
     for name, seconds in times.items():
         print(f"  {name:28s} {seconds * 1e3:9.2f} ms")

@@ -470,6 +470,18 @@ def _policy(
     return model_cfg, graphdef, params, summary
 
 
+def _reference(config, learn, params, workdir: str) -> tuple[Any, dict | None]:
+    """The frozen reference (the same function with frozen params: a copy of the initial
+    policy where the chain reads `ref_logp`, else None) and, with LoRA, the base's identity:
+    then the reference is the base itself (`params`), whatever the chain."""
+    if not config.lora.enabled:
+        return (
+            learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
+        ), None
+    source = config.raw.init.hf_checkpoint or stage_cache.path(workdir, stage_cache.WARM_START)
+    return params, {"source": source, "fingerprint": checkpoint.tree_fingerprint(params)}
+
+
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from the resolved run (`rl.resolve.resolve`)."""
     pipe = config.pipeline
@@ -508,13 +520,7 @@ def build(config, workdir: str) -> Setup:
         parked=config.env.parked,
     )
     learn = make_learner(config, graphdef, params, mesh, progs)
-    # The reference is the same function with frozen params: with LoRA the base itself.
-    ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
-    base_identity = None
-    if config.lora.enabled:
-        ref = params
-        source = config.raw.init.hf_checkpoint or stage_cache.path(workdir, stage_cache.WARM_START)
-        base_identity = {"source": source, "fingerprint": checkpoint.tree_fingerprint(params)}
+    ref, base_identity = _reference(config, learn, params, workdir)
     teacher = None
     if "teacher_logp" in learn.objective.model_terms:
         teacher = make_teacher(config, mesh, model_cfg, graphdef, params, progs)
