@@ -54,10 +54,13 @@ def chain(correction: str) -> str:
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, correction="icepop")
+    arg = config_lib.parse_arg(arg, smoke=False, correction="icepop", generator="bfloat16")
     c = config_lib.rl_config()
     c.recipe = f"off_policy_{arg.correction}"
     c.objective.chain = chain(arg.correction)
+    # The generator samples in bfloat16 beside the learner's float32: the gap the corrections
+    # are for, in a synchronous run too (`:generator=` "" for the learner's own numerics).
+    c.sampling.generator_dtype = arg.generator
     if arg.smoke:
         config_lib.smoke(c)
     return c
