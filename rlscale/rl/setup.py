@@ -268,17 +268,35 @@ def _environment(config, tokenizer, scfg):
     return factory, dataclasses.replace(scfg, action_stops=stops)
 
 
-def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, mesh, progs, policy):
+def _generator(config, graphdef, model_cfg, scfg, longest: int, gen_mesh, progs) -> Generator:
+    """The engine that samples the rollouts, on the generator's devices, in its numerics
+    (`sampling.generator_dtype`): the policy's own, or a derived config whose graph computes
+    in the lower dtype (`precision.generator_model`)."""
+    gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
+    return Generator(
+        graphdef if gen_cfg is model_cfg else decoder.abstract_model(gen_cfg)[0],
+        gen_cfg,
+        scfg,
+        slots=config.pipeline.slots,
+        max_prompt_len=longest,
+        mesh=gen_mesh,
+        programs=progs.on(gen_mesh),
+        parked=config.env.parked,
+    )
+
+
+def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, sampler, progs):
     """Held-out episodes for a run whose environment has turns: an engine like the
-    rollouts' generator (its sampling settings and slots) for the `policy` (graphdef,
-    model_cfg: in the learner's numerics, as the static sampler's evaluation) on the
-    trainer's devices, for the `test` problems' prompts and ones as long as the `longest`
-    training prompt; None for a single-turn run."""
+    rollouts' generator (its sampling settings and slots) for the static `sampler`'s policy
+    (the learner's numerics) on its devices (the trainer's), for the `test` problems'
+    prompts and ones as long as the `longest` training prompt; None for a single-turn run."""
     if not env_factory.multi_turn:
         return None
     longest = max([longest] + [len(p) for p in scoring.encode_prompts(tokenizer, test)])
+    mesh = sampler.layout.mesh
     generator = Generator(
-        *policy,
+        sampler.graphdef,
+        sampler.model_cfg,
         rollouts.cfg,
         slots=rollouts.slots,
         max_prompt_len=longest,
@@ -488,20 +506,7 @@ def build(config, workdir: str) -> Setup:
         config, workdir, mesh, tokenizer, task, splits, settings[stage_cache.WARM_START]
     )
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
-    # The generator's numerics (`sampling.generator_dtype`): the policy's own, or a derived
-    # config whose graph computes in the lower dtype.
-    gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
-    gen_graphdef = graphdef if gen_cfg is model_cfg else decoder.abstract_model(gen_cfg)[0]
-    generator = Generator(
-        gen_graphdef,
-        gen_cfg,
-        scfg,
-        slots=pipe.slots,
-        max_prompt_len=longest,
-        mesh=gen_mesh,
-        programs=progs.on(gen_mesh),
-        parked=config.env.parked,
-    )
+    generator = _generator(config, graphdef, model_cfg, scfg, longest, gen_mesh, progs)
     learn = make_learner(config, graphdef, params, mesh, progs)
     # The reference is the same function with frozen params.
     ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
@@ -531,15 +536,7 @@ def build(config, workdir: str) -> Setup:
         generator=generator,
         episodes=env_episodes.Episodes(generator, env_factory, tokenizer, config.env),
         eval_episodes=_eval_episodes(
-            config,
-            env_factory,
-            tokenizer,
-            generator,
-            splits["test"],
-            longest,
-            mesh,
-            progs,
-            (graphdef, model_cfg),
+            config, env_factory, tokenizer, generator, splits["test"], longest, sampler, progs
         ),
         generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
@@ -549,5 +546,5 @@ def build(config, workdir: str) -> Setup:
         programs=progs,
         preference_pairs=preference_pairs,
         stage_settings=settings,
-        generator_cast="" if gen_cfg is model_cfg else gen_cfg.param_dtype,
+        generator_cast="" if generator.model_cfg is model_cfg else generator.model_cfg.dtype,
     )
