@@ -13,7 +13,7 @@ from rlscale.model import attention as attention_lib
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
