@@ -511,6 +511,9 @@ def init_sharded(cfg: ModelConfig, rng: Array, mesh, rules=sharding.TRAIN_RULES)
     The shapes come from `nnx.eval_shape` and the init is jitted with `out_shardings`, so a
     large model is never materialized on one device.
     """
+    problems = moe_lib.mesh_problems(cfg, dict(mesh.shape))
+    if problems:
+        raise ValueError("; ".join(problems))
     graphdef, abstract = abstract_model(cfg)
     shardings = sharding.param_shardings(abstract, mesh, rules)
     params = jax.jit(lambda r: init_params(cfg, r), out_shardings=shardings)(rng)
@@ -545,11 +548,12 @@ def routed_hidden(
     """(hidden [B, T, D], cache, `moe.Routing` or None): `hidden` with what the routers chose
     (`Decoder.routed`). `mesh`: its `expert` axis, if any, runs the experts expert-parallel
     (the mesh may also come from the caller's `jax.set_mesh`)."""
+    decoder = nnx.merge(graphdef, params)
     context = contextlib.nullcontext()
-    if mesh is not None:  # Read by `moe.experts` at trace time.
+    if mesh is not None and decoder.cfg.num_experts:  # Read by `moe.experts` at trace time.
         context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with context:
-        return nnx.merge(graphdef, params).routed(
+        return decoder.routed(
             tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, expert_ids_LBTk
         )
 

@@ -46,7 +46,7 @@ def stack(layers: list[Routing]) -> Routing:
     return Routing(*(jnp.concatenate([jnp.atleast_1d(x) for x in xs]) for xs in zip(*layers)))
 
 
-def load_balancing_loss(routing: Routing, num_experts: int) -> Array:
+def load_balancing_loss(routing: Routing) -> Array:
     """E * sum_e f_e * P_e (Switch Transformer, Fedus et al. 2021, eq. 4-6), as Qwen3-MoE
     trains with it (transformers' `load_balancing_loss_func`): f_e, the expert's share of the
     token choices, and P_e, its mean router probability, each pooled over the real tokens of
@@ -54,7 +54,7 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> Array:
     tokens = jnp.maximum(jnp.sum(routing.tokens_L), 1.0)
     f_E = jnp.sum(routing.counts_LE, axis=0) / tokens
     p_E = jnp.sum(routing.probs_LE, axis=0) / tokens
-    return num_experts * jnp.sum(f_E * p_E)
+    return routing.counts_LE.shape[-1] * jnp.sum(f_E * p_E)
 
 
 def z_loss(routing: Routing) -> Array:
@@ -174,6 +174,10 @@ def _expert_parallel(mesh, x_MD, ids_Mk, w_Mk, gate_EDF, up_EDF, down_EFD, activ
     enter whole on their expert axis (an FSDP-sharded `embed` is gathered, as for any layer).
     """
     n = mesh.shape[EXPERT_AXIS]
+    if gate_EDF.shape[0] % n:
+        raise ValueError(
+            f"an expert axis of {n} devices does not divide {gate_EDF.shape[0]} experts"
+        )
     G = gate_EDF.shape[0] // n
     token_axes = sharding.logical_to_spec(("batch",), sharding.TRAIN_RULES, mesh, x_MD.shape)[0]
     token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
