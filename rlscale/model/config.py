@@ -162,7 +162,7 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """The sparse layers, in order: the L of router outputs `[L, B, T, k]`."""
+        """The sparse layers, in order: the l of the routers' outputs [l, B, T, c]."""
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property

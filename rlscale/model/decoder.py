@@ -316,14 +316,14 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(
-        self, x_BTD, positions_BT, mask, kv=None, slots_BT=None, valid_BT=None, expert_ids_BTk=None
+        self, x_BTD, positions_BT, mask, kv=None, slots_BT=None, valid_BT=None, expert_ids_BTc=None
     ):
         """(x, kv, routing): `routing` is a sparse layer's `moe.Routing` (None when dense)."""
         h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask, kv, slots_BT)
         x_BTD = x_BTD + h
         if not self.sparse:
             return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv, None
-        y_BTD, routing = self.moe(self.mlp_norm(x_BTD), valid_BT, expert_ids_BTk)
+        y_BTD, routing = self.moe(self.mlp_norm(x_BTD), valid_BT, expert_ids_BTc)
         return x_BTD + y_BTD, kv, routing
 
 
@@ -340,7 +340,7 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str, valid_BT, expert_ids_LBTk):
+def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str, valid_BT, expert_ids_lBTc):
     """The blocks as `lax.scan`s over their stacked params (one per run of consecutive
     blocks of one kind, dense or sparse), each step under `jax.checkpoint` with the `remat`
     policy. Inside a loop the backward pass recomputes one block at a time; an unrolled chain
@@ -358,13 +358,13 @@ def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str, valid_BT, exper
         graphdef, _ = nnx.split(run[0])
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in run))
         ids = None
-        if run[0].sparse and expert_ids_LBTk is not None:
-            ids = expert_ids_LBTk[sparse_seen : sparse_seen + len(run)]
+        if run[0].sparse and expert_ids_lBTc is not None:
+            ids = expert_ids_lBTc[sparse_seen : sparse_seen + len(run)]
 
         def block(x_BTD, xs, graphdef=graphdef):
-            state, ids_BTk = xs
+            state, ids_BTc = xs
             x_BTD, _, routing = nnx.merge(graphdef, state)(
-                x_BTD, positions_BT, mask, valid_BT=valid_BT, expert_ids_BTk=ids_BTk
+                x_BTD, positions_BT, mask, valid_BT=valid_BT, expert_ids_BTc=ids_BTc
             )
             return x_BTD, routing
 
@@ -415,11 +415,12 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         segments_BT=None,
         remat: str = "none",
-        expert_ids_LBTk=None,
+        expert_ids_lBTc=None,
     ):
         """`hidden`, and the routers' `moe.Routing` over the sparse layers (None for a dense
-        model). `expert_ids_LBTk` (int32 [L, B, T, k], L sparse layers): router replay, each
-        token's experts as given (weighted by the current router's probabilities)."""
+        model). `expert_ids_lBTc` (int32 [l, B, T, c]: l sparse layers, c experts per token):
+        router replay, each token's experts as given (weighted by the current router's
+        probabilities)."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
         if cfg.embed_scale:
@@ -442,15 +443,15 @@ class Decoder(nnx.Module):
             valid_BT = jnp.ones(tokens_BT.shape, bool) if valid_BT is None else valid_BT
         if cache is None and remat != "none":
             x, routings = _remat_layers(
-                self.layers, x, positions_BT, mask, remat, valid_BT, expert_ids_LBTk
+                self.layers, x, positions_BT, mask, remat, valid_BT, expert_ids_lBTc
             )
             return self.final_norm(x), None, moe_lib.stack(routings) if routings else None
         new_k, new_v, routings = [], [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             ids = None
-            if layer.sparse and expert_ids_LBTk is not None:
-                ids = expert_ids_LBTk[len(routings)]
+            if layer.sparse and expert_ids_lBTc is not None:
+                ids = expert_ids_lBTc[len(routings)]
             x, kv, routing = layer(x, positions_BT, mask, kv, slots_BT, valid_BT, ids)
             if routing is not None:
                 routings.append(routing)
@@ -542,7 +543,7 @@ def routed_hidden(
     cache=None,
     segments_BT=None,
     remat="none",
-    expert_ids_LBTk=None,
+    expert_ids_lBTc=None,
     mesh=None,
 ):
     """(hidden [B, T, D], cache, `moe.Routing` or None): `hidden` with what the routers chose
@@ -554,7 +555,7 @@ def routed_hidden(
         context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with context:
         return decoder.routed(
-            tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, expert_ids_LBTk
+            tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, expert_ids_lBTc
         )
 
 
