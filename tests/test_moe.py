@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rounding
+from conftest import load_config, rounding
 from flax import nnx
 
-from rlscale import model, objectives, sharding
+from rlscale import model, objectives, rl, sharding
 from rlscale.model import decoder, hf, moe
 
 torch = pytest.importorskip("torch")
@@ -299,6 +299,21 @@ def test_bad_moe_settings_fail_naming_the_key():
         "policy_gradient | moe_aux | aggregate(mode=token_mean)", group_size=2, max_len=3
     )
     assert any("moe_aux" in p and "loss_sum" in p for p in problems), problems
+    # A run: the chain's auxiliary losses on a dense model, and an expert axis that does not
+    # divide the experts, named before anything is built.
+    config = load_config("quickstart")
+    config.objective.chain += " | moe_aux(lb=0.001)"
+    with pytest.raises(ValueError) as e:
+        rl.resolve(config)
+    assert "moe_aux needs term 'moe_lb', which this run does not supply: the model has no" in (
+        str(e.value)
+    )
+    config.model.update(num_experts=6, experts_per_token=2, moe_intermediate_size=16)
+    config.mesh.shape = (2, 1, 1, 4)
+    with pytest.raises(ValueError) as e:
+        rl.resolve(config)
+    assert "mesh.shape=(2, 1, 1, 4): the expert axis (4 devices) does not divide" in str(e.value)
+    assert "moe_aux" not in str(e.value)
 
 
 def test_dense_forward_has_no_routing_and_the_presets_count():
