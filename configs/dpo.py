@@ -48,6 +48,7 @@ def get_config(arg=None):
     if arg.smoke:
         config_lib.smoke(c)
         c.batch.group_size = 2
-        c.preference.prompts = 0  # Pairs from all 200 smoke prompts x 8 samples.
+        # Pairs from 32 prompts x 8 samples: more than the 3 steps x 8 pairs draw.
+        c.preference.prompts = 32
         c.learner.pack_length = 0  # As the quickstart's smoke: the tests' shared warm start.
     return c

@@ -158,6 +158,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         think_budget=0,
         interrupt_phrase=" Answer:",
         think_end=" Answer",
+        # The rollouts' generator's weights, activations and KV cache: "float32", "bfloat16"
+        # or "float16"; "" keeps the learner's (`model.dtype`, `model.param_dtype`).
+        generator_dtype="",
     )
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (docs/learner.md): completions are trimmed to one of

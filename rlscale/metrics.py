@@ -1,11 +1,12 @@
 """The one metrics writer: JSONL (`WORKDIR/metrics.jsonl`), TensorBoard events, one console
 line per step (`console.StepLines`). Every record carries `step`, `compute/flops` and
-`compute/device_seconds`."""
+`compute/device_seconds`. A `Histogram` value goes to TensorBoard only."""
 
 import json
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,19 @@ def _import_tensorboardx():
 
 
 SummaryWriter = _import_tensorboardx().SummaryWriter
+
+
+class Histogram(NamedTuple):
+    """A record's histogram: `counts[i]` values in (limits[i - 1], limits[i]] (the first
+    bucket from -inf), and the values' min, max, sum and sum of squares. Written to
+    TensorBoard (`add_histogram_raw`); not to metrics.jsonl, the console or a sink."""
+
+    limits: np.ndarray
+    counts: np.ndarray
+    min: float
+    max: float
+    sum: float
+    sum_squares: float
 
 
 def _plain(v):
@@ -79,6 +93,8 @@ class MetricWriter:
                 raise KeyError(f"metric record for step {step} lacks {key!r}")
         if not self.enabled:
             return
+        hists = {k: v for k, v in metrics.items() if isinstance(v, Histogram)}
+        metrics = {k: v for k, v in metrics.items() if k not in hists}
         record = {"step": int(step), **{k: _plain(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -86,6 +102,18 @@ class MetricWriter:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 # TensorBoard tags allow no "@": eval/pass@1 -> eval/pass_at_1.
                 self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+        for k, h in sorted(hists.items()):
+            self._tb.add_histogram_raw(
+                k,
+                min=h.min,
+                max=h.max,
+                num=int(h.counts.sum()),
+                sum=h.sum,
+                sum_squares=h.sum_squares,
+                bucket_limits=[float(x) for x in h.limits],
+                bucket_counts=[int(x) for x in h.counts],
+                global_step=step,
+            )
         if self.sink is not None:
             self.sink.log(step, record)
         if progress:

@@ -17,7 +17,7 @@ from rlscale import tokenizers as tokenizer_lib
 from rlscale.data import load as data_load
 from rlscale.model.config import ModelConfig
 from rlscale.rewards import isolation
-from rlscale.sampling import Sampler, SamplingConfig
+from rlscale.sampling import Sampler, SamplingConfig, precision
 from rlscale.sampling.sampler import think_budget_problems
 from rlscale.tokenizers import chat
 
@@ -26,7 +26,9 @@ from rlscale.tokenizers import chat
 class SamplingSettings(sections.Section):
     """`config.sampling`: a run's `SamplingConfig` before a tokenizer gives its token ids.
     Forced interruption (ScaleRL): after `think_budget` tokens without `think_end` (one token),
-    `interrupt_phrase` is written in and the model answers (0: off)."""
+    `interrupt_phrase` is written in and the model answers (0: off). `generator_dtype`: the
+    rollouts' generator's weights, activations and KV cache in "float32", "bfloat16" or
+    "float16" ("": the learner's own; `sampling.precision`)."""
 
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -36,9 +38,11 @@ class SamplingSettings(sections.Section):
     think_budget: int = 0
     interrupt_phrase: str = " Answer:"
     think_end: str = " Answer"
+    generator_dtype: str = ""
 
     def problems(self) -> list[str]:
         problems = sections.at_least("sampling.max_new_tokens", self.max_new_tokens, 1)
+        problems += precision.problems(self.generator_dtype)
         t = self.temperature
         if not isinstance(t, (int, float)) or t < 0:
             problems.append(f"sampling.temperature={t!r} must be a number >= 0")

@@ -5,6 +5,10 @@ A rule table maps each logical axis to mesh axes; there is one table for trainin
 `fsdp`, tensor parallelism over `tensor`, batch over `data` and `fsdp`) and one for sampling
 (weights replicated across `data` and `fsdp`, tensor parallel over `tensor`, batch over `data`
 and `fsdp`). Moving params between the two is `reshard`.
+
+A mixture-of-experts model may add a fourth mesh axis, `expert` (`make_mesh` with four sizes):
+its experts shard over it and, everywhere else, it is one more batch axis. A mesh axis a rule
+names but the mesh lacks is skipped, so three-axis meshes lay out as they always have.
 """
 
 import dataclasses
@@ -21,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlscale import sections
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+EXPERT_MESH_AXES = MESH_AXES + ("expert",)  # A four-entry mesh shape: expert parallelism.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -36,6 +41,8 @@ TRAIN_RULES: Rules = (
     ("norm", None),
     ("seq", None),
     ("cache_seq", None),
+    ("expert", "expert"),
+    ("expert_mlp", None),
 )
 
 # Sampling keeps whole weights on each (data, fsdp) replica: no all-gather per decode step.
@@ -48,24 +55,28 @@ RULES = {"train": TRAIN_RULES, "sample": SAMPLE_RULES}
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(sections.Section):
-    """`config.mesh`: the sizes of (data, fsdp, tensor); -1 takes the remaining devices (the
-    mesh builder's rules are checked against the devices by `rl.checks`)."""
+    """`config.mesh`: the sizes of (data, fsdp, tensor), or of (data, fsdp, tensor, expert)
+    for expert parallelism; -1 takes the remaining devices (the mesh builder's rules are
+    checked against the devices by `rl.checks`)."""
 
     shape: tuple = (-1, 1, 1)
 
 
 def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
-    """A mesh over axes (data, fsdp, tensor); one entry of `shape` may be -1 (fill).
+    """A mesh over axes (data, fsdp, tensor), or (data, fsdp, tensor, expert) given four
+    sizes; one entry of `shape` may be -1 (fill).
 
     Args:
-      shape: sizes of (data, fsdp, tensor).
+      shape: sizes of (data, fsdp, tensor) or (data, fsdp, tensor, expert).
       devices: defaults to all devices (all hosts' devices under `jax.distributed`).
     """
     devices = np.asarray(jax.devices() if devices is None else devices)
     shape = [int(s) for s in shape]
-    if len(shape) != len(MESH_AXES):
+    axes = EXPERT_MESH_AXES if len(shape) == len(EXPERT_MESH_AXES) else MESH_AXES
+    if len(shape) != len(axes):
         raise ValueError(
-            f"mesh shape {tuple(shape)} must have {len(MESH_AXES)} entries for axes {MESH_AXES}"
+            f"mesh shape {tuple(shape)} must have {len(MESH_AXES)} entries for axes {MESH_AXES} "
+            f"or {len(EXPERT_MESH_AXES)} for {EXPERT_MESH_AXES}"
         )
     if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
         raise ValueError(f"mesh shape {tuple(shape)}: sizes must be positive, at most one -1")
@@ -86,8 +97,8 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
         )
     # Auto axes: XLA propagates shardings from the annotated inputs and outputs. make_mesh
     # orders devices for the physical topology (TPU ICI rings) where it knows one.
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(tuple(shape), MESH_AXES, auto, devices=list(devices.flat))
+    auto = (jax.sharding.AxisType.Auto,) * len(axes)
+    return jax.make_mesh(tuple(shape), axes, auto, devices=list(devices.flat))
 
 
 def role_meshes(shape: Sequence[int], generator_devices: int) -> tuple[Mesh, Mesh]:
@@ -113,7 +124,8 @@ def logical_to_spec(
 
     A mesh axis is used at most once per array (first logical axis wins) and is dropped for a
     dimension it does not divide (that dimension is then replicated), so e.g. 2 kv heads on a
-    4-way tensor axis replicate instead of failing.
+    4-way tensor axis replicate instead of failing; one the mesh lacks (`expert` on a
+    three-axis mesh) is dropped too.
     """
     table = dict(rules)
     used, spec = set(), []
@@ -124,6 +136,8 @@ def logical_to_spec(
         mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
         kept = []
         for ax in mesh_axes:
+            if ax not in mesh.axis_names:
+                continue
             size = int(np.prod([mesh.shape[a] for a in kept + [ax]]))
             if ax in used or (shape is not None and shape[i] % size):
                 continue
@@ -180,7 +194,7 @@ def batch_divisor(mesh: Mesh, rules: Rules = SAMPLE_RULES) -> int:
     """How many ways the batch dimension is split: a batch must be a multiple of this."""
     target = dict(rules)["batch"]
     axes = (target,) if isinstance(target, str) else tuple(target or ())
-    return int(np.prod([mesh.shape[a] for a in axes]))
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.axis_names]))
 
 
 def log_layout(params, name: str = "params"):

@@ -1,5 +1,6 @@
-"""Off-policy corrections (`objectives.corrections`) against hand-computed values on a batch
-with known ratios, jitted; their start-up messages; and one smoke run chaining them all."""
+"""Off-policy corrections (`objectives.corrections`) against hand-computed values on batches
+with known ratios (one at a bfloat16 generator's scale), jitted; their start-up messages; and
+one smoke run chaining them all, its generator in bfloat16."""
 
 import json
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import load_config, metric_lines, rounding
+from test_generator_precision import tensorboard_histograms
 
 from rlscale import objectives as obj
 from rlscale import rl
@@ -94,6 +96,36 @@ def test_geometric_rejection_uses_the_mean_log_ratio():
     # A band 1 +- 1e-3 keeps row 2 (mean 0) however tight a per-token band would have to be.
     out = _run(obj.geometric_rejection(low=0.999, high=1.001), _terms())
     assert np.asarray(out["mask"])[2].tolist() == [True, True, False, False]
+
+
+# bfloat16's unit roundoff: a bfloat16 generator's |log rho| is a few of it per token
+# (test_generator_precision).
+U_BF16 = 2.0**-8
+
+
+def test_bands_at_the_bfloat16_generators_scale():
+    """Per-token log rho of a few bfloat16 roundings: icepop's, masked_is's, k3's and M2PO's
+    bands pass every token, and geometric_rejection's 1 +- 1e-3 (log band +-9.995e-4) tells
+    rows whose mean log rho is 1.05e-3 and 5e-4 apart, which float32 logprobs of magnitude
+    <= 2 resolve (their difference is within 2.4e-7 of log rho)."""
+    log_rho = (
+        np.array(
+            [
+                [2.6, 1.3, -0.8, 2.0],  # x u: mean 1.28 u = 5.0e-3, rejected
+                [0.5, -0.25, 0.14, 7.0],  # mean 0.13 u = 5.2e-4, kept
+                [0.4, 0.1376, 0.0, 0.0],  # mean 0.2688 u = 1.05e-3, rejected
+            ]
+        )
+        * U_BF16
+    )
+    terms = {**_terms(), "old_logp": jnp.asarray(SAMPLER + log_rho, jnp.float32)}
+    out = _run(obj.geometric_rejection(low=0.999, high=1.001), terms)
+    np.testing.assert_array_equal(out["mask"], MASK & np.array([[0], [1], [0]], bool))
+    _fractions(out, "geometric_rejection", tokens=6, seqs=2)
+    for transform in (obj.icepop(), obj.k3_rejection(max_kl=0.001), obj.m2po(tau=0.04)):
+        np.testing.assert_array_equal(_run(transform, terms)["mask"], MASK)
+    out = _run(obj.masked_is(low=0.5, high=2.0), {**terms, "loss": jnp.ones((3, 4))})
+    np.testing.assert_array_equal(out["mask"], MASK)
 
 
 def test_k3_rejection_against_numpy():
@@ -255,20 +287,49 @@ MASKED = [
 ]
 
 
-def test_smoke_run_reports_every_correction(warm, shared_workdir):
+def off_policy_smoke(warm, shared_workdir):
+    """The off_policy config's smoke run with every correction, its generator in bfloat16
+    (the config's default), reusing the shared warm start: (config, workdir)."""
     config = load_config("off_policy", "smoke,correction=all")
     config.sft.reuse_from = str(warm)
     workdir = shared_workdir("recipe_off_policy_all", lambda w: rl.run(rl.resolve(config), str(w)))
+    return config, workdir
+
+
+def test_smoke_run_reports_every_correction(warm, shared_workdir):
+    """A synchronous run whose generator samples in bfloat16 beside the float32 learner: the
+    gap is a few bfloat16 roundings per token (float32's is 5e-7, test_rl), the corrections
+    whose band is that narrow mask, the others do not, and TensorBoard has the per-token
+    log-ratio histogram of every step."""
+    config, workdir = off_policy_smoke(warm, shared_workdir)
     train = metric_lines(workdir)[1:]
     assert len(train) == config.steps
     for line in train:
         assert np.isfinite(line["train/loss"])
         for key in MASKED:
             assert 0.0 <= line[key] <= 1.0, (key, line[key])
-        # A synchronous run: the trainer's logprobs equal the generator's up to rounding
-        # (test_rl asserts a gap < 1e-4), so rho = 1 +- 1e-4 and no band masks anything.
-        assert all(line[key] == 0.0 for key in MASKED), line
-        assert 0.0 <= line["train/rollout_kl"] < 1e-7
-        assert 0.0 <= line["train/m2po_m2"] < 1e-7
+        # The window of test_generator_precision's sampler-level gap (measured here: 4.6e-3 to
+        # 5.0e-3, 1.2-1.3 u). 1 - r is about Var(p dlogp) / 2 Var(p), 1.4e-5 to 1.8e-5;
+        # float32's r is 1 within 3e-7 (tests/golden).
+        assert U_BF16 / 4 < line["train/logp_gap_abs"] < 16 * U_BF16, line
+        assert line["train/prob_pearson"] < 1.0 - 1e-6, line
+        # geometric_rejection's 1 +- 1e-3 on a sequence's mean log rho is narrower than the
+        # bfloat16 gap (test_bands_at_the_bfloat16_generators_scale): it rejects sequences.
+        # The other bands lie orders of magnitude beyond a few u: nothing.
+        assert line["train/geometric_rejection_masked_seqs"] > 0.0, line
+        for name in ("icepop", "k3_rejection", "m2po", "masked_is"):
+            assert line[f"train/{name}_masked_tokens"] == 0.0, (name, line)
+        assert 0.0 < line["train/m2po_m2"] < (16 * U_BF16) ** 2
+    hists = tensorboard_histograms(workdir)
+    for step in range(1, config.steps + 1):
+        h = hists["train/log_ratio", step]
+        assert h.num > 0 and sum(h.bucket) == h.num
+        # Most tokens' |log rho| in (1e-4, 1e-1]: bfloat16's decades, not float32's.
+        # The buckets (-0.1, -0.01], ..., (-1e-3, -1e-4] and (1e-4, 1e-3], ..., (0.01, 0.1]
+        # (`logp_match.LIMITS`): upper limits in [-0.01, -1e-4], lower in [1e-4, 0.01].
+        limits = list(h.bucket_limit)
+        low = sum(c for c, hi in zip(h.bucket, limits) if -0.05 < hi < -5e-5)
+        high = sum(c for c, lo in zip(h.bucket, [-np.inf] + limits) if 5e-5 < lo < 0.05)
+        assert low + high > h.num / 2, list(h.bucket)
     with open(workdir / "summary.json") as f:
         assert json.load(f)["compute/flops"] > 0

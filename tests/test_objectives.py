@@ -688,6 +688,7 @@ def test_registered_names_are_the_factories():
         "k3_rejection",
         "m2po",
         "rollout_kl",
+        "moe_aux",
     }
     for e in registry.entries():
         assert getattr(obj, e.name) is e.factory

@@ -309,6 +309,7 @@ def table() -> str:
 
 @register(
     "xla",
+    dtypes=("float32", "bfloat16", "float16"),
     summary="`causal_attention`: float32 scores 128 queries at a time, the key blocks "
     "outside the causal window skipped",
 )

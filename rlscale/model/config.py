@@ -13,7 +13,7 @@ from rlscale.model import attention as attention_lib
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,13 @@ class ModelConfig:
       sliding_window: W > 0: a token attends only to the last W tokens (itself included); 0:
         to all earlier ones.
       attn_softcap: cap > 0: attention logits become cap * tanh(logits / cap) (Gemma 2); 0: off.
+      num_experts: E > 0: the MLP of each sparse layer is a mixture of E experts
+        (`rlscale.model.moe`, Qwen3-MoE); 0: every layer has the dense MLP.
+      experts_per_token: k, the experts each token is routed to (top-k of the router).
+      moe_intermediate_size: each expert's gated-MLP hidden width.
+      norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE).
+      decoder_sparse_step: layer i is sparse when (i + 1) is a multiple of this (Qwen3-MoE).
+      mlp_only_layers: layers that keep the dense MLP (`mlp_dim`) whatever the step.
     """
 
     vocab_size: int
@@ -84,8 +91,16 @@ class ModelConfig:
     attention: str = "xla"
     sliding_window: int = 0
     attn_softcap: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        # A list from a ConfigDict or config.json: a tuple keeps the config hashable.
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         problems = []
         for name in (
             "vocab_size",
@@ -115,8 +130,40 @@ class ModelConfig:
         problems += attention_lib.problems(
             self.attention, self.sliding_window, self.attn_softcap, self.dtype
         )
+        problems += self._moe_problems()
         if problems:
             raise ValueError("Invalid model config: " + "; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        E, k = self.num_experts, self.experts_per_token
+        if E < 0:
+            return [f"num_experts={E} must be 0 (dense) or positive"]
+        if E == 0:
+            return [f"experts_per_token={k} needs num_experts > 0"] if k else []
+        problems = []
+        if not 1 <= k <= E:
+            problems.append(f"experts_per_token={k} must be in [1, num_experts={E}]")
+        if self.moe_intermediate_size <= 0:
+            problems.append(f"moe_intermediate_size={self.moe_intermediate_size} must be positive")
+        if self.decoder_sparse_step < 1:
+            problems.append(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            problems.append(f"mlp_only_layers {bad} are not layers of num_layers={self.num_layers}")
+        return problems
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse layers, in order: the l of the routers' outputs [l, B, T, c]."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
     def compute_dtype(self):
@@ -134,8 +181,10 @@ class ModelConfig:
             attn += H * E + 2 * K * E
         if self.qk_norm:
             attn += 2 * E
-        layer = attn + 3 * D * F + 2 * D
-        total = self.num_layers * layer + D
+        moe = D * self.num_experts + 3 * self.num_experts * D * self.moe_intermediate_size
+        moe_layers = len(self.moe_layers)
+        dense_layers = self.num_layers - moe_layers
+        total = self.num_layers * (attn + 2 * D) + dense_layers * 3 * D * F + moe_layers * moe + D
         embed = self.vocab_size * D
         head = 0 if self.tie_embeddings else D * self.vocab_size
         return total + head + (embed if include_embedding else 0)
@@ -277,6 +326,39 @@ _PRESETS = {
         max_seq_len=40960,
         rope_theta=1_000_000.0,
         qk_norm=True,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+    # A tiny Qwen3-MoE: 8 experts (one per device of an 8-way expert mesh), top-2; unit tests.
+    "tiny_moe": dict(
+        vocab_size=256,
+        num_layers=2,
+        d_model=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        max_seq_len=256,
+        qk_norm=True,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=32,
+    ),
+    # Qwen3-30B-A3B: 128 experts, top-8, every layer sparse (~3.3B active parameters).
+    "qwen3_30b_a3b": dict(
+        vocab_size=151936,
+        num_layers=48,
+        d_model=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        mlp_dim=6144,
+        max_seq_len=40960,
+        rope_theta=1_000_000.0,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
         dtype="bfloat16",
         param_dtype="bfloat16",
     ),

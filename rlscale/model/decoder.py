@@ -17,6 +17,7 @@ prefill into a cache of its own size). The static sampler's rows share one posit
 left-padded); the generator engine's slots each advance their own.
 """
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from flax import nnx
 
 from rlscale import sharding
 from rlscale.model import attention as attention_lib
+from rlscale.model import moe as moe_lib
 from rlscale.model.attention import attention, causal_attention  # noqa: F401 (re-exported)
 from rlscale.model.config import ModelConfig
 
@@ -300,16 +302,29 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Pre-norm attention and MLP; the MLP of a sparse layer (`ModelConfig.is_moe_layer`) is
+    the mixture of experts (`moe.MoE`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.sparse = cfg.is_moe_layer(layer)
+        if self.sparse:
+            self.moe = moe_lib.MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, mask, kv=None, slots_BT=None):
+    def __call__(
+        self, x_BTD, positions_BT, mask, kv=None, slots_BT=None, valid_BT=None, expert_ids_BTc=None
+    ):
+        """(x, kv, routing): `routing` is a sparse layer's `moe.Routing` (None when dense)."""
         h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask, kv, slots_BT)
         x_BTD = x_BTD + h
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
+        if not self.sparse:
+            return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv, None
+        y_BTD, routing = self.moe(self.mlp_norm(x_BTD), valid_BT, expert_ids_BTc)
+        return x_BTD + y_BTD, kv, routing
 
 
 # What a block's backward pass keeps from its forward pass (`jax.checkpoint` policies):
@@ -325,22 +340,41 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str):
-    """The blocks as one `lax.scan` over their stacked params, each step under
-    `jax.checkpoint` with the `remat` policy. Inside a loop the backward pass recomputes one
-    block at a time; an unrolled chain of checkpointed blocks leaves that order to XLA's
-    scheduler, and XLA:CPU's keeps every block's activations anyway (measured: an 8-block
-    gradient's temporaries fall by 1% unrolled, by 6x scanned). Stacking copies the blocks'
-    params once per call (sharded as they are)."""
-    graphdef, _ = nnx.split(layers[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
-
-    def block(x_BTD, state):
-        return nnx.merge(graphdef, state)(x_BTD, positions_BT, mask)[0], None
-
+def _remat_layers(layers, x_BTD, positions_BT, mask, remat: str, valid_BT, expert_ids_lBTc):
+    """The blocks as `lax.scan`s over their stacked params (one per run of consecutive
+    blocks of one kind, dense or sparse), each step under `jax.checkpoint` with the `remat`
+    policy. Inside a loop the backward pass recomputes one block at a time; an unrolled chain
+    of checkpointed blocks leaves that order to XLA's scheduler, and XLA:CPU's keeps every
+    block's activations anyway (measured: an 8-block gradient's temporaries fall by 1%
+    unrolled, by 6x scanned). Stacking copies the blocks' params once per call (sharded as
+    they are). Returns (x, the sparse blocks' routings)."""
     policy = REMAT_POLICIES[remat]
-    x_BTD, _ = jax.lax.scan(jax.checkpoint(block, policy=policy, prevent_cse=False), x_BTD, stacked)
-    return x_BTD
+    routings, start, sparse_seen = [], 0, 0
+    while start < len(layers):
+        end = start
+        while end < len(layers) and layers[end].sparse == layers[start].sparse:
+            end += 1
+        run = layers[start:end]
+        graphdef, _ = nnx.split(run[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in run))
+        ids = None
+        if run[0].sparse and expert_ids_lBTc is not None:
+            ids = expert_ids_lBTc[sparse_seen : sparse_seen + len(run)]
+
+        def block(x_BTD, xs, graphdef=graphdef):
+            state, ids_BTc = xs
+            x_BTD, _, routing = nnx.merge(graphdef, state)(
+                x_BTD, positions_BT, mask, valid_BT=valid_BT, expert_ids_BTc=ids_BTc
+            )
+            return x_BTD, routing
+
+        step = jax.checkpoint(block, policy=policy, prevent_cse=False)
+        x_BTD, routing = jax.lax.scan(step, x_BTD, (stacked, ids))
+        if run[0].sparse:  # Each step's [1, ...] fields, stacked: [n, 1, ...].
+            routings.append(moe_lib.Routing(*(r.reshape(-1, *r.shape[2:]) for r in routing)))
+            sparse_seen += len(run)
+        start = end
+    return x_BTD, routings
 
 
 class Decoder(nnx.Module):
@@ -350,7 +384,7 @@ class Decoder(nnx.Module):
         V, D, pd = cfg.vocab_size, cfg.d_model, cfg.weight_dtype
         embed_init = nnx.initializers.normal(1.0 / math.sqrt(D))
         self.embedding = _param(rngs, embed_init, (V, D), ("vocab", "embed"), pd)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(D, cfg, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, _kernel_init(0, 1), (D, V), ("embed", "vocab"), pd)
@@ -370,6 +404,23 @@ class Decoder(nnx.Module):
         `segments_BT` (no cache): packed rows, where a token attends only to the earlier
         tokens of its own segment (ids > 0; 0 is padding) and `mask_BT` is ignored.
         `remat` (no cache): what each block's backward pass keeps (`REMAT_POLICIES`)."""
+        h, cache, _ = self.routed(tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat)
+        return h, cache
+
+    def routed(
+        self,
+        tokens_BT,
+        positions_BT,
+        mask_BT,
+        cache: KVCache | None = None,
+        segments_BT=None,
+        remat: str = "none",
+        expert_ids_lBTc=None,
+    ):
+        """`hidden`, and the routers' `moe.Routing` over the sparse layers (None for a dense
+        model). `expert_ids_lBTc` (int32 [l, B, T, c]: l sparse layers, c experts per token):
+        router replay, each token's experts as given (weighted by the current router's
+        probabilities)."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
         if cfg.embed_scale:
@@ -386,19 +437,31 @@ class Decoder(nnx.Module):
             valid_BS = _write_rows(cache.valid_BS, mask_BT, slots_BT, 1)
             mask = attention_lib.cache_mask(valid_BS, slots_BT, cfg.sliding_window)
             index_B = cache.index_B + T
+        valid_BT = None  # The real tokens, which the routers' statistics count.
+        if cfg.num_experts:
+            valid_BT = segments_BT > 0 if segments_BT is not None else mask_BT
+            valid_BT = jnp.ones(tokens_BT.shape, bool) if valid_BT is None else valid_BT
         if cache is None and remat != "none":
-            return self.final_norm(_remat_layers(self.layers, x, positions_BT, mask, remat)), None
-        new_k, new_v = [], []
+            x, routings = _remat_layers(
+                self.layers, x, positions_BT, mask, remat, valid_BT, expert_ids_lBTc
+            )
+            return self.final_norm(x), None, moe_lib.stack(routings) if routings else None
+        new_k, new_v, routings = [], [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions_BT, mask, kv, slots_BT)
+            ids = None
+            if layer.sparse and expert_ids_lBTc is not None:
+                ids = expert_ids_lBTc[len(routings)]
+            x, kv, routing = layer(x, positions_BT, mask, kv, slots_BT, valid_BT, ids)
+            if routing is not None:
+                routings.append(routing)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         h = self.final_norm(x)
         if cache is not None:
             cache = KVCache(tuple(new_k), tuple(new_v), valid_BS, index_B)
-        return h, cache
+        return h, cache, moe_lib.stack(routings) if routings else None
 
     def logits(self, h_BTD):
         """LM head; in float32 when `fp32_lm_head` (ScaleRL), else in the compute dtype."""
@@ -449,6 +512,9 @@ def init_sharded(cfg: ModelConfig, rng: Array, mesh, rules=sharding.TRAIN_RULES)
     The shapes come from `nnx.eval_shape` and the init is jitted with `out_shardings`, so a
     large model is never materialized on one device.
     """
+    problems = moe_lib.mesh_problems(cfg, dict(mesh.shape))
+    if problems:
+        raise ValueError("; ".join(problems))
     graphdef, abstract = abstract_model(cfg)
     shardings = sharding.param_shardings(abstract, mesh, rules)
     params = jax.jit(lambda r: init_params(cfg, r), out_shardings=shardings)(rng)
@@ -466,6 +532,31 @@ def hidden(
     return nnx.merge(graphdef, params).hidden(
         tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat
     )
+
+
+def routed_hidden(
+    graphdef,
+    params,
+    tokens_BT,
+    positions_BT,
+    mask_BT,
+    cache=None,
+    segments_BT=None,
+    remat="none",
+    expert_ids_lBTc=None,
+    mesh=None,
+):
+    """(hidden [B, T, D], cache, `moe.Routing` or None): `hidden` with what the routers chose
+    (`Decoder.routed`). `mesh`: its `expert` axis, if any, runs the experts expert-parallel
+    (the mesh may also come from the caller's `jax.set_mesh`)."""
+    decoder = nnx.merge(graphdef, params)
+    context = contextlib.nullcontext()
+    if mesh is not None and decoder.cfg.num_experts:  # Read by `moe.experts` at trace time.
+        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with context:
+        return decoder.routed(
+            tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, expert_ids_lBTc
+        )
 
 
 def logits(graphdef, params, h_BTD):

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints: import into rlscale params, placed on their shards, and export back.
 
 Supported families: Llama (2, 3, 3.1 RoPE scaling), Qwen2/Qwen2.5 (q/k/v biases, YaRN),
-Qwen3 (QK-norm) and Gemma (1 + scale norms, GeGLU, scaled embeddings). A checkpoint is a
+Qwen3 (QK-norm), Qwen3-MoE (QK-norm, sparse layers of `moe.MoE`, each expert's tensors
+stacked into one parameter) and Gemma (1 + scale norms, GeGLU, scaled embeddings). A checkpoint is a
 directory with `config.json` and one `model.safetensors` or several files listed in
 `model.safetensors.index.json`.
 
@@ -25,14 +26,15 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlscale import sharding
-from rlscale.model import decoder
+from rlscale.model import decoder, moe
 from rlscale.model.config import ModelConfig
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma": "GemmaForCausalLM",
 }
 # Tensors some checkpoints carry that are derived, not learned.
@@ -114,19 +116,34 @@ def config_from_hf(d: dict, *, dtype: str | None = None, **overrides) -> ModelCo
         norm_plus_one=family == "gemma",
         activation="silu" if act == "silu" else "gelu_tanh",
         attn_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(d.get("tie_word_embeddings", family == "gemma")),
         embed_scale=family == "gemma",
         dtype=dtype,
         param_dtype=dtype,
         **_rope_fields(d),
+        **(_moe_fields(d) if family == "qwen3_moe" else {}),
     )
     return ModelConfig(**{**fields, **overrides})
+
+
+def _moe_fields(d: dict) -> dict:
+    """Qwen3-MoE's expert settings (transformers 5 also writes `num_local_experts`)."""
+    return dict(
+        num_experts=d.get("num_experts") or d["num_local_experts"],
+        experts_per_token=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+    )
 
 
 def family_of(cfg: ModelConfig) -> str:
     if cfg.norm_plus_one:
         return "gemma"
+    if cfg.num_experts:
+        return "qwen3_moe"
     if cfg.qk_norm:
         return "qwen3"
     if cfg.attn_bias:
@@ -167,6 +184,15 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
     }
     if family == "gemma":
         d["hidden_activation"] = d["hidden_act"]
+    if family == "qwen3_moe":
+        d.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+        )
     if cfg.rope_scaling != "none":
         scaling = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
         if cfg.rope_scaling == "llama3":
@@ -182,8 +208,9 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-# Name and layout mapping: for each rlscale parameter path, the HF tensor name and the two
-# layout transforms (HF -> rlscale, rlscale -> HF). HF linear weights are [out, in].
+# Name and layout mapping: for each rlscale parameter path, the HF tensor name (a tuple of
+# names for the experts' stacked weights, one tensor per expert) and the two layout
+# transforms (HF -> rlscale, rlscale -> HF). HF linear weights are [out, in].
 # ------------------------------------------------------------------------------------------
 
 
@@ -191,8 +218,8 @@ def _path_str(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _mapping(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[str, Callable, Callable]:
-    """(hf_name, to_ours, to_hf) for one rlscale parameter path."""
+def _mapping(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[str | tuple, Callable, Callable]:
+    """(hf_name or hf_names, to_ours, to_hf) for one rlscale parameter path."""
     D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     same = (lambda x: x, lambda x: x)
     transpose = (lambda x: x.T, lambda x: x.T)
@@ -219,7 +246,12 @@ def _mapping(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[str, Callable, Ca
         ("mlp", "gate"): ("mlp.gate_proj.weight", *transpose),
         ("mlp", "up"): ("mlp.up_proj.weight", *transpose),
         ("mlp", "down"): ("mlp.down_proj.weight", *transpose),
+        ("moe", "router"): ("mlp.gate.weight", *transpose),
     }
+    experts = (lambda x: x.transpose(0, 2, 1), lambda x: x.transpose(0, 2, 1))
+    for name in ("gate", "up", "down"):
+        names = tuple(f"{prefix}mlp.experts.{j}.{name}_proj.weight" for j in range(cfg.num_experts))
+        table[("moe", name)] = (names, *experts)
     for name, n in heads.items():
         table[("attn", name)] = (
             f"self_attn.{name}_proj.weight",
@@ -234,7 +266,7 @@ def _mapping(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[str, Callable, Ca
     if rest not in table:
         raise ValueError(f"no Hugging Face name for parameter {'/'.join(path)}")
     name, to_ours, to_hf = table[rest]
-    return (prefix + name, to_ours, to_hf)
+    return (name if isinstance(name, tuple) else prefix + name, to_ours, to_hf)
 
 
 def _checkpoint_files(path: str) -> dict[str, str]:
@@ -285,6 +317,9 @@ def load_hf(
         raise FileNotFoundError(f"{config_path} does not exist")
     with open(config_path) as f:
         cfg = config_from_hf(json.load(f), dtype=dtype, **overrides)
+    problems = [] if mesh is None else moe.mesh_problems(cfg, dict(mesh.shape))
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
     files = _checkpoint_files(path)
     graphdef, abstract = decoder.abstract_model(cfg)
     used = set()
@@ -301,10 +336,13 @@ def load_hf(
 
     def load(p, v):
         name, to_ours, _ = _mapping(cfg, _path_str(p))
-        host = to_ours(read(name))
+        # An expert parameter: its experts' tensors stacked.
+        stacked = isinstance(name, tuple)
+        host = to_ours(np.stack([read(n) for n in name]) if stacked else read(name))
         if host.shape != v.shape:
+            which = f"tensors {name[0]!r}..." if stacked else f"tensor {name!r}"
             raise ValueError(
-                f"{files[name]}: tensor {name!r} has shape {host.shape} after "
+                f"{files[name[0] if stacked else name]}: {which} has shape {host.shape} after "
                 f"conversion, the model expects {v.shape}"
             )
         host = host.astype(v.dtype)
@@ -382,7 +420,9 @@ def save_hf(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]:
         name, _, to_hf = _mapping(cfg, _path_str(p))
-        tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(v[...]))))
+        value = to_hf(np.asarray(jax.device_get(v[...])))
+        for n, t in zip(name, value) if isinstance(name, tuple) else [(name, value)]:
+            tensors[n] = np.ascontiguousarray(t)
     shards, current, size = [], {}, 0
     for name in sorted(tensors):
         nbytes = tensors[name].nbytes

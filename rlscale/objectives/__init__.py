@@ -26,6 +26,7 @@ from rlscale.objectives.corrections import (
     rollout_kl,
 )
 from rlscale.objectives.distill import distill_advantage
+from rlscale.objectives.moe_aux import moe_aux
 from rlscale.objectives.policy import (
     cispo,
     entropy_bonus,
@@ -86,6 +87,7 @@ __all__ = [
     "kto",
     "m2po",
     "masked_is",
+    "moe_aux",
     "names",
     "parse",
     "policy_gradient",

@@ -17,7 +17,18 @@ STAGES = ("batch", "loss")
 # Terms computed with a model pass; only those a chain requires are computed. The learner
 # computes all but `teacher_logp`, the teacher's pass, which the rollout stage runs
 # (`rl.rollouts.Teacher`) and the batch carries, as it carries the generator's `sampler_logp`.
-MODEL_TERMS = ("logp", "entropy", "value", "old_logp", "old_value", "ref_logp", "teacher_logp")
+# `moe_lb` and `moe_z`: a mixture-of-experts policy's auxiliary losses over the micro-batch.
+MODEL_TERMS = (
+    "logp",
+    "entropy",
+    "value",
+    "old_logp",
+    "old_value",
+    "ref_logp",
+    "teacher_logp",
+    "moe_lb",
+    "moe_z",
+)
 # Terms the run supplies to each stage (besides what earlier transforms provide).
 BATCH_TERMS = (
     "reward",
@@ -32,7 +43,7 @@ BATCH_TERMS = (
     "step_reward",
     "step_mask",
 )
-LOSS_TERMS = BATCH_TERMS + ("logp", "entropy", "value", "update")
+LOSS_TERMS = BATCH_TERMS + ("logp", "entropy", "value", "update", "moe_lb", "moe_z")
 # Keyword arguments the run injects into factories that accept them.
 RUN_ARGS = ("group_size", "max_len")
 AGGREGATION_TERMS = ("loss_sum", "denominator")

@@ -14,10 +14,12 @@ a worst-case batch: every completion `sampling.max_new_tokens` long) and the eng
                     bfloat16 params), likewise;
   ref_params        the frozen reference, where the chain reads `ref_logp` (0 on the device
                     with `learner.offload_ref`: it is then in host memory between updates);
-  generator_params  the sampling-layout copy of the policy the generator decodes with
-                    (0 where that layout is the training one and the roles share devices);
-  kv_cache          the engine's state: its KV cache over `slots` x (prompt bucket +
-                    max_new_tokens) columns, and the per-slot next-token logits and rows;
+  generator_params  the sampling-layout copy of the policy the generator decodes with, in
+                    its dtype (`sampling.generator_dtype`; 0 where that layout and dtype are
+                    the training ones and the roles share devices);
+  kv_cache          the engine's state: its KV cache (in the generator's dtype) over
+                    `slots` x (prompt bucket + max_new_tokens) columns, and the per-slot
+                    next-token logits and rows;
   grads             the update's float32 gradient accumulators;
   temp              the update's other temporaries (activations, logits, the reference
                     brought in from host): the compiled program's `memory_analysis()` temp
@@ -57,7 +59,7 @@ from rlscale.model import decoder, lora
 from rlscale.planning import topology
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
-from rlscale.sampling import SamplingConfig, engine
+from rlscale.sampling import SamplingConfig, engine, precision
 from rlscale.sampling.sampler import _Layout
 
 # The byte terms of `Plan.per_device_bytes`, in the order they are printed.
@@ -407,11 +409,13 @@ def plan_run(
     shared = gen_mesh is train_mesh
     graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P, targets)
 
-    # The generator: its params in the sampling layout, its state, its programs.
-    _, gen_params = abstract_params(model_cfg, gen_mesh, sharding.SAMPLE_RULES)
+    # The generator: its params in the sampling layout and its dtype
+    # (`sampling.generator_dtype`: its KV cache follows), its state, its programs.
+    gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
+    gen_graphdef, gen_params = abstract_params(gen_cfg, gen_mesh, sharding.SAMPLE_RULES)
     gen_progs = Compiler(gen_mesh, targets)
     engine_state, admitted, R = engine_programs(
-        config, graphdef, model_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
+        config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
     )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
 
@@ -445,6 +449,7 @@ def plan_run(
             "shared_devices": shared,
             "param_dtype": model_cfg.param_dtype,
             "dtype": model_cfg.dtype,
+            "generator_dtype": gen_cfg.dtype,
             "num_params": model_cfg.num_params(),
             "settings": advice_settings(config, model_cfg, train_mesh, P),
         },
@@ -468,11 +473,13 @@ def trainer_bytes(state, ref, update: dict) -> dict:
 
 def generator_bytes(params, gen_params, engine_state, entries, copy: bool) -> dict:
     """The generator's terms per device: the leaves of its sampling-layout params that are a
-    copy (all of them with `copy`, else those the reshard from `params` moves), the engine
-    state, and the largest temporaries of its compiled `entries`."""
+    copy (all of them with `copy`, else those the reshard from `params` moves or the cast to
+    the generator's dtype makes), the engine state, and the largest temporaries of its
+    compiled `entries`."""
 
     def moved(x, y):
-        return copy or not x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+        same = x.dtype == y.dtype and x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+        return copy or not same
 
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(gen_params))
     return {

@@ -11,6 +11,7 @@ import jax
 
 from rlscale import objectives, sharding
 from rlscale import tokenizers as tokenizer_lib
+from rlscale.model import moe
 from rlscale.objectives import preference as preference_losses
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib
@@ -53,7 +54,9 @@ def _mesh_problems(config) -> list[str]:
         return [f"mesh.shape={tuple(config.mesh.shape)} does not fit {n} devices{left}: {e}"]
     mesh = tuple(train.shape.values())
     problems = _pipeline_problems(config, sharding.batch_divisor(gen, sharding.SAMPLE_RULES))
-    div = mesh[0] * mesh[1]  # The batch is split over (data, fsdp).
+    if config.model is not None:  # A mixture of experts' expert axis (`model.moe`).
+        problems += moe.mesh_problems(config.model, dict(train.shape))
+    div = sharding.batch_divisor(train, sharding.TRAIN_RULES)  # data x fsdp (x expert).
     where = f"the mesh's batch axes (mesh.shape={mesh}: data x fsdp = {div})"
     if config.batch.prompts % div:
         problems.append(f"batch.prompts={config.batch.prompts} is not divisible by {where}")
@@ -367,14 +370,19 @@ def _objective_problems(config) -> list[str]:
 
 def _absent_terms(config) -> dict[str, str]:
     """Terms the batch carries but this run cannot fill, with why: the generator's logprobs
-    (`sampler_logp`) of greedy samples (0) and of preference pairs (never sampled)."""
+    (`sampler_logp`) of greedy samples (0) and of preference pairs (never sampled); a dense
+    model's auxiliary MoE losses."""
+    absent = {}
+    if config.model is not None and not config.model.num_experts:
+        why = "the model has no experts (model.num_experts=0)"
+        absent.update(moe_lb=why, moe_z=why)
     if config.sampling.temperature == 0:
         why = "sampling.temperature=0 (greedy) gives the sampled tokens no logprobs"
     elif config.preference.enabled:
         why = f"a preference run ({config.preference.key}) trains on pairs no generator sampled"
     else:
-        return {}
-    return {"sampler_logp": why}
+        return absent
+    return {**absent, "sampler_logp": why}
 
 
 def _batch_problems(config) -> list[str]:

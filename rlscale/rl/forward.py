@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rlscale import sharding
-from rlscale.model import decoder
+from rlscale.model import decoder, moe
 from rlscale.model.decoder import ForwardSpec
 from rlscale.sampling import transform_logits
 
@@ -23,13 +23,14 @@ from rlscale.sampling import transform_logits
 def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
     """Per completion token, under the sampler's logits transform: `logp` of the taken token,
     `entropy`, and `value` (of the state before the token), [N, M] each. Computes only
-    `terms`.
+    `terms`. A mixture-of-experts policy adds its routers' auxiliary losses over the forward
+    rows' real tokens, `moe_lb` and `moe_z` (scalars; `objectives.moe_aux` reads them).
 
     `fwd` is a micro-batch's forward rows (`packed_micro`), with `targets` at every position:
     the terms are computed at every position of the rows, then each completion token's is
     gathered into its batch row (0s and garbage for rows outside the micro-batch).
     """
-    h_RTD, _ = decoder.hidden(
+    h_RTD, _, routing = decoder.routed_hidden(
         spec.graphdef,
         params,
         fwd["tokens"],
@@ -37,6 +38,7 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
         None,
         segments_BT=fwd["segments"],
         remat=spec.remat,
+        mesh=spec.mesh,
     )
     R, T, _ = h_RTD.shape
     d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
@@ -61,10 +63,13 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
     N, M = fwd["gather"].shape
     index_dX = rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
     take = jax.vmap(jnp.take)
-    return {
+    out = {
         k: take(rows_sharded(v.reshape(d, R // d * T), spec.mesh), index_dX).reshape(N, M)
         for k, v in out.items()
     }
+    if routing is not None:  # A mixture of experts: its auxiliary losses over the rows' tokens.
+        out.update(moe_lb=moe.load_balancing_loss(routing), moe_z=moe.z_loss(routing))
+    return out
 
 
 def no_grad_terms(spec: ForwardSpec, params, value_params, batch, place, count, terms):

@@ -1,10 +1,18 @@
 """How far the trainer's logprobs are from the generator's on the trained tokens, over any
 number of chunks: per-chunk statistics on the device (`logp_match_stats`), merged exactly on
-the host (`logp_match`).
+the host (`logp_match`), with the per-token log-ratio's histogram (TensorBoard).
 """
 
 import jax.numpy as jnp
 import numpy as np
+
+from rlscale import metrics
+
+# The log-ratio histogram's bucket limits: a decade each side of 0, from 1e-8 (float32's unit
+# roundoff is 6e-8, bfloat16's 4e-3) to 10, and 0 itself.
+# Bucket i holds (LIMITS[i - 1], LIMITS[i]], the first from -inf; the last is (10, inf].
+_DECADES = 10.0 ** np.arange(1, -9, -1)
+LIMITS = np.concatenate([-_DECADES, [0.0], _DECADES[::-1], [np.inf]]).astype(np.float32)
 
 
 def logp_match_stats(logp, sampler_logp, mask) -> dict:
@@ -13,7 +21,9 @@ def logp_match_stats(logp, sampler_logp, mask) -> dict:
     chunks: the count n, the means of x = exp(logp) and y = exp(sampler_logp), the centred
     sums M2x = sum (x - mean x)^2, M2y = sum (y - mean y)^2, Cxy = sum (x - mean x)(y - mean y),
     and sum |logp - sampler_logp|. Centred within the chunk, not raw sums of x^2: probabilities
-    near 1 would lose the variance to float32 cancellation (a Pearson r of 1.000002)."""
+    near 1 would lose the variance to float32 cancellation (a Pearson r of 1.000002). And the
+    log-ratio d = logp - sampler_logp's histogram over `LIMITS` (`hist`), min, max, sum and
+    sum of squares."""
     m = mask > 0
     n = jnp.sum(m.astype(jnp.int32))
     x, y = jnp.exp(logp), jnp.exp(sampler_logp)
@@ -28,7 +38,36 @@ def logp_match_stats(logp, sampler_logp, mask) -> dict:
         "m2_y": jnp.sum(dy * dy),
         "c_xy": jnp.sum(dx * dy),
         "abs_gap": jnp.sum(jnp.where(m, jnp.abs(logp - sampler_logp), 0.0)),
+        **_log_ratio_stats(logp - sampler_logp, m),
     }
+
+
+def _log_ratio_stats(d, m) -> dict:
+    bucket = jnp.searchsorted(jnp.asarray(LIMITS), d, side="left")  # (LIMITS[i-1], LIMITS[i]]
+    ones = m.astype(jnp.int32)  # A NaN's bucket is past the end: dropped.
+    return {
+        "hist": jnp.zeros(len(LIMITS), jnp.int32).at[bucket].add(ones, mode="drop"),
+        "d_min": jnp.min(jnp.where(m, d, jnp.inf)),
+        "d_max": jnp.max(jnp.where(m, d, -jnp.inf)),
+        "d_sum": jnp.sum(jnp.where(m, d, 0.0)),
+        "d_sum_sq": jnp.sum(jnp.where(m, d * d, 0.0)),
+    }
+
+
+def log_ratio_histogram(chunks: list[dict]) -> metrics.Histogram | None:
+    """The histogram of the per-token log-ratio logp_t - sampler_logp_t over the tokens of
+    all `chunks` (`logp_match_stats` of each); None without tokens."""
+    counts = np.sum([np.asarray(c["hist"], np.int64) for c in chunks], axis=0)
+    if not counts.sum():
+        return None
+    return metrics.Histogram(
+        limits=LIMITS.astype(np.float64),
+        counts=counts,
+        min=min(float(c["d_min"]) for c in chunks),
+        max=max(float(c["d_max"]) for c in chunks),
+        sum=sum(float(c["d_sum"]) for c in chunks),
+        sum_squares=sum(float(c["d_sum_sq"]) for c in chunks),
+    )
 
 
 def logp_match(chunks: list[dict]) -> dict[str, float]:
@@ -46,7 +85,7 @@ def logp_match(chunks: list[dict]) -> dict[str, float]:
     """
     n = mean_x = mean_y = m2_x = m2_y = c_xy = abs_gap = 0.0
     for c in chunks:
-        c = {k: float(v) for k, v in c.items()}
+        c = {k: float(c[k]) for k in ("n", "mean_x", "mean_y", "m2_x", "m2_y", "c_xy", "abs_gap")}
         total = n + c["n"]
         if c["n"] > 0:
             d_x, d_y, w = c["mean_x"] - mean_x, c["mean_y"] - mean_y, n * c["n"] / total

@@ -62,13 +62,7 @@ class Loop:
             for closer in (self.s.close, self.source.close, self.ckpt.close, self.writer.close):
                 cleanup.callback(closer)
             s, b = self.s, self.config.batch
-            s.generator.precompile(
-                jax.tree.map(
-                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                    s.params,  # The policy's shapes (with LoRA the base's; no adapters).
-                    s.generator_shardings,
-                )
-            )
+            s.generator.precompile(s.generator_shapes(self.run.train.params))
             s.learner.precompile(self.run.train, s.ref_params, b.prompts * b.group_size)
             if self.start == 0:
                 self.writer.write(0, self.evaluate(0))

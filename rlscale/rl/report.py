@@ -65,22 +65,27 @@ class Compute:
 def learner_means(learner_metrics, *, match: bool = True) -> tuple[float, dict]:
     """(The batch's loss, the learner's other metrics as means over its optimizer steps and
     micro-batches). With `match`, the sampler-vs-learner logprob match of the first step
-    (`logp_match.logp_match`); without (rows no sampler wrote), none."""
+    (`logp_match.logp_match`) and its per-token log-ratio histogram (`train/log_ratio`, a
+    `metrics.Histogram`, where it has tokens); without (rows no sampler wrote), none."""
     mets = jax.tree.map(np.asarray, dict(learner_metrics))  # Per step [O] or micro-batch [O, U].
     loss_sum = float(np.sum(mets.pop("train/loss_sum")))
     denom = float(np.sum(mets.pop("train/denominator")))
     ran = mets.pop("train/micro_ran", None)  # Packed: [O, U], the micro-batches each step ran.
     stats = mets.pop("train/logp_match_stats", None)
+    matched = {}
     if match and stats is not None:  # The first step's micro-batches -> gap, Pearson r.
         first = len(stats["n"][0]) if ran is None else int(ran[0].sum())
         chunks = [{k: v[0, u] for k, v in stats.items()} for u in range(first)]
-        mets.update(logp_match.logp_match(chunks))
+        matched = logp_match.logp_match(chunks)
+        hist = logp_match.log_ratio_histogram(chunks)
+        if hist is not None:
+            matched["train/log_ratio"] = hist
     if ran is not None:  # Per micro-batch metrics past a step's count are zeros: left out.
         mets = {k: v[ran] if np.shape(v) == ran.shape else v for k, v in mets.items()}
     # A batch whose every group was filtered runs no micro-batch: its metrics are 0, as its
     # loss is (no token contributes to either).
     means = {k: float(np.mean(v, dtype=np.float64)) if np.size(v) else 0.0 for k, v in mets.items()}
-    return loss_sum / max(denom, 1.0), means
+    return loss_sum / max(denom, 1.0), {**means, **matched}
 
 
 def step_record(stats, learner_metrics, *, retired, skipped, times) -> dict:

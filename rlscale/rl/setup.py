@@ -46,7 +46,7 @@ from rlscale.model import lora as lora_lib
 from rlscale.rewards import isolation
 from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, report, rollouts
 from rlscale.rl import teacher as teacher_lib
-from rlscale.sampling import Sampler, SamplingConfig, scoring
+from rlscale.sampling import Sampler, SamplingConfig, precision, scoring
 from rlscale.sampling.generator import Generator
 
 
@@ -166,6 +166,8 @@ class Setup:
     programs: programs.Programs
     preference_pairs: list  # `preference.file`'s pairs (read at set-up); empty without one.
     stage_settings: dict  # Stage (`stage_cache.STAGES`) -> its settings (`stage_settings`).
+    # The dtype `generator_params` casts to ("": none; `precision.generator_model`).
+    generator_cast: str = ""
     # With LoRA, the frozen base's identity, which its checkpoints hold instead of the base:
     # {"source": init.hf_checkpoint as given, or the warm start's directory, "fingerprint":
     # `checkpoint.tree_fingerprint`}. None without LoRA.
@@ -191,11 +193,28 @@ class Setup:
 
     def generator_params(self, params) -> tuple[Any, float]:
         """The policy (`params`: the train state's; with LoRA merged here, at each weight
-        swap) in the generator's layout (on its devices), and the seconds it took. Always a
-        copy in pipeline modes: the generator samples while the learner donates."""
+        swap) in the generator's layout (on its devices) and dtype (`sampling.generator_dtype`),
+        and the seconds it took. Always a copy in pipeline modes: the generator samples while
+        the learner donates (a cast is one)."""
+        t, copy = time.time(), self.config.pipeline.mode != "sync"
         params = self.policy_params(params)
-        copy = self.config.pipeline.mode != "sync"
-        return _timed_reshard(params, self.generator_shardings, copy=copy)
+        if self.generator_cast:  # In the training layout: the reshard then moves fewer bytes.
+            cast = {"dtype": self.generator_cast}
+            params = self.programs.run("generator_cast", precision.cast_params, (params,), cast)
+            copy = False  # The cast's buffers are new.
+        params, _ = _timed_reshard(params, self.generator_shardings, copy=copy)
+        return params, time.time() - t
+
+    def generator_shapes(self, params):
+        """`generator_params(params)`'s shapes, dtypes and shardings, computing nothing (with
+        LoRA the base's: a merge keeps them)."""
+        params = self.params if self.config.lora.enabled else params
+        dtype = self.generator_cast or None
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sh),
+            params,
+            self.generator_shardings,
+        )
 
     def rollout_source(self, stream, history) -> rollouts.RolloutSource:
         c = self.config
@@ -274,17 +293,35 @@ def _environment(config, tokenizer, scfg):
     return factory, dataclasses.replace(scfg, action_stops=stops)
 
 
-def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, mesh, progs):
+def _generator(config, graphdef, model_cfg, scfg, longest: int, gen_mesh, progs) -> Generator:
+    """The engine that samples the rollouts, on the generator's devices, in its numerics
+    (`sampling.generator_dtype`): the policy's own, or a derived config whose graph computes
+    in the lower dtype (`precision.generator_model`)."""
+    gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
+    return Generator(
+        graphdef if gen_cfg is model_cfg else decoder.abstract_model(gen_cfg)[0],
+        gen_cfg,
+        scfg,
+        slots=config.pipeline.slots,
+        max_prompt_len=longest,
+        mesh=gen_mesh,
+        programs=progs.on(gen_mesh),
+        parked=config.env.parked,
+    )
+
+
+def _eval_episodes(config, env_factory, tokenizer, rollouts, test, longest, sampler, progs):
     """Held-out episodes for a run whose environment has turns: an engine like the
-    rollouts' generator (its policy, sampling settings and slots) on the trainer's devices,
-    for the `test` problems' prompts and ones as long as the `longest` training prompt;
-    None for a single-turn run."""
+    rollouts' generator (its sampling settings and slots) for the static `sampler`'s policy
+    (the learner's numerics) on its devices (the trainer's), for the `test` problems'
+    prompts and ones as long as the `longest` training prompt; None for a single-turn run."""
     if not env_factory.multi_turn:
         return None
     longest = max([longest] + [len(p) for p in scoring.encode_prompts(tokenizer, test)])
+    mesh = sampler.layout.mesh
     generator = Generator(
-        rollouts.static["graphdef"],
-        rollouts.model_cfg,
+        sampler.graphdef,
+        sampler.model_cfg,
         rollouts.cfg,
         slots=rollouts.slots,
         max_prompt_len=longest,
@@ -509,16 +546,7 @@ def build(config, workdir: str) -> Setup:
         config, workdir, mesh, tokenizer, task, splits, settings[stage_cache.WARM_START]
     )
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
-    generator = Generator(
-        graphdef,
-        model_cfg,
-        scfg,
-        slots=pipe.slots,
-        max_prompt_len=longest,
-        mesh=gen_mesh,
-        programs=progs.on(gen_mesh),
-        parked=config.env.parked,
-    )
+    generator = _generator(config, graphdef, model_cfg, scfg, longest, gen_mesh, progs)
     learn = make_learner(config, graphdef, params, mesh, progs)
     ref, base_identity = _reference(config, learn, params, workdir)
     teacher = None
@@ -547,7 +575,7 @@ def build(config, workdir: str) -> Setup:
         generator=generator,
         episodes=env_episodes.Episodes(generator, env_factory, tokenizer, config.env),
         eval_episodes=_eval_episodes(
-            config, env_factory, tokenizer, generator, splits["test"], longest, mesh, progs
+            config, env_factory, tokenizer, generator, splits["test"], longest, sampler, progs
         ),
         generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
         learner=learn,
@@ -557,5 +585,6 @@ def build(config, workdir: str) -> Setup:
         programs=progs,
         preference_pairs=preference_pairs,
         stage_settings=settings,
+        generator_cast="" if generator.model_cfg is model_cfg else generator.model_cfg.dtype,
         base_identity=base_identity,
     )
