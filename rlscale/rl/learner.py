@@ -89,13 +89,20 @@ def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
 
 def _micro_loop(f, carry, count, length: int):
     """`f(carry, u) -> (carry, out)` over micro-batches u < `count` (traced: it follows the
-    batch) as a `fori_loop`, the outputs stacked [length] with zeros past `count`."""
-    shapes = jax.eval_shape(lambda c: f(c, 0)[1], carry)
+    batch) as a `fori_loop`, the outputs stacked [length] with zeros past `count`.
+
+    `f` (a forward and backward pass) is traced once: its jaxpr gives the outputs' shapes
+    and is what the loop body evaluates, where tracing it again for the body would double
+    the update's tracing time."""
+    u0 = jnp.zeros((), jnp.int32)
+    closed, (_, shapes) = jax.make_jaxpr(f, return_shape=True)(carry, u0)
+    out_tree = jax.tree.structure((carry, shapes))
     outs = jax.tree.map(lambda x: jnp.zeros((length, *x.shape), x.dtype), shapes)
 
     def body(u, c):
         carry, outs = c
-        carry, out = f(carry, u)
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((carry, u)))
+        carry, out = jax.tree.unflatten(out_tree, flat)
         return carry, jax.tree.map(lambda b, o: b.at[u].set(o), outs, out)
 
     return jax.lax.fori_loop(0, count, body, (carry, outs))
