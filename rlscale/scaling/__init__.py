@@ -19,6 +19,7 @@ from rlscale.scaling.allocation import (
     format_reuse_table,
     iso_cells,
     optimal_rollouts,
+    record_breaking,
     record_points,
 )
 from rlscale.scaling.fit import (
@@ -29,7 +30,6 @@ from rlscale.scaling.fit import (
     extrapolation_check,
     fit_power_law,
     fit_sigmoid,
-    record_breaking,
     sigmoid,
 )
 from rlscale.scaling.runs import (
