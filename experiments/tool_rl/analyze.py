@@ -38,7 +38,7 @@ from rlscale.scaling import evidence
 from rlscale.scaling import fit as scaling_fit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("power law", "logistic", "sigmoid", "flat", "log-linear")
+METHODS = ("power_law", "logistic", "sigmoid", "flat", "log-linear")
 
 
 def read(run):
@@ -127,7 +127,8 @@ def analyze(runs):
         numbers.update({f"{name}.acc0": float(r["eval_acc"][0]), f"{name}.final": final})
         code = f"{calls[0]:.3f} -> {calls[-1]:.3f}" if np.isfinite(calls[0]) else "-"
         rows.append(f"| {name} | {r['eval_acc'][0]:.3f} | {final:.3f} | {code} |")
-    pred = ["| run | final | " + " | ".join(METHODS) + " |", "| --- " * (len(METHODS) + 2) + "|"]
+    head = " | ".join(k.replace("_", " ") for k in METHODS)
+    pred = [f"| run | final | {head} |", "| --- " * (len(METHODS) + 2) + "|"]
     errors = {k: [] for k in METHODS}
     for name, r in runs.items():
         if not len(r["step"]):  # The no-tool arm runs no code: no law to fit.
