@@ -154,6 +154,28 @@ def read_study(study_dir: str) -> dict[str, StoredRun]:
     return {os.path.basename(p)[: -len(".jsonl")]: read_run(p) for p in paths}
 
 
+def arms(runs: dict[str, StoredRun], *, last: int = 1, key: str = "pass@1") -> dict:
+    """{arm: [final value per seed]} of stored runs named `ARM_sSEED`: each run's mean `key`
+    over its last `last` evaluations, seeds in name order.
+
+    Raises:
+      ValueError: a run name without the `_sSEED` suffix, a run without `last` evaluations
+        or `last` < 1 (naming the run).
+    """
+    if last < 1:
+        raise ValueError(f"last={last} must be >= 1 (evaluations averaged per run)")
+    out = {}
+    for name, run in sorted(runs.items()):
+        m = re.fullmatch(r"(.+)_s(\d+)", name)
+        if not m:
+            raise ValueError(f"run {name!r} is not named ARM_sSEED: its arm is unknown")
+        values = [v for v in run.evals(key)[3] if v is not None]
+        if len(values) < last:
+            raise ValueError(f"run {name!r} has {len(values)} evaluations of {key}, < last={last}")
+        out.setdefault(m.group(1), []).append(sum(values[-last:]) / last)
+    return out
+
+
 def manifest(study_dir: str) -> dict[str, str]:
     """{NAME: sha256 of `runs/NAME.jsonl`}: which evidence a result was computed from."""
     out = {}
@@ -258,10 +280,10 @@ def check_study(study_dir: str, regenerated: dict, *, rel_tol: float) -> list[st
 
 def _first_commit(path: str) -> tuple[str, int] | None:
     """(hash, committer time) of the commit that first added `path`, or None if none did."""
-    cwd = os.path.dirname(os.path.abspath(path)) or "."
+    path = os.path.abspath(path)
     out = subprocess.run(
         ["git", "log", "--follow", "--diff-filter=A", "--format=%H %ct", "--", path],
-        cwd=cwd,
+        cwd=os.path.dirname(path),
         capture_output=True,
         text=True,
         check=False,

@@ -437,7 +437,6 @@ def fit_sigmoid(
     interval = None
     if n_boot > 0:
         interval = _bootstrap_a(u, r, r0, bounds, (A, B, m), n_boot, level, seed)
-    on = [(A, bounds[0], "A"), (math.log(B), np.log(bounds[2]), "B"), (m, bounds[1], "C_mid")]
     return SigmoidFit(
         A=float(A),
         B=float(B),
@@ -449,13 +448,20 @@ def fit_sigmoid(
         method=method,
         min_compute=float(min_compute),
         A_interval=interval,
-        at_bounds=tuple(f"{name}={side}" for v, b, name in on if (side := on_bound(v, *b))),
+        at_bounds=_at_bounds((A, math.log(B), m), bounds),
     )
 
 
+def _at_bounds(values, bounds):
+    """The sigmoid's parameters (A, log B, log C_mid) on a bound, as `"A=upper"`..."""
+    (a_lo, a_hi), (m_lo, m_hi), (b_lo, b_hi) = bounds
+    ranges = ((a_lo, a_hi), (math.log(b_lo), math.log(b_hi)), (m_lo, m_hi))
+    sides = [(name, on_bound(v, *r)) for name, v, r in zip(("A", "B", "C_mid"), values, ranges)]
+    return tuple(f"{name}={side}" for name, side in sides if side)
+
+
 def on_bound(value: float, low: float, high: float) -> str | None:
-    """`"lower"` or `"upper"` when `value` is within `BOUND_TOL` of the range of that bound
-    (infinite bounds never), else None."""
+    """`"lower"`/`"upper"`: `value` is within `BOUND_TOL` of the range of that (finite) bound."""
     tol = BOUND_TOL * (high - low) if math.isfinite(high - low) else 0.0
     if math.isfinite(low) and value <= low + tol:
         return "lower"

@@ -232,3 +232,44 @@ def compare_to_baseline(arms: Mapping[str, Sequence[float]], baseline: str) -> d
     }
     adjusted = holm([w.p for w in tests.values()])
     return {name: (w, p) for (name, w), p in zip(tests.items(), adjusted)}
+
+
+def format_comparison(
+    arms: Mapping[str, Sequence[float]],
+    baseline: str,
+    *,
+    effect: float | None = None,
+    alpha: float = 0.05,
+    target: float = 0.8,
+) -> str:
+    """A Markdown table of every arm against `baseline` (seeds, mean +- se, difference, t, df,
+    Welch's p, Holm's p across the table), then the power calculation: the pooled run-to-run
+    sd and, for `effect`, the seeds per arm at `alpha` and at Holm's strictest level
+    `alpha / m` (m comparisons).
+
+    Raises:
+      ValueError: as `compare_to_baseline` and `seeds_per_arm`.
+    """
+    table = compare_to_baseline(arms, baseline)
+    base = np.asarray(arms[baseline], dtype=np.float64)
+    lines = [
+        "| arm | seeds | mean +- se | minus baseline | t | df | p | Holm p |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {baseline} (baseline) | {base.size} | {base.mean():.4f} +- "
+        f"{base.std(ddof=1) / math.sqrt(base.size):.4f} | - | - | - | - | - |",
+    ]
+    for name, (w, p_holm) in table.items():
+        lines.append(
+            f"| {name} | {w.n_a} | {w.mean_a:.4f} +- {w.se_a:.4f} | {w.diff:+.4f} | "
+            f"{w.t:.2f} | {w.df:.1f} | {w.p:.4f} | {p_holm:.4f} |"
+        )
+    sd = pooled_sd(arms)
+    lines.append(f"\nrun-to-run sd pooled over {len(arms)} arms: {sd:.4f}")
+    if effect is not None:
+        m = len(table)
+        n, n_holm = (seeds_per_arm(effect, sd, alpha=a, target=target) for a in (alpha, alpha / m))
+        lines.append(
+            f"seeds per arm to detect {effect:g} with power {target:g}: {n} at alpha {alpha:g}, "
+            f"{n_holm} at alpha / {m} = {alpha / m:.4g} (Holm's smallest p faces it)"
+        )
+    return "\n".join(lines)
