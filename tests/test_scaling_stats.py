@@ -7,6 +7,7 @@ is refused naming it.
 """
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -282,3 +283,22 @@ def test_compare_runs_tool(tmp_path, capsys):
     runs = os.path.join(ROOT, "experiments", "tool_rl")
     _compare([runs, "--baseline", "notool", "--last", "2"])
     assert "| tool | 2 | 0.9703 +- " in capsys.readouterr().out
+
+
+def test_fit_tool_seeds(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("_fit", f"{ROOT}/tools/fit_scaling.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    paths = []
+    for label, (c, r) in _seed_curves().items():
+        paths.append(str(tmp_path / f"{label}.csv"))
+        rows = "".join(f"{float(a)!r},{float(b)!r}\n" for a, b in zip(c, r))
+        (tmp_path / f"{label}.csv").write_text("compute,reward\n0,0.2\n" + rows)
+    argv = [*paths, "--seeds", "--method", "lsq", "--n-boot", "50", "--out", str(tmp_path)]
+    cli.call(tool.define_flags, tool.main, argv)
+    saved = json.loads((tmp_path / "seeds.json").read_text())
+    ref = seeds.fit_seeds(_seed_curves(), r0=0.2, method="lsq", n_boot=50)
+    assert saved["params"]["A"]["pooled"] == pytest.approx(ref.params["A"].pooled, rel=1e-12)
+    assert saved["seeds"] == ["s0", "s1", "s2"] and "on a bound: none" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"1 seed\(s\) \(s0\)"):
+        cli.call(tool.define_flags, tool.main, [paths[0], "--seeds", "--out", str(tmp_path)])
