@@ -211,7 +211,7 @@ def test_tan_bounded_under_two_compute_units():
     assert np.all((lo * (1 - 1e-9) <= got) & (got <= hi * (1 + 1e-9)))
     flagged = {f.split("=")[0] for f in by_flops.at_bounds}
     logs = np.array([False, True, False, True])  # N0 and N1 are bounded as logs.
-    v, a, b = (np.where(logs, np.log(np.abs(z)), z) for z in (got, lo, hi))
+    v, a, b = (np.where(logs, np.log(np.where(logs, z, 1.0)), z) for z in (got, lo, hi))
     on = {k for k, vi, ai, bi in zip(TRUE, v, a, b) if fit.on_bound(vi, ai, bi)}
     assert flagged == on
 
