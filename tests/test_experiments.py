@@ -10,6 +10,7 @@ that stores runs fails here too. Deleting one stored run of a copy makes the che
 """
 
 import importlib.util
+import json
 import os
 import shutil
 
@@ -90,3 +91,53 @@ def test_deleting_a_stored_run_fails_the_check(tmp_path):
     assert any(p.startswith("number tool_s1.final: results.json has 0.96") for p in problems)
     assert "README.md: results block 'runs' differs from what analyze.py makes" in problems
     assert any(p.startswith("README.md: quotes mean_error.logistic = 0.038") for p in problems)
+
+
+# ==========================================================================================
+# The evidence format and the README convention, on hand-made files.
+# ==========================================================================================
+
+
+def test_compact_run_from_a_workdir(tmp_path):
+    config = {"seed": 3, "batch": {"group_size": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lines = [
+        {"step": 0, "compute/flops": 0.0, "eval/pass@1": 0.2, "eval/reward_mean": 0.25},
+        {"step": 1, "compute/flops": 10.0, "data/prompt_ids": [1, 2, 3], "loss": 1.0},
+        {"step": 2, "compute/flops": 20.0, "data/prompt_ids": [4, 5], "loss": 0.9},
+        {"step": 2, "compute/flops": 20.0, "eval/pass@1": 0.4, "eval/reward_mean": 0.45},
+        # A resumed run replays step 2: counted once, its last lines.
+        {"step": 2, "compute/flops": 20.0, "data/prompt_ids": [6, 7], "loss": 0.8},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta, kept = evidence.compact_run(str(tmp_path), keep=("loss",))
+    assert meta == {"run": tmp_path.name, "seed": 3, "config_hash": evidence.config_hash(config)}
+    assert kept == [
+        {"step": 0, "flops": 0.0, "samples": 0, "pass@1": 0.2, "reward": 0.25},
+        {"step": 1, "flops": 10.0, "samples": 12, "loss": 1.0},
+        {"step": 2, "flops": 20.0, "samples": 20, "pass@1": 0.4, "reward": 0.45, "loss": 0.8},
+    ]
+    path = tmp_path / "runs" / "a_s3.jsonl"
+    evidence.write_run(str(path), meta, kept)
+    run = evidence.read_run(str(path))
+    assert run.meta == meta and run.evals() == ([0, 2], [0.0, 20.0], [0, 20], [0.2, 0.4])
+    assert evidence.arms(evidence.read_study(str(tmp_path)), last=2) == {"a": [pytest.approx(0.3)]}
+    path.write_text(json.dumps(meta) + "\n" + json.dumps({"step": 1, "pass@1": 0.3}) + "\n")
+    with pytest.raises(ValueError, match=r"a_s3.jsonl:2: lacks flops, samples, reward"):
+        evidence.read_run(str(path))
+
+
+def test_readme_convention_by_hand():
+    results = {"numbers": {"a.final": 0.9716, "gap": -0.0056}, "tables": {"t": "| x |\n| 1 |"}}
+    ok = "final 0.972<!--=a.final-->, gap -0.006<!--=gap-->, -0.0056<!--=gap-->.\n"
+    ok += "<!-- begin results: t -->\n| x |\n| 1 |\n<!-- end results: t -->\n"
+    assert evidence.check_readme(ok, results) == []
+    bad = ok.replace("0.972<", "0.971<").replace("| 1 |\n<", "| 2 |\n<") + "1.0<!--=nope-->"
+    assert evidence.check_readme(bad, results) == [
+        "README.md: quotes a.final = 0.971, the evidence gives 0.972",
+        "README.md: 1.0<!--=nope--> but results have no 'nope'",
+        "README.md: results block 't' differs from what analyze.py makes",
+    ]
+    assert evidence.check_readme("no numbers", results) == [
+        "README.md: quotes no number as NUMBER<!--=key--> and no results block"
+    ]
