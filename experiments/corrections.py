@@ -86,9 +86,9 @@ def paradigms(numbers, tables):
     numbers["paradigms.idpo_compute_share"] = idpo["flops_end"] / online["flops_end"]
     numbers["paradigms.idpo_speedup_0.6"] = online["flops_to_0.6"][0] / idpo["flops_to_0.6"][0]
     numbers["paradigms.idpo_speedup_0.7"] = online["flops_to_0.7"][0] / idpo["flops_to_0.7"][0]
-    numbers["paradigms.distill_cost_0.6"] = rows["distill"]["flops_to_0.6"][0] / online[
-        "flops_to_0.6"
-    ][0] - 1.0
+    numbers["paradigms.distill_cost_0.6"] = (
+        rows["distill"]["flops_to_0.6"][0] / online["flops_to_0.6"][0] - 1.0
+    )
     # Online RL's end against iterative DPO's after 2.3x the compute: not a ceiling.
     for name in ("online", "iterative_dpo"):
         lo, hi = rows[name]["fit"]["A_interval"]
@@ -193,18 +193,14 @@ def iso_compute(numbers, tables, seed=0):
         drawn = allocation.optimal_rollouts(cells, rewards + rng.normal(0, ISO_NOISE, rewards.size))
         fallbacks += any(o.fallback for o in drawn)
         bs.append(
-            allocation.fit_optimal_rollouts(
-                [o.budget for o in drawn], [o.n_star for o in drawn]
-            ).b
+            allocation.fit_optimal_rollouts([o.budget for o in drawn], [o.n_star for o in drawn]).b
         )
     lo, hi = np.percentile(bs, [2.5, 97.5])
     numbers["iso.b_lo"], numbers["iso.b_hi"] = float(lo), float(hi)
     numbers["iso.b_draws_le0"] = float(np.mean(np.array(bs) <= 0))
     numbers["iso.fallback_share"] = fallbacks / ISO_DRAWS
     best = [o.best_rollouts for o in optima]
-    numbers["iso.best_n_b"] = allocation.fit_optimal_rollouts(
-        [o.budget for o in optima], best
-    ).b
+    numbers["iso.best_n_b"] = allocation.fit_optimal_rollouts([o.budget for o in optima], best).b
 
 
 def ladder(numbers, tables):

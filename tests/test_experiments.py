@@ -141,3 +141,36 @@ def test_readme_convention_by_hand():
     assert evidence.check_readme("no numbers", results) == [
         "README.md: quotes no number as NUMBER<!--=key--> and no results block"
     ]
+
+
+# ==========================================================================================
+# The corrections (issue 31): numbers recomputed from the committed JSONs, quoted checkably.
+# ==========================================================================================
+
+# READMEs quoting `experiments/corrections.py`'s numbers; experiments/README.md from its
+# "Corrections" section on (its conventions section shows the tag as an example).
+CORRECTED = ("ladder", "paradigms", "iso_compute", "scalerl_ablations")
+
+
+def test_corrections_are_recomputed_from_committed_files(tmp_path):
+    path = os.path.join(EXPERIMENTS, "corrections.py")
+    spec = importlib.util.spec_from_file_location("_corrections", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fresh = module.main(["--results", str(tmp_path / "corrections.json")])
+    with open(os.path.join(EXPERIMENTS, "corrections.json")) as f:
+        committed = json.load(f)
+    assert committed["tables"] == fresh["tables"]
+    assert committed["numbers"].keys() == fresh["numbers"].keys()
+    for key, value in committed["numbers"].items():
+        assert value == pytest.approx(fresh["numbers"][key], rel=REL_TOL), key
+    problems = []
+    for study in CORRECTED:
+        with open(os.path.join(EXPERIMENTS, study, "README.md")) as f:
+            problems += evidence.check_readme(f.read(), fresh, name=f"{study}/README.md")
+    with open(os.path.join(EXPERIMENTS, "README.md")) as f:
+        text = f.read()
+    assert "## Corrections" in text
+    corrections = text[text.index("## Corrections") :]
+    problems += evidence.check_readme(corrections, fresh, name="experiments/README.md")
+    assert problems == []

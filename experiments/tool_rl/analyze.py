@@ -107,14 +107,17 @@ def predictions(name, r, numbers):
     cut = r["eval_step"][-1] / 3
     z, zp = zerotir_predict(r, cut)
     zl, _ = zerotir_predict(r, cut, logistic)
-    s, _ = sigmoid_predict(r, cut)
+    s, sigmoid_fit = sigmoid_predict(r, cut)
     flat = float(r["eval_acc"][r["eval_step"] <= cut][-1])
     row = dict(zip(METHODS, (z, zl, s, flat, loglinear_predict(r, cut))))
     for k, v in row.items():
         numbers[f"{name}.predicted.{k}"] = v
         numbers[f"{name}.error.{k}"] = abs(v - final)
     numbers[f"{name}.power_law.f0"], numbers[f"{name}.power_law.alpha"] = map(float, zp)
-    return final, row
+    # Every sigmoid parameter on a bound of its fit: there the prediction is the bound's.
+    bounds = sigmoid_fit.at_bounds if sigmoid_fit else ()
+    numbers[f"{name}.sigmoid.n_at_bounds"] = float(len(bounds))
+    return final, row, bounds
 
 
 def analyze(runs):
@@ -128,17 +131,17 @@ def analyze(runs):
         code = f"{calls[0]:.3f} -> {calls[-1]:.3f}" if np.isfinite(calls[0]) else "-"
         rows.append(f"| {name} | {r['eval_acc'][0]:.3f} | {final:.3f} | {code} |")
     head = " | ".join(k.replace("_", " ") for k in METHODS)
-    pred = [f"| run | final | {head} |", "| --- " * (len(METHODS) + 2) + "|"]
+    pred = [f"| run | final | {head} | sigmoid on a bound |", "| --- " * (len(METHODS) + 3) + "|"]
     errors = {k: [] for k in METHODS}
     for name, r in runs.items():
         if not len(r["step"]):  # The no-tool arm runs no code: no law to fit.
             continue
-        final, row = predictions(name, r, numbers)
+        final, row, bounds = predictions(name, r, numbers)
         for k, v in row.items():
             if np.isfinite(v):
                 errors[k].append(abs(v - final))
         cells = " | ".join(f"{v:.3f} ({abs(v - final):.3f})" for v in row.values())
-        pred.append(f"| {name} | {final:.3f} | {cells} |")
+        pred.append(f"| {name} | {final:.3f} | {cells} | {', '.join(bounds) or '-'} |")
     for k, v in errors.items():
         numbers[f"mean_error.{k}"] = float(np.mean(v))
     return numbers, {"runs": "\n".join(rows), "prediction": "\n".join(pred)}
