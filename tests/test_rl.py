@@ -121,9 +121,15 @@ def test_golden_metrics(name, golden_runs):
 # ------------------------------------------------------------------------------------------
 
 
+# Recipes whose runs the program tests below read: three steps and two evaluations (at steps
+# 2 and 3). The others run two steps: a step after the first runs the programs it compiled.
+THREE_STEPS = ("quickstart", "grpo")
+
+
 def _recipe_config(name, warm):
     base, _, variant = name.partition(":")
     config = load_config(base, ",".join(filter(None, ["smoke", variant])))
+    config.steps = 3 if name in THREE_STEPS else 2
     config.sampling.update(SAMPLING.get(name, {}))
     config.sft.reuse_from = str(warm)
     return config
