@@ -18,7 +18,9 @@ from rlscale import config_lib
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0)
+    arg = config_lib.parse_arg(
+        arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0, moe=False
+    )
     if arg.demo:
         return _demo_config(arg)
     c = config_lib.rl_config()
@@ -37,10 +39,22 @@ def get_config(arg=None):
     # row of one sequence is padding here, and a zero-variance group is not run at all; the run
     # compiles one update program (docs/learner.md).
     c.learner.pack_length, c.learner.length_buckets = 96, 1
+    if arg.moe:
+        _moe(c)
     if arg.smoke:
         config_lib.smoke(c)
         c.learner.pack_length = 0  # The golden runs (tests/golden): one sequence per row.
     return c
+
+
+def _moe(c):
+    """The quickstart's policy as a mixture of experts shaped as `tiny_moe` (8 experts of a
+    quarter of the dense MLP's width, top-2, every layer sparse, qk-norm), its load balanced
+    by the auxiliary loss Qwen3-MoE trains with, and the generator's routing replayed in the
+    learner (both logprob gaps measured)."""
+    c.model.update(num_experts=8, experts_per_token=2, moe_intermediate_size=96, qk_norm=True)
+    c.objective.chain += " | moe_aux(lb=0.001)"
+    c.learner.router_replay, c.learner.replay_probe = "generator", True
 
 
 def _demo_config(arg):
