@@ -84,7 +84,7 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
     attn = np.zeros((N, width + M), bool)
     tokens[:, width - keep :] = rollouts.tokens_NL[:, P - keep : P + M]
     attn[:, width - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
-    experts = rollouts.experts_NLlc
+    experts = getattr(rollouts, "experts_NLlc", None)  # Any batch with the Rollouts fields.
     if experts is not None:  # Each token's recorded experts go where the token goes.
         ids = experts
         experts = np.zeros((N, width + M, *ids.shape[2:]), ids.dtype)
