@@ -56,7 +56,8 @@ setuptools.setup(
         ],
         # Hugging Face parity tests and HF tokenizers. Install torch==2.13.0 first so pip
         # keeps the CPU build instead of pulling the CUDA one.
-        "hf": ["torch==2.13.0", "transformers==5.23.0"],
+        # peft: tests/test_lora.py loads the LoRA adapter export onto the base.
+        "hf": ["torch==2.13.0", "transformers==5.23.0", "peft==0.21.2", "accelerate==1.15.0"],
         # Experiment tracking: `config.tracking.wandb_project` (rlscale/tracking.py).
         "wandb": ["wandb==0.31.0"],
         # tools/peers.py: TRL's GRPOTrainer on the quickstart, transformers' generate.

@@ -9,6 +9,14 @@ but rarely states the graded answer) -> 0.806 after 80 RL steps (seed 1: 0.795);
 own fit gives A = 0.85. See docs/configs.md, "The
 quickstart". In pipeline mode (`--config.pipeline.mode=pipeline
 --config.pipeline.max_staleness=4`, measured with lr 1e-4): 0.79.
+`:lora` (rank-8 LoRA adapters on every projection, alpha 32, lr 1e-3; docs/learner.md, "LoRA"):
+
+    python -m rlscale.main --config configs/quickstart.py:lora --workdir /tmp/rlscale_lora
+
+measured on 2 CPU cores shared with other sessions' runs (load average about 8): 19 min 20 s,
+SFT warm start (900 steps) included, 4 min 28 s from the step-0 evaluation to the end; held-out
+pass@1 0.16 -> 0.835 after 80 RL steps (the run's fit: A = 0.843), training 77,953 params
+(the adapters and the value head) with 0.62 MB of optimizer state.
 Variants: `:smoke` (3 steps of everything, under a minute: used by the tests), `:demo` (the
 sampling demo on a random model), `:entropy_rho=0.2` (train only on each micro-batch's top 20%
 of tokens by policy entropy: Wang et al. 2025, "Beyond the 80/20 Rule").
@@ -19,7 +27,7 @@ from rlscale import config_lib
 
 def get_config(arg=None):
     arg = config_lib.parse_arg(
-        arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0, moe=False
+        arg, smoke=False, demo=False, model="tiny", entropy_rho=0.0, lora=False, moe=False
     )
     if arg.demo:
         return _demo_config(arg)
@@ -39,6 +47,10 @@ def get_config(arg=None):
     # row of one sequence is padding here, and a zero-variance group is not run at all; the run
     # compiles one update program (docs/learner.md).
     c.learner.pack_length, c.learner.length_buckets = 96, 1
+    if arg.lora:  # Rank-8 adapters on every projection; the base stays the warm start.
+        c.recipe = "quickstart_lora"
+        c.lora.rank, c.lora.alpha = 8, 32.0
+        c.optim.lr = 1e-3
     if arg.moe:
         _moe(c)
     if arg.smoke:

@@ -10,6 +10,7 @@ resumed run's config differs from the saved one.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -168,6 +169,14 @@ def _array_records(tree) -> dict[str, dict]:
         }
         for name, x in leaves.items()
     }
+
+
+def tree_fingerprint(tree) -> str:
+    """One fingerprint of a whole tree of arrays (a frozen base's identity in a LoRA run's
+    checkpoints): SHA-256 over each leaf's path, dtype, shape and word fingerprint
+    (`_leaf_fingerprint`), 16 hex digits."""
+    records = json.dumps(_array_records(tree), sort_keys=True)
+    return hashlib.sha256(records.encode()).hexdigest()[:16]
 
 
 def _unwrap_keys(state):

@@ -104,6 +104,10 @@ def files_task(**overrides) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({**c, **overrides, "fields": fields})
 
 
+# Every projection of each block: attention and MLP.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def rl_config(**variant) -> ml_collections.ConfigDict:
     """Shared defaults of every RL recipe: one place, overridden by each recipe file."""
     c = ml_collections.ConfigDict()
@@ -278,6 +282,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # Experiment tracking beside metrics.jsonl (rlscale/tracking.py): a Weights & Biases run
     # in `wandb_project` ("" for none), `wandb_entity` ("": the account's default).
     c.tracking = dict(wandb_project="", wandb_entity="")
+    # LoRA (docs/learner.md): rank `rank` adapters (0: off, full fine-tuning) on the `targets`
+    # projections (Hugging Face module names), scaled by alpha / rank; only they are trained.
+    c.lora = dict(rank=0, alpha=32.0, targets=LORA_TARGETS)
     return c
 
 

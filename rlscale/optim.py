@@ -97,6 +97,12 @@ def make_optimizer(c, params=None, frozen: tuple[str, ...] = ()) -> optax.Gradie
     )
 
 
+def tree_bytes(tree) -> int:
+    """The bytes of a tree's arrays (its global sizes, not per device): what an optimizer
+    state holds."""
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _labeller(frozen: tuple[str, ...]):
     """Each leaf's label: "frozen" under a key in `frozen`, else "train"."""
 

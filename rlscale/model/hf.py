@@ -288,6 +288,18 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     return out
 
 
+def _placed(host: np.ndarray, v, mesh, rules) -> jax.Array:
+    """`host` as the value of the abstract variable `v`: on the default device, or laid out
+    on `mesh` by `rules` and `v`'s logical axes."""
+    if mesh is None:
+        return jax.device_put(np.array(host))
+    spec = sharding.logical_to_spec(v.get_metadata()["axes"], rules, mesh, v.shape)
+    target = jax.sharding.NamedSharding(mesh, spec)
+    # A copy per shard: on CPU a device buffer may alias the NumPy memory it came from, and
+    # replicated shards would then share one buffer, which a donating update writes.
+    return jax.make_array_from_callback(v.shape, target, lambda idx: np.array(host[idx]))
+
+
 def load_hf(
     path: str,
     mesh=None,
@@ -345,16 +357,7 @@ def load_hf(
                 f"{files[name[0] if stacked else name]}: {which} has shape {host.shape} after "
                 f"conversion, the model expects {v.shape}"
             )
-        host = host.astype(v.dtype)
-        if mesh is None:
-            return v.replace(jax.device_put(np.array(host)))
-        spec = sharding.logical_to_spec(v.get_metadata()["axes"], rules, mesh, v.shape)
-        target = jax.sharding.NamedSharding(mesh, spec)
-        # A copy per shard: on CPU a device buffer may alias the NumPy memory it came from,
-        # and replicated shards would then share one buffer, which a donating update writes.
-        return v.replace(
-            jax.make_array_from_callback(v.shape, target, lambda idx: np.array(host[idx]))
-        )
+        return v.replace(_placed(host.astype(v.dtype), v, mesh, rules))
 
     try:
         params = jax.tree_util.tree_map_with_path(

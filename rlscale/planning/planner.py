@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
-from rlscale.model import decoder
+from rlscale.model import decoder, lora
 from rlscale.planning import topology
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
@@ -369,9 +369,13 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int, targets: list | 
         "w": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.float32, sharding=replicated),
         "b": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
     }
-    state = abstract_train_state(learn, params, value_params)
-    ref = None
-    if learn.spec.ref:  # `Learner.reference`: a copy, in pinned host memory when offloaded.
+    trained = params
+    if config.lora.enabled:  # The adapters, replicated; the base is the reference.
+        adapters = jax.eval_shape(lambda: lora.init(params, config.lora, jax.random.key(0)))
+        trained = jax.tree.map(lambda x: _abstract(x, replicated), adapters)
+    state = abstract_train_state(learn, trained, value_params)
+    ref = params if config.lora.enabled else None
+    if learn.spec.ref and ref is None:  # `Learner.reference`: a copy (pinned host: offloaded).
         kind = "pinned_host" if learn.offload_ref else "device"
         ref = jax.tree.map(lambda x: _abstract(x, x.sharding.with_memory_kind(kind)), params)
     rollouts = rollouts_lib.full_length(B * G, prompt_bucket, config.sampling.max_new_tokens)

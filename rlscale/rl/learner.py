@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from rlscale import faults, sharding
+from rlscale.model import lora as lora_lib
 from rlscale.model.decoder import ForwardSpec
 from rlscale.rl import batch_layout
 from rlscale.rl import rollouts as rollouts_lib
@@ -57,6 +58,17 @@ class Spec(NamedTuple):
     minibatches: int
     offload_ref: bool  # The reference's params arrive in host memory.
     replay_probe: bool = False  # Also the logprob gap under the other routing (`_probe`).
+    # LoRA (`lora_lib.LoraConfig`; None: full fine-tuning): the trained params are adapters
+    # and the reference's params the frozen base, which the policy's forward merges them into.
+    lora: Any = None
+
+
+def _policy(spec: Spec, params, ref_params):
+    """The policy's params from the trained ones: with LoRA the base (`ref_params`) with the
+    adapters merged in (`lora_lib.merge`, as the generator receives them), else themselves."""
+    if spec.lora is None:
+        return params
+    return lora_lib.merge(ref_params, params, spec.lora.scale)
 
 
 def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
@@ -83,13 +95,20 @@ def _apply_grads(state: TrainState, grads, loss_sum, denom, optimizer):
 
 def _micro_loop(f, carry, count, length: int):
     """`f(carry, u) -> (carry, out)` over micro-batches u < `count` (traced: it follows the
-    batch) as a `fori_loop`, the outputs stacked [length] with zeros past `count`."""
-    shapes = jax.eval_shape(lambda c: f(c, 0)[1], carry)
+    batch) as a `fori_loop`, the outputs stacked [length] with zeros past `count`.
+
+    `f` (a forward and backward pass) is traced once: its jaxpr gives the outputs' shapes
+    and is what the loop body evaluates, where tracing it again for the body would double
+    the update's tracing time."""
+    u0 = jnp.zeros((), jnp.int32)
+    closed, (_, shapes) = jax.make_jaxpr(f, return_shape=True)(carry, u0)
+    out_tree = jax.tree.structure((carry, shapes))
     outs = jax.tree.map(lambda x: jnp.zeros((length, *x.shape), x.dtype), shapes)
 
     def body(u, c):
         carry, outs = c
-        carry, out = f(carry, u)
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((carry, u)))
+        carry, out = jax.tree.unflatten(out_tree, flat)
         return carry, jax.tree.map(lambda b, o: b.at[u].set(o), outs, out)
 
     return jax.lax.fori_loop(0, count, body, (carry, outs))
@@ -102,9 +121,8 @@ def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, place, coun
     first = jax.tree.map(lambda x: x[: spec.minibatches], (place, count))  # Every row once.
     out = {}
     if spec.old_terms:
-        t = no_grad_terms(
-            spec.forward, state.params, state.value_params, batch, *first, spec.old_terms
-        )
+        policy = _policy(spec, state.params, ref_params)
+        t = no_grad_terms(spec.forward, policy, state.value_params, batch, *first, spec.old_terms)
         out.update({f"old_{k}": v for k, v in t.items()})
     if spec.ref:
         t = no_grad_terms(spec.forward, ref_params, state.value_params, batch, *first, ("logp",))
@@ -112,20 +130,21 @@ def _no_grad_terms(spec: Spec, state: TrainState, ref_params, batch, place, coun
     return out
 
 
-def _probe(spec: Spec, state: TrainState, batch, place, count):
+def _probe(spec: Spec, state: TrainState, ref_params, batch, place, count):
     """The logprob gap (mean |logp - sampler_logp|) over the first optimizer step's trained
     tokens (those of `logp_match`) with the other routing than the learner's (replay on:
     the policy's own top-k; off: the generator's recorded experts): one more forward pass
     without gradient over that step's micro-batches."""
     other = spec.forward._replace(router_replay=not spec.forward.router_replay)
     first = jax.tree.map(lambda x: x[:1], (place, count))
-    logp = no_grad_terms(other, state.params, state.value_params, batch, *first, ("logp",))
+    policy = _policy(spec, state.params, ref_params)
+    logp = no_grad_terms(other, policy, state.value_params, batch, *first, ("logp",))
     in_NM = (batch["mask"] & (place["micro"][0] >= 0)[:, None]).astype(jnp.float32)
     gap, n = jnp.sum(jnp.abs(logp["logp"] - batch["sampler_logp"]) * in_NM), jnp.sum(in_NM)
     return jnp.where(n > 0, gap / jnp.maximum(n, 1.0), jnp.nan)  # NaN: no token (null).
 
 
-def _optimizer_step(spec: Spec, batch, terms, train: TrainState, step):
+def _optimizer_step(spec: Spec, batch, terms, ref_params, train: TrainState, step):
     """One optimizer step (`step`: its `place` [N] arrays and micro-batch count): the
     gradient sums of its micro-batches (each sees every row, the others out of its mask; the
     loss transforms' state carried through), divided once by their summed denominator and
@@ -139,7 +158,8 @@ def _optimizer_step(spec: Spec, batch, terms, train: TrainState, step):
         mb = {**terms, "mask": terms["mask"] * in_N[:, None].astype(terms["mask"].dtype)}
 
         def loss_fn(params, value_params):
-            t = token_terms(spec.forward, params, value_params, fwd, spec.train_terms)
+            policy = _policy(spec, params, ref_params)
+            t = token_terms(spec.forward, policy, value_params, fwd, spec.train_terms)
             mismatch = t.pop("routing_mismatch", None)  # A metric, not a term of the loss.
             out, new_state = spec.objective.loss.update(
                 {**mb, **t, "update": train.step}, loss_state
@@ -192,7 +212,8 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
 
     Args:
       state: the train state (donated).
-      ref_params: the reference's params (unused unless `spec.ref`).
+      ref_params: the reference's params (unused unless `spec.ref` or `spec.lora`: then the
+        frozen base the adapters merge into).
       batch: per row [N] or [N, M]: `mask`, `sampler_logp`, `reward`, `correct`,
         `row_weight`, and `teacher_logp`, `step_reward` and `step_mask` where the chain
         reads them; `tokens` and `attn` [N, L] (`batch_layout.Plan`: the rows, completions
@@ -216,7 +237,7 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
     if spec.old_terms or spec.ref:
         terms.update(_no_grad_terms(spec, state, ref_params, batch, place, count))
     if spec.replay_probe:
-        metrics["logp_gap_other"] = _probe(spec, state, batch, place, count)
+        metrics["logp_gap_other"] = _probe(spec, state, ref_params, batch, place, count)
     if "old_logp" in terms:  # How far the sampler's numerics are from the learner's.
         mask_f = batch["mask"].astype(jnp.float32)
         metrics["trainer_logp_gap"] = jnp.sum(
@@ -225,7 +246,7 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
     metrics["batch"] = terms.pop("metrics", {})  # The batch-stage transforms' own.
 
-    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms)
+    optimizer_step = functools.partial(_optimizer_step, spec, batch, terms, ref_params)
     state, per_step = jax.lax.scan(
         optimizer_step, state._replace(batch_state=batch_state), (place, count)
     )
@@ -256,6 +277,8 @@ class Learner:
         entropy computation (`vocab_token_terms`).
       remat: the decoder blocks' rematerialization policy (`decoder.REMAT_POLICIES`).
       offload_ref: keep the reference's params in pinned host memory between updates.
+      lora: LoRA's settings (None: full fine-tuning): the train state's params are adapters,
+        `update`'s `ref_params` the frozen base (`Spec.lora`).
       seed: seeds the minibatch order.
       programs: records each compiled program's cost.
       router_replay: one of `ROUTER_REPLAY`: "generator" runs a mixture of experts' forward
@@ -278,6 +301,7 @@ class Learner:
     logprob_chunk: int = 0
     remat: str = "none"
     offload_ref: bool = False
+    lora: lora_lib.LoraConfig | None = None
     router_replay: str = "off"
     replay_probe: bool = False
     routing_lc: tuple = ()
@@ -305,6 +329,7 @@ class Learner:
             max_micro=0,  # Set per batch size by `_inputs`.
             minibatches=self.layout.minibatches,
             offload_ref=self.offload_ref,
+            lora=self.lora,
             replay_probe=self.replay_probe,
         )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs,

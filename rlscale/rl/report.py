@@ -11,9 +11,9 @@ import os
 import jax
 import numpy as np
 
-from rlscale import checkpoint
+from rlscale import checkpoint, optim
 from rlscale.envs import episodes as env_episodes
-from rlscale.model import hf
+from rlscale.model import hf, lora
 from rlscale.rl import learned_rewards, logp_match
 from rlscale.scaling import compute
 
@@ -238,10 +238,24 @@ def generator_record(before, after) -> dict:
     return record
 
 
+def trained_record(train) -> dict:
+    """What the learner trains and what its optimizer holds (`train`: a `TrainState`): the
+    trained params (with LoRA the adapters) and the value head, and the bytes of each and of
+    the optimizer state (`optim.tree_bytes`). Logged at start-up and in `summary.json`."""
+    trained = (train.params, train.value_params)
+    return {
+        "train/trained_params": sum(x.size for x in jax.tree.leaves(trained)),
+        "train/trained_bytes": optim.tree_bytes(trained),
+        "train/opt_state_bytes": optim.tree_bytes(train.opt_state),
+    }
+
+
 def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict:
     """The run's summary; writes the final params (and, for a run from a Hugging Face
     checkpoint, a Hugging Face export with the tokenizer and the sampler's stop tokens),
-    `summary.json` and `programs.json` (every compiled program's per-device cost)."""
+    `summary.json` and `programs.json` (every compiled program's per-device cost). With
+    LoRA the final params are merged, and the adapters are also written in PEFT's format
+    (WORKDIR/adapter)."""
     evals = run_state.evals
     summary = {
         "start/eval_pass@1": evals[0]["eval/pass@1"],
@@ -251,9 +265,10 @@ def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict
         **{f"sft/{k}": v for k, v in setup.warm_start_summary.items()},
         **learned_rewards.summary(workdir),
         **comp.metrics(),
+        **trained_record(run_state.train),
         "wall_s": wall_s,
     }
-    params = run_state.train.params
+    params = setup.policy_params(run_state.train.params)
     checkpoint.save_params(os.path.join(workdir, "final"), setup.model_cfg, params)  # Every host.
     hf_init = setup.config.init.hf_checkpoint
     if jax.process_index() == 0:
@@ -265,6 +280,11 @@ def finish(setup, run_state, comp: Compute, workdir: str, wall_s: float) -> dict
                 params,
                 tokenizer=setup.tokenizer,
                 stop_tokens=setup.scfg.stop_tokens,
+            )
+        if setup.config.lora.enabled:
+            base = setup.base_identity["source"]
+            lora.save_peft(
+                os.path.join(workdir, "adapter"), run_state.train.params, setup.config.lora, base
             )
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

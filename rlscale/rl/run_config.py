@@ -26,7 +26,7 @@ from rlscale.data import filters
 from rlscale.data import load as data_load
 from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
-from rlscale.model import attention
+from rlscale.model import attention, lora
 from rlscale.rewards import isolation
 from rlscale.rl import checks, dpo, pipeline, rollouts, setup
 from rlscale.saved_policy import SamplingSettings
@@ -52,6 +52,7 @@ SECTIONS = {
     "reward": isolation.RewardConfig,
     "env": env_registry.EnvConfig,
     "tracking": tracking.TrackingConfig,
+    "lora": lora.LoraConfig,
 }
 
 # The keys that name a checkpoint or a file, which may name one on the Hugging Face Hub
@@ -100,6 +101,7 @@ class RunConfig:
     reward: isolation.RewardConfig
     env: env_registry.EnvConfig
     tracking: tracking.TrackingConfig
+    lora: lora.LoraConfig
     raw: Any
 
     def to_dict(self) -> dict:
@@ -159,5 +161,6 @@ def resolve(config: ml_collections.ConfigDict) -> RunConfig:
     )
     problems += data_load.task_problems(run.task)
     problems += checks.problems(run)
+    problems += lora.run_problems(run.lora, run.learner, run.preference)
     sections.raise_if(problems)
     return dataclasses.replace(run, **_derived(run))

@@ -42,6 +42,7 @@ from rlscale.envs import episodes as env_episodes
 from rlscale.envs import registry as env_registry
 from rlscale.eval import heldout
 from rlscale.model import decoder, hf
+from rlscale.model import lora as lora_lib
 from rlscale.rewards import isolation
 from rlscale.rl import batch_layout, checks, learned_rewards, learner, pairs, report, rollouts
 from rlscale.rl import teacher as teacher_lib
@@ -144,8 +145,10 @@ class Setup:
     test_problems: list
     model_cfg: Any
     graphdef: Any
-    params: Any  # The initial policy, training layout.
-    ref_params: Any  # Frozen reference (None unless the objective reads `ref_logp`).
+    params: Any  # The initial policy, training layout; with LoRA the frozen base.
+    # Frozen reference (None unless the objective reads `ref_logp`); with LoRA `params`
+    # itself, whatever the objective: the base the adapters merge into (no second copy).
+    ref_params: Any
     teacher: teacher_lib.Teacher | None  # None unless the objective reads `teacher_logp`.
     # `reward.model`'s (None without one, and for `TRAIN_AT_SETUP`, which `Loop` trains and
     # hands to the rollout source).
@@ -172,6 +175,10 @@ class Setup:
     stage_settings: dict  # Stage (`stage_cache.STAGES`) -> its settings (`stage_settings`).
     # The dtype `generator_params` casts to ("": none; `precision.generator_model`).
     generator_cast: str = ""
+    # With LoRA, the frozen base's identity, which its checkpoints hold instead of the base:
+    # {"source": init.hf_checkpoint as given, or the warm start's directory, "fingerprint":
+    # `checkpoint.tree_fingerprint`}. None without LoRA.
+    base_identity: dict | None = None
 
     def close(self):
         self.episodes.close()
@@ -180,16 +187,24 @@ class Setup:
         if self.pool is not None:
             self.pool.close()
 
+    def policy_params(self, params):
+        """The policy's params from the train state's (`params`): with LoRA the base with
+        the adapters merged in (`lora.merged`, in the training layout), else `params`."""
+        lora = self.config.lora
+        return lora_lib.merged(self.params, params, lora.scale) if lora.enabled else params
+
     def sampler_params(self, params) -> tuple[Any, float]:
-        """The params in the sampling layout on the trainer's devices (evaluation), and the
-        seconds the reshard took."""
-        return _timed_reshard(params, self.sample_shardings)
+        """The policy (`params`: the train state's) in the sampling layout on the trainer's
+        devices (evaluation), and the seconds the merge and reshard took."""
+        return _timed_reshard(self.policy_params(params), self.sample_shardings)
 
     def generator_params(self, params) -> tuple[Any, float]:
-        """The params in the generator's layout (on its devices) and dtype
-        (`sampling.generator_dtype`), and the seconds it took. Always a copy in pipeline
-        modes: the generator samples while the learner donates (a cast is one)."""
+        """The policy (`params`: the train state's; with LoRA merged here, at each weight
+        swap) in the generator's layout (on its devices) and dtype (`sampling.generator_dtype`),
+        and the seconds it took. Always a copy in pipeline modes: the generator samples while
+        the learner donates (a cast is one)."""
         t, copy = time.time(), self.config.pipeline.mode != "sync"
+        params = self.policy_params(params)
         if self.generator_cast:  # In the training layout: the reshard then moves fewer bytes.
             cast = {"dtype": self.generator_cast}
             params = self.programs.run("generator_cast", precision.cast_params, (params,), cast)
@@ -198,7 +213,9 @@ class Setup:
         return params, time.time() - t
 
     def generator_shapes(self, params):
-        """`generator_params(params)`'s shapes, dtypes and shardings, computing nothing."""
+        """`generator_params(params)`'s shapes, dtypes and shardings, computing nothing (with
+        LoRA the base's: a merge keeps them)."""
+        params = self.params if self.config.lora.enabled else params
         dtype = self.generator_cast or None
         return jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sh),
@@ -258,11 +275,19 @@ class Setup:
         value_params = {"w": jnp.zeros((self.model_cfg.d_model,)), "b": jnp.zeros(())}
         value_params = sharding.replicate(value_params, self.mesh)
         c = self.config
+        trained = self.params
+        if c.lora.enabled:  # Replicated: rank x (I + O) floats a weight.
+            rng = jax.random.fold_in(jax.random.key(c.seed), LORA_STREAM)
+            trained = sharding.replicate(lora_lib.init(self.params, c.lora, rng), self.mesh)
         return (
-            self.learner.init(self.params, value_params),
+            self.learner.init(trained, value_params),
             filters.PromptStream(c.batch.prompt_pool, seed=c.seed),
             filters.PassRateHistory(c.filters.retire_threshold),
         )
+
+
+# `fold_in` stream of the run's seed that draws the LoRA adapters' init.
+LORA_STREAM = 7
 
 
 def _environment(config, tokenizer, scfg):
@@ -343,10 +368,12 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
     """The run's learner from the resolved run's objective, batch, sampling, learner and optim
     sections (`build`, and `rlscale.planning` for the same program)."""
     G, M, u = config.batch.group_size, config.sampling.max_new_tokens, config.learner
+    lora = config.lora if config.lora.enabled else None
     return learner.Learner(
         graphdef=graphdef,
         objective=objectives.build(config.objective.chain, group_size=G, max_len=M),
-        optimizer=optim.make_optimizer(config.optim, params),
+        # LoRA trains float32 adapters: no master weights whatever the base's dtype.
+        optimizer=optim.make_optimizer(config.optim, None if lora else params),
         mesh=mesh,
         logits_cfg=SamplingConfig(
             temperature=config.sampling.temperature,
@@ -360,6 +387,7 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
         logprob_chunk=u.logprob_chunk,
         remat=u.remat,
         offload_ref=u.offload_ref,
+        lora=lora,
         router_replay=u.router_replay,
         replay_probe=u.replay_probe,
         routing_lc=learner.routing_lc(graphdef, params),
@@ -489,6 +517,18 @@ def _policy(
     return model_cfg, graphdef, params, summary
 
 
+def _reference(config, learn, params, workdir: str) -> tuple[Any, dict | None]:
+    """The frozen reference (the same function with frozen params: a copy of the initial
+    policy where the chain reads `ref_logp`, else None) and, with LoRA, the base's identity:
+    then the reference is the base itself (`params`), whatever the chain."""
+    if not config.lora.enabled:
+        return (
+            learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
+        ), None
+    source = config.raw.init.hf_checkpoint or stage_cache.path(workdir, stage_cache.WARM_START)
+    return params, {"source": source, "fingerprint": checkpoint.tree_fingerprint(params)}
+
+
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from the resolved run (`rl.resolve.resolve`)."""
     pipe = config.pipeline
@@ -518,8 +558,7 @@ def build(config, workdir: str) -> Setup:
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
     generator = _generator(config, graphdef, model_cfg, scfg, longest, gen_mesh, progs)
     learn = make_learner(config, graphdef, params, mesh, progs)
-    # The reference is the same function with frozen params.
-    ref = learn.reference(params) if "ref_logp" in learn.objective.model_terms else None
+    ref, base_identity = _reference(config, learn, params, workdir)
     teacher = None
     if "teacher_logp" in learn.objective.model_terms:
         teacher = make_teacher(config, mesh, model_cfg, graphdef, params, progs)
@@ -557,4 +596,5 @@ def build(config, workdir: str) -> Setup:
         preference_pairs=preference_pairs,
         stage_settings=settings,
         generator_cast="" if generator.model_cfg is model_cfg else generator.model_cfg.dtype,
+        base_identity=base_identity,
     )

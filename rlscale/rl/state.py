@@ -6,7 +6,10 @@ prompt stream's epoch, cursor and shuffle seed, the pass-rate history and retire
 compute counters, the earlier evaluations, the length of `metrics.jsonl` and the resolved
 config. The reference params are the warm start's, reloaded at start-up (never checkpointed),
 except in iterative preference runs, whose reference is the policy at the current round's
-start: there it is device state (`ref`), and the round's pairs host state (`pairs`).
+start: there it is device state (`ref`), and the round's pairs host state (`pairs`). A LoRA
+run's train state holds the adapters and their optimizer state, never the base: the host part
+holds the base's identity (`base`: its source and fingerprint), which a resume checks against
+the base it reloads.
 """
 
 import dataclasses
@@ -37,6 +40,7 @@ class RunState:
     # start's, reloaded at start-up).
     ref: Any = None
     pairs: pairs_lib.PairSet | None = None  # Preference runs: the pairs in force and their draw.
+    base: dict | None = None  # LoRA runs: the frozen base's identity (`Setup.base_identity`).
 
     def state(self, metrics_offset: int) -> tuple[dict, dict]:
         """(device tree, host dict) to checkpoint."""
@@ -51,6 +55,7 @@ class RunState:
             "metrics_offset": metrics_offset,
             "config": self.config,
             "pairs": None if self.pairs is None else self.pairs.state(),
+            "base": self.base,
         }
         return device, host
 
@@ -69,6 +74,7 @@ class RunState:
             pairs=None
             if host.get("pairs") is None
             else pairs_lib.PairSet.from_state(host["pairs"]),
+            base=host.get("base"),
         )
 
 
@@ -99,6 +105,12 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
     # Replicated over the mesh: every host checkpoints (and restores) the same key.
     rng = sharding.replicate(jax.random.key(config.seed), setup.mesh)
     fresh = RunState(train, rng, stream, history, report.Compute().counters, [], config_dict)
+    fresh.base = setup.base_identity
+    trained = report.trained_record(train)
+    logging.info(
+        "trained params: %d (%d bytes), optimizer state: %d bytes",
+        *(trained[f"train/{k}"] for k in ("trained_params", "trained_bytes", "opt_state_bytes")),
+    )
     if config.preference.enabled:
         fresh.pairs = pairs_lib.PairSet()
         if config.preference.iterations_every:  # Refreshed each round (None: no reference).
@@ -120,9 +132,23 @@ def open_checkpoints(setup, workdir: str, allow_config_change: bool):
                 "resume it anyway, or use another workdir. Differences (saved -> now):\n  "
                 + "\n  ".join(diff)
             )
+        _check_base(host.get("base"), setup.base_identity, workdir, ckpt)
         fresh = RunState.from_state(device, {**host, "config": config_dict})
         logging.info("resuming from the checkpoint at step %d in %s", start, workdir)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_dict, f, indent=2, sort_keys=True)
     return ckpt, fresh, start
+
+
+def _check_base(saved: dict | None, now: dict | None, workdir: str, ckpt) -> None:
+    """Refuses to resume a LoRA run's adapters onto another base than they were trained on
+    (another fingerprint; the source may move with the workdir)."""
+    if saved is None or now is None or saved["fingerprint"] == now["fingerprint"]:
+        return
+    ckpt.close()
+    raise ValueError(
+        f"{workdir} holds LoRA adapters trained on another base: {saved['source']} "
+        f"(fingerprint {saved['fingerprint']}), and this run's base is {now['source']} "
+        f"(fingerprint {now['fingerprint']}); use another workdir"
+    )
