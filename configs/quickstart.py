@@ -17,6 +17,13 @@ measured on 2 CPU cores shared with other sessions' runs (load average about 8):
 SFT warm start (900 steps) included, 4 min 28 s from the step-0 evaluation to the end; held-out
 pass@1 0.16 -> 0.835 after 80 RL steps (the run's fit: A = 0.843), training 77,953 params
 (the adapters and the value head) with 0.62 MB of optimizer state.
+`:moe` (the policy a mixture of experts shaped as tiny_moe: 8 experts of width 96, top-2, in
+every layer; `moe_aux(lb=0.001)`; the generator's routing replayed in the learner, with the
+gap without replay measured too; docs/model_and_sampling.md, "Router replay"):
+
+    python -m rlscale.main --config configs/quickstart.py:moe --workdir /tmp/rlscale_quickstart_moe
+
+MOE_FULL_RUN
 Variants: `:smoke` (3 steps of everything, under a minute: used by the tests), `:demo` (the
 sampling demo on a random model), `:entropy_rho=0.2` (train only on each micro-batch's top 20%
 of tokens by policy entropy: Wang et al. 2025, "Beyond the 80/20 Rule").

@@ -220,6 +220,7 @@ def test_moe_quickstart_smoke_run(shared_workdir):
     assert 0 <= summary["end/eval_pass@1"] <= 1
 
 
+@pytest.mark.slow
 def test_multi_turn_replies_and_weight_swaps_are_recorded(runs):
     """Episodes with turns: the routing of the environment's replies (prefilled by
     `engine.extend`) and of tokens run again under new weights (`engine.refresh`, here the
