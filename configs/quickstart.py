@@ -23,7 +23,12 @@ gap without replay measured too; docs/model_and_sampling.md, "Router replay"):
 
     python -m rlscale.main --config configs/quickstart.py:moe --workdir /tmp/rlscale_quickstart_moe
 
-MOE_FULL_RUN
+measured on 2 CPU cores shared with other sessions' runs (load average 7 to 11): 49 min 19 s,
+of which the SFT warm start (900 steps of the MoE, which JAX runs on the CPU as every expert
+over every token) about 43 min and 5 min 52 s from the step-0 evaluation to the end;
+held-out pass@1 0.164 -> 0.831 after 80 RL steps (the run's fit: A = 0.853); every step's
+`train/routing_mismatch` 0, `train/logp_gap_abs` 1.7e-8 to 1.4e-7 and without replay the same
+to rounding (mean 6.8e-8 both), `train/moe_lb` 2.23 to 2.51 (2 is uniform over the top-2).
 Variants: `:smoke` (3 steps of everything, under a minute: used by the tests), `:demo` (the
 sampling demo on a random model), `:entropy_rho=0.2` (train only on each micro-batch's top 20%
 of tokens by policy entropy: Wang et al. 2025, "Beyond the 80/20 Rule").
