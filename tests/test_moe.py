@@ -227,6 +227,7 @@ def test_auxiliary_losses_by_hand_and_the_moe_aux_transform():
     chosen = np.array([[1.0, 0.0], [1.0, 0.0]])  # Both pick expert 0 (a tie goes to the first).
     routing = moe.Routing(
         expert_ids_lBTc=jnp.zeros((1, 1, 2, 1), jnp.int32),
+        top_ids_lBTc=jnp.zeros((1, 1, 2, 1), jnp.int32),
         counts_le=jnp.asarray(chosen.sum(0))[None],
         probs_le=jnp.asarray(p[:2].sum(0))[None],
         z_l=jnp.asarray([np.log(4.0) ** 2 + np.log(2.0) ** 2]),
