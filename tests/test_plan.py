@@ -650,3 +650,22 @@ def test_lora_plan_trains_adapters_and_counts_the_merged_copy():
     assert b["ref_params"] == 4 * cfg.num_params()
     assert b["generator_params"] == 4 * 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
     assert "lora_merge" not in p.programs  # Its temporaries count, its FLOPs do not.
+
+
+def test_temp_advice_names_the_all_to_all_dispatch_on_an_expert_axis():
+    settings = {
+        "mesh": (1, 1, 1, 8),
+        "param_dtype": "bfloat16",
+        "pack_rows": 8,
+        "next_pack_rows": 0,
+        "remat": "full",
+        "logprob_chunk": 1,
+        "slots": 32,
+        "max_new_tokens": 32,
+        "expert_dispatch": "all_gather",
+    }
+    assert report.advice("temp", settings) == (
+        "model.expert_dispatch=all_to_all (now all_gather; it drops past capacity), "
+        "more data x fsdp devices (--mesh=1,1,1,8)"
+    )
+    assert "expert_dispatch" not in report.advice("temp", {**settings, "expert_dispatch": None})

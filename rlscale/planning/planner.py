@@ -541,6 +541,7 @@ def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
         "logprob_chunk": config.learner.logprob_chunk,
         "slots": config.pipeline.slots,
         "max_new_tokens": config.sampling.max_new_tokens,
+        "expert_dispatch": (experts_info(model_cfg, mesh) or {}).get("dispatch"),
     }
 
 

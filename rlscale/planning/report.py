@@ -204,6 +204,8 @@ def advice(term: str, s: dict) -> str:
 def _temp_knobs(s: dict) -> list[str]:
     """The learner's knobs that shrink the update's temporaries and have room left."""
     knobs = []
+    if s.get("expert_dispatch") == "all_gather":  # Only with an expert axis.
+        knobs.append("model.expert_dispatch=all_to_all (now all_gather; it drops past capacity)")
     if s.get("next_pack_rows"):
         knobs.append(f"learner.pack_rows={s['next_pack_rows']} (now {s['pack_rows']})")
     if s["remat"] != "full":
