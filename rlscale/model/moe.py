@@ -13,7 +13,7 @@ one (device, expert) pair in the all-to-all dispatch, s send slots (e * C).
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,11 @@ from jax.sharding import PartitionSpec
 
 from rlscale import sharding
 
-if TYPE_CHECKING:  # `config` validates `expert_dispatch` against this module's registry.
-    from rlscale.model.config import ModelConfig
-
 Array = jax.Array
 
 EXPERT_AXIS = "expert"  # The mesh axis (and the logical axis) that experts shard over.
+
+# `cfg` below is a `ModelConfig`, which imports this module (to check `expert_dispatch`).
 
 
 class Routing(NamedTuple):
@@ -76,7 +75,7 @@ def z_loss(routing: Routing) -> Array:
     return jnp.sum(routing.z_l) / jnp.maximum(jnp.sum(routing.tokens_l), 1.0)
 
 
-def mesh_problems(cfg: "ModelConfig", mesh_shape: dict, key: str = "mesh.shape") -> list[str]:
+def mesh_problems(cfg, mesh_shape: dict, key: str = "mesh.shape") -> list[str]:
     """The expert axis of a mesh (axis name -> size) against the model's experts."""
     n = int(mesh_shape.get(EXPERT_AXIS, 1))
     if n == 1:
@@ -107,7 +106,7 @@ class MoE(nnx.Module):
     by their p, renormalised to sum to 1 with `norm_topk_prob`.
     """
 
-    def __init__(self, cfg: "ModelConfig", *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, e, F, pd = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size, cfg.weight_dtype
         self.router = _param(rngs, (D, e), ("embed", None), pd, 0, 1)
         ax_in = (EXPERT_AXIS, "embed", "expert_mlp")
@@ -153,7 +152,7 @@ class MoE(nnx.Module):
         return y_XD.reshape(B, T, D), routing
 
 
-def experts(x_XD, ids_Xc, w_Xc, valid_X, gate_eDF, up_eDF, down_eFD, cfg: "ModelConfig"):
+def experts(x_XD, ids_Xc, w_Xc, valid_X, gate_eDF, up_eDF, down_eFD, cfg):
     """(sum_j w_Xc[:, j] * expert_{ids_Xc[:, j]}(x_XD), the real tokens' (`valid_X`) choices
     dropped): on the current mesh's `expert` axis when it has one (`jax.set_mesh` /
     `use_abstract_mesh`), by the dispatch `cfg.expert_dispatch` names; else on one device's
@@ -277,7 +276,7 @@ def _all_gather(mesh, x_XD, ids_Xc, w_Xc, valid_X, gate_eDF, up_eDF, down_eFD, c
     return y_XD, jnp.float32(0)
 
 
-def capacity(tokens: int, cfg: "ModelConfig") -> int:
+def capacity(tokens: int, cfg) -> int:
     """C, the routed rows one device sends one expert in the all-to-all dispatch: the
     capacity factor times an even share of its `tokens` x c choices over the e experts, at
     least 1 and at most `tokens` (a token chooses an expert once: C = tokens drops nothing,
@@ -351,7 +350,7 @@ def _all_to_all(mesh, x_XD, ids_Xc, w_Xc, valid_X, gate_eDF, up_eDF, down_eFD, c
     return y_XD, jnp.sum(dropped)
 
 
-def active_params(cfg: "ModelConfig") -> int:
+def active_params(cfg) -> int:
     """Parameters a token's forward pass reads (c of the e experts in each sparse layer)."""
     idle = cfg.num_experts - cfg.experts_per_token
     return cfg.num_params() - len(cfg.moe_layers) * idle * 3 * cfg.d_model * (
