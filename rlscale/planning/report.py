@@ -123,9 +123,7 @@ def _model_lines(info: dict) -> list[str]:
     """What a plan of fewer layers, a LoRA run or a mixture of experts adds to the header."""
     lines = []
     if info.get("trained_params", info["num_params"]) < info["num_params"]:
-        lines.append(
-            f"  trained: {_count(info['trained_params'])} params (LoRA adapters, value head)"
-        )
+        lines.append(f"  trained: {_count(info['trained_params'])} params (the LoRA adapters)")
     x = info.get("experts")
     if x:
         lines.append(
