@@ -11,8 +11,10 @@ Runtime and result (one seed, 2-core CPU shared with other runs, the quickstart'
 reused): 34 s, a median 0.11 s per training step and 1.1-1.5 s per round of sampling.
 Held-out pass@1 0.149 -> 0.761 at step 80 (1.14e12 FLOPs; best 0.773 at step 65); 0.6 / 0.7
 at 4.91e11 / 5.36e11 FLOPs where the quickstart needs 1.07e12 / 1.24e12 (its 0.806 at step
-80 costs 2.62e12). Rounds form 265 pairs (of 320 prompts) at first, 138 in the last, as the
-policy passes 19% then 89% of its samples (docs/preference_and_reward_models.md).
+80 costs 2.62e12), under this accounting: each update trains 64 sequences (32 pairs) where
+the quickstart's trains 256 (experiments/paradigms: 2.1-2.2x over 3 seeds). Rounds form 265
+pairs (of 320 prompts) at first, 138 in the last, as the policy passes 19% then 89% of its
+samples (docs/preference_and_reward_models.md).
 Variants: `:smoke` (3 steps of everything, rounds every 2 steps, used by the tests),
 `:every=K` (a round every K steps, of K x batch.prompts prompts), `:pairs=all` (every
 correct x incorrect pair of a prompt, not only its best and worst).

@@ -10,11 +10,12 @@ batch; the CISPO weight divides by the generator's logprobs.
 Laptop CPU (2 cores), quickstart task (arithmetic, difficulty 2), the generator and trainer
 time-slicing the one device: 80 RL steps in 80 s from the quickstart's warm start (about 1.5
 minutes more to build one). Measured result (seed 0): held-out pass@1 0.15 -> 0.78, mean
-staleness 6.8 updates (max 8); the run's own fit gives A = 0.89 [0.83, 1.00], B = 1.9,
-C_mid = 9.5e11 FLOPs. Any task by override: `--config.task.name=countdown
---config.task.difficulty=3`. Variant `:smoke` runs 3 steps (used by the tests); `:sync` is
-the synchronous loop with 4 optimizer steps per batch (the off-policy stand-in the ablations
-below were measured with: 0.18 -> 0.84 then, on an older warm start).
+staleness 6.8 updates (max 8); the run's own fit gives A = 0.89 [0.83, 1.00] (the interval
+reaches A's bound: A is not determined by this run), B = 1.9, C_mid = 9.5e11 FLOPs. Any task
+by override: `--config.task.name=countdown --config.task.difficulty=3`. Variant `:smoke` runs
+3 steps (used by the tests); `:sync` is the synchronous loop with 4 optimizer steps per batch
+(the off-policy stand-in the ablations below were measured with: 0.18 -> 0.84 then, on an
+older warm start).
 Objective: `group_advantages(scale=batch_std) | token_ratio | cispo(eps_max=4.0) |
 aggregate(mode=prompt_mean)`.
 

@@ -172,6 +172,9 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # real sizes (docs/learner.md): logprobs and entropy over the vocabulary
     # `logprob_chunk` completion tokens at a time; `remat` ("none", "dots", "full") what each
     # block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory.
+    # A mixture of experts (docs/model_and_sampling.md#router-replay): `router_replay` "off"
+    # (the learner's own routing) or "generator" (the experts the generator recorded);
+    # `replay_probe` also measures the logprob gap the other way (one more forward pass).
     c.learner = dict(
         epochs=1,
         minibatches=1,
@@ -181,6 +184,8 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         logprob_chunk=1024,
         remat="none",
         offload_ref=False,
+        router_replay="off",
+        replay_probe=False,
     )
     # Generation and training (docs/pipeline.md): "sync" samples each batch with the
     # current policy, then trains on it; "pipeline" generates continuously and takes new

@@ -23,6 +23,22 @@ XLA_FLAGS = " ".join(
 ).strip()
 
 
+# A tiny Hugging Face decoder's config fields (transformers' names) for the parity tests;
+# initializer_range large enough that attention is far from uniform.
+HF_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    initializer_range=0.15,
+)
+
+
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process with `devices` CPU devices."""
     return f"{XLA_FLAGS} --xla_force_host_platform_device_count={devices}"

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import HF_TINY, subprocess_env
 
 from rlscale import model, sharding
 from rlscale.model import hf
@@ -15,18 +15,7 @@ from rlscale.model import hf
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    initializer_range=0.15,
-)  # Large enough that attention is far from uniform.
+_COMMON = HF_TINY
 CASES = {
     "llama": ("LlamaConfig", {}),
     "llama3_rope": (

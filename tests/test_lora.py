@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import U, load_config, metric_lines, random_decoder_params, rounding
+from conftest import HF_TINY, U, load_config, metric_lines, random_decoder_params, rounding
 
 from rlscale import checkpoint, model, optim, rl, sections
 from rlscale.model import decoder, hf
@@ -108,17 +108,7 @@ def test_export_loads_in_transformers_and_peft(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        initializer_range=0.15,
-    )
+    config = transformers.LlamaConfig(**{**HF_TINY, "max_position_embeddings": 64})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "base")
     cfg, graphdef, params = hf.load_hf(str(tmp_path / "base"))

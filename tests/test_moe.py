@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config, rounding
+from conftest import HF_TINY, load_config, rounding
 from flax import nnx
 
 from rlscale import model, objectives, rl, sharding
@@ -19,21 +19,7 @@ from rlscale.planning import hlo
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_HF = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    initializer_range=0.15,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
+_HF = dict(HF_TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 # Every layer sparse with renormalised top-k (Qwen3-30B-A3B's settings), and a dense layer
 # among sparse ones with the raw top-k probabilities.
 CASES = {
@@ -243,6 +229,7 @@ def test_auxiliary_losses_by_hand_and_the_moe_aux_transform():
     chosen = np.array([[1.0, 0.0], [1.0, 0.0]])  # Both pick expert 0 (a tie goes to the first).
     routing = moe.Routing(
         expert_ids_lBTc=jnp.zeros((1, 1, 2, 1), jnp.int32),
+        top_ids_lBTc=jnp.zeros((1, 1, 2, 1), jnp.int32),
         counts_le=jnp.asarray(chosen.sum(0))[None],
         probs_le=jnp.asarray(p[:2].sum(0))[None],
         z_l=jnp.asarray([np.log(4.0) ** 2 + np.log(2.0) ** 2]),

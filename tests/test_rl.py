@@ -121,9 +121,15 @@ def test_golden_metrics(name, golden_runs):
 # ------------------------------------------------------------------------------------------
 
 
+# Recipes whose runs the program tests below read: three steps and two evaluations (at steps
+# 2 and 3). The others run two steps: a step after the first runs the programs it compiled.
+THREE_STEPS = ("quickstart", "grpo")
+
+
 def _recipe_config(name, warm):
     base, _, variant = name.partition(":")
     config = load_config(base, ",".join(filter(None, ["smoke", variant])))
+    config.steps = 3 if name in THREE_STEPS else 2
     config.sampling.update(SAMPLING.get(name, {}))
     config.sft.reuse_from = str(warm)
     return config
@@ -227,6 +233,7 @@ def _launch(workdir, processes, steps, warm):
         "--config", os.path.join(ROOT, "configs", "quickstart.py") + ":smoke",
         "--workdir", str(workdir),
         f"--config.steps={steps}",
+        "--config.checkpoint.every=1",
         "--config.reward.fn=reward_fixtures:even_length",
         "--config.reward.workers=0",
         f"--config.sft.reuse_from={warm}",
@@ -248,23 +255,23 @@ def _launch(workdir, processes, steps, warm):
 
 
 def test_two_processes_equal_one_and_resume_under_one(warm, tmp_path):
-    """Two launches: two processes for 3 steps (checkpoints at steps 2 and 3), then the step-2
-    checkpoint, in a copy of the workdir, resumed by one process to step 3: its step 3 is the
-    two processes' step 3 exactly (line and checkpoint). Each step is the same function of
+    """Two launches: two processes for 2 steps (checkpoints at steps 1 and 2), then the step-1
+    checkpoint, in a copy of the workdir, resumed by one process to step 2: its step 2 is the
+    two processes' step 2 exactly (line and checkpoint). Each step is the same function of
     the state it starts from (a run equals its resume, tests/test_reliability.py), so one step
     from the same state is what "2 processes == 1 process" comes to; the checkpoint written by
     two processes is restored (its fingerprints checked) by one."""
     two, one = tmp_path / "two", tmp_path / "one"
-    _launch(two, 2, 3, warm)
+    _launch(two, 2, 2, warm)
     shutil.copytree(two, one)
-    shutil.rmtree(one / "checkpoints" / "3")  # As a run killed during step 3 leaves it.
+    shutil.rmtree(one / "checkpoints" / "2")  # As a run killed during step 2 leaves it.
     reference = metric_lines(two)
-    assert reference[2]["train/reward_mean"] is not None
-    _, err = _launch(one, 1, 3, warm)[0]
-    assert "resuming from the checkpoint at step 2" in err
+    assert reference[2]["train/reward_mean"] is not None  # Step 2 trained.
+    _, err = _launch(one, 1, 2, warm)[0]
+    assert "resuming from the checkpoint at step 1" in err
     assert metric_lines(one) == reference
-    # The two checkpoints of step 3 hold the same state: every array's fingerprint agrees.
-    meta = [json.load(open(d / "checkpoints" / "3" / "meta" / "metadata")) for d in (one, two)]
+    # The two checkpoints of step 2 hold the same state: every array's fingerprint agrees.
+    meta = [json.load(open(d / "checkpoints" / "2" / "meta" / "metadata")) for d in (one, two)]
     assert meta[0]["arrays"] == meta[1]["arrays"] and len(meta[0]["arrays"]) > 10
 
 

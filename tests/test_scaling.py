@@ -14,7 +14,7 @@ import pytest
 from conftest import subprocess_env
 
 from rlscale import cli, scaling
-from rlscale.scaling import fit
+from rlscale.scaling import allocation, fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRUE = dict(A=0.72, B=1.3, C_mid=3e14, R0=0.15)
@@ -129,11 +129,11 @@ def test_record_breaking_hand_made():
     reward = [0.10, 0.12, 0.25, 0.05, 0.31, 0.38, 0.45, 0.59, 0.58, 0.61]
     compute = np.arange(1, 11)
     # bins of 0.1: 1 1 2 0 3 3 4 5 5 6 -> first entries of bins 1, 2, 3, 4, 5, 6.
-    assert fit.record_breaking(compute, reward, bin_width=0.1).tolist() == [0, 2, 4, 6, 7, 9]
+    assert allocation.record_breaking(compute, reward, bin_width=0.1).tolist() == [0, 2, 4, 6, 7, 9]
     # bins of 0.2: 0 0 1 0 1 1 2 2 2 3.
-    assert fit.record_breaking(compute, reward, bin_width=0.2).tolist() == [0, 2, 6, 9]
+    assert allocation.record_breaking(compute, reward, bin_width=0.2).tolist() == [0, 2, 6, 9]
     # A value on a bin edge is in the bin above it: 0.3 / 0.1 is 2.999... in floating point.
-    assert fit.record_breaking([1, 2], [0.25, 0.3], bin_width=0.1).tolist() == [0, 1]
+    assert allocation.record_breaking([1, 2], [0.25, 0.3], bin_width=0.1).tolist() == [0, 1]
 
 
 def test_extrapolation_hand_verifiable():
@@ -147,7 +147,12 @@ def test_extrapolation_hand_verifiable():
     assert ex.n_points == 2 and ex.fit.n_points == 5 and ex.fit.R0 == 0.0
     assert ex.mae == pytest.approx(0.02, abs=1e-6)
     assert ex.max_abs_err == pytest.approx(0.03, abs=1e-6)
-    assert ex.as_dict() == {"mae": ex.mae, "max_abs_err": ex.max_abs_err, "n_points": 2}
+    assert ex.as_dict() == {
+        "mae": ex.mae,
+        "max_abs_err": ex.max_abs_err,
+        "n_points": 2,
+        **ex.baselines.as_dict(),
+    }
 
 
 # ==========================================================================================
@@ -188,7 +193,7 @@ def test_degenerate_power_law_and_extrapolation():
     with pytest.raises(ValueError, match="fitting compute <= fit_until=4: too few points: 3;"):
         fit.extrapolation_check(_C6, _R6, fit_until=4)
     with pytest.raises(ValueError, match="bin_width=0 must be > 0"):
-        fit.record_breaking(_C6, _R6, bin_width=0)
+        allocation.record_breaking(_C6, _R6, bin_width=0)
 
 
 # ==========================================================================================

@@ -99,7 +99,10 @@ def test_clean_points_recovered_exactly():
         assert getattr(f, key) == pytest.approx(value, rel=1e-6), key
     assert f.r2 == pytest.approx(1.0, abs=1e-12)
     assert (f.n_points, f.sizes) == (n.size, tuple(SIZES))
-    assert f.as_dict() == {k: getattr(f, k) for k in (*TRUE, "r2", "n_points")}
+    assert f.as_dict() == {
+        **{k: getattr(f, k) for k in (*TRUE, "r2", "n_points")},
+        "at_bounds": [],
+    }
 
 
 def test_noisy_points_recovered_within_four_standard_errors():
@@ -291,14 +294,16 @@ def test_fit_tool_tan_holdout_on_a_csv(tmp_path, capsys):
     argv = [str(csv_path), "--law", "tan", "--holdout-size", "7.2e10", "--out", str(out)]
     _fit_tool(argv)
     fits = json.loads((out / "fits.json").read_text())
-    keys = {"law", "k_max", "N0", "E0_max", "N1", "r2", "n_points", "extrapolation"}
+    keys = {"law", "k_max", "N0", "E0_max", "N1", "r2", "n_points", "at_bounds", "extrapolation"}
     assert set(fits) == keys and fits["law"] == "tan"
     assert set(fits["extrapolation"]) == {"holdout_size", "mae", "max_abs_err", "n_points"}
     ex = tan.extrapolate_to_size(n, x, r, holdout_size=7.2e10)
     assert fits["extrapolation"] == pytest.approx(ex.as_dict(), rel=1e-12)
-    assert {k: fits[k] for k in keys - {"law", "extrapolation"}} == pytest.approx(
-        ex.fit.as_dict(), rel=1e-12
+    numbers = keys - {"law", "extrapolation", "at_bounds"}
+    assert {k: fits[k] for k in numbers} == pytest.approx(
+        {k: v for k, v in ex.fit.as_dict().items() if k in numbers}, rel=1e-12
     )
+    assert fits["at_bounds"] == [] == list(ex.fit.at_bounds)  # Within the authors' bounds.
     assert (out / "tan.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "held out: predicted" in printed

@@ -5,6 +5,7 @@
         [--fit-until C | --fit-until-frac F] [--method grid|lsq]
     python tools/fit_scaling.py RUN_DIR ... | SIZES.csv --law tan --out DIR \\
         [--holdout-size N] [--x compute/flops] [--y eval/pass@1] [--min-compute C]
+    python tools/fit_scaling.py SEED_RUN SEED_RUN [...] --seeds --out DIR [--min-compute C]
 
 Each input is a run's workdir (its `metrics.jsonl`; eval lines are those with the `--y` key,
 and the step-0 evaluation at zero compute gives R0), a metrics `.jsonl` file, or a CSV with
@@ -23,16 +24,26 @@ workdir's files) or CSVs with the header `model_size,compute,reward`. `--holdout
 leaves size N (as the table prints it) out of the fit and reports the fit's reward error on
 it. X is `--x` (metrics.jsonl counts no samples: for data, give a CSV whose `compute` column
 holds samples). It prints one row per size and writes `DIR/fits.json` (one object: `law,
-k_max, N0, E0_max, N1, r2, n_points, extrapolation`) and `DIR/tan.png` (1 - reward against
-X, log-log); the exit status is 1 when the points cannot be fitted (the reason is printed).
+k_max, N0, E0_max, N1, r2, n_points, at_bounds, extrapolation`) and `DIR/tan.png` (1 -
+reward against X, log-log); the exit status is 1 when the points cannot be fitted (the reason
+is printed). The fit is bounded as the law's authors bound it (k_max in [0, 2], |E0_max| <=
+10, N0 and N1 within the fitted sizes); a parameter left on a bound is named.
+
+`--seeds` takes the inputs as seeds of one recipe (`rlscale.scaling.seeds`): each fitted
+alone and all together, A, B and log10 C_mid with their mean +- sd over seeds and a
+bootstrap over seeds (`--n-boot` resamples of whole seeds), every parameter on a bound
+flagged; R0 is `--r0` or the median of the seeds' step-0 evaluations. It prints the tables and
+writes `DIR/seeds.json`.
 """
 
+import os
 import sys
 
+import numpy as np
 from absl import flags
 
 from rlscale import cli
-from rlscale.scaling import runs, tan, tan_runs
+from rlscale.scaling import runs, seeds, tan, tan_runs
 
 
 def define_flags(fv: flags.FlagValues, argv) -> None:
@@ -57,6 +68,7 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_float(
         "holdout-size", None, "tan: fit the other sizes, predict this", flag_values=fv
     )
+    flags.DEFINE_bool("seeds", False, "inputs are seeds of one recipe", flag_values=fv)
     flags.DEFINE_enum("method", "grid", ["grid", "lsq"], "the sigmoid's fit", flag_values=fv)
     flags.DEFINE_float("a-max", 1.0, "upper bound on A (1 for rates)", flag_values=fv)
     flags.DEFINE_integer("n-boot", 200, "bootstrap resamples for A's interval", flag_values=fv)
@@ -81,6 +93,8 @@ def check_flags(fv: flags.FlagValues, inputs) -> None:
             )
     elif fv["holdout-size"].value is not None:
         raise ValueError("--holdout-size needs --law tan")
+    if fv.seeds and (fv.law == "tan" or until is not None or frac is not None):
+        raise ValueError("--seeds fits the sigmoid on all points: not with --law tan or a cut")
 
 
 def fit_and_report(inputs, out, **kwargs) -> list:
@@ -119,6 +133,23 @@ def fit_tan_and_report(inputs, out, *, x_key, y_key, min_compute, holdout_size) 
     print(f"wrote {paths['fits']} and {paths['plot']}")
 
 
+def fit_seeds_and_report(inputs, out, *, x_key, y_key, r0, **kwargs) -> None:
+    """Fits the inputs as seeds of one recipe; prints the tables, writes OUT/seeds.json."""
+    curves = {}
+    for path in inputs:
+        curve = runs.read_curve(path, x_key, y_key)
+        curves[curve.name] = curve
+    if r0 is None:
+        r0s = [c.r0 if c.r0 is not None else float(c.reward[0]) for c in curves.values()]
+        r0 = float(np.median(r0s))
+    fits = seeds.fit_seeds({k: (c.compute, c.reward) for k, c in curves.items()}, r0=r0, **kwargs)
+    print(seeds.format_seed_table(fits))
+    print("on a bound: " + ("; ".join(fits.flagged()) or "none"))
+    os.makedirs(out, exist_ok=True)
+    runs.write_json(os.path.join(out, "seeds.json"), fits.as_dict())
+    print(f"wrote {os.path.join(out, 'seeds.json')}")
+
+
 def main(fv: flags.FlagValues, inputs) -> None:
     """Fits `inputs` (positional: run workdirs, .jsonl or .csv files) by the flags' law.
 
@@ -126,6 +157,20 @@ def main(fv: flags.FlagValues, inputs) -> None:
       ValueError: flags that do not go together (named), or no input could be fitted.
     """
     check_flags(fv, inputs)
+    if fv.seeds:
+        fit_seeds_and_report(
+            inputs,
+            fv.out,
+            x_key=fv.x,
+            y_key=fv.y,
+            r0=fv.r0,
+            min_compute=fv["min-compute"].value,
+            method=fv.method,
+            n_boot=fv["n-boot"].value,
+            seed=fv.seed,
+            a_max=fv["a-max"].value,
+        )
+        return
     if fv.law == "tan":
         fit_tan_and_report(
             inputs,

@@ -8,10 +8,13 @@ Reads every run ROOT/SIZE_sSEED (its metrics.jsonl, scaling/fit.json and the
 1. Per size: parameters, the warm start's held-out pass@1, `answered` and
    `accuracy_answered`; the final policies' (mean and range over seeds).
 2. Per run: pass@1 at step 0, the end and best; the run's sigmoid fit on all evaluations
-   (A [95% interval], whether A sits at a bound of the fit); the intra-model predictions:
-   the sigmoid fitted on the first half of compute (`scaling/fit.json`'s `prediction`) and
-   Tan et al.'s line `log10 L = -k log10 X + E0` fitted on the same half, each with its
-   reward MAE on the later evaluations.
+   (A [95% interval], B, every parameter on a bound of the fit on all evaluations or on the
+   first half: `SigmoidFit.at_bounds`); the intra-model predictions: the sigmoid fitted on
+   the first half of compute (`scaling/fit.json`'s `prediction`) and Tan et al.'s line
+   `log10 L = -k log10 X + E0` fitted on the same half, each with its reward MAE on the later
+   evaluations, beside the flat and log-linear baselines' (`rlscale.scaling.baselines`);
+   the runs meeting the MAE target with no parameter on a bound, and those whose prediction
+   beats both baselines by more than one evaluation's noise.
 3. Inter-model: Tan et al.'s law over every size but the largest, scored on the largest
    (`tools/fit_scaling.py --law tan --holdout-size`, which run.sh writes to ROOT/tan), and
    the share of runs meeting the issue's targets (first-half MAE <= 0.02, A off its bounds).
@@ -27,12 +30,14 @@ import shutil
 
 import numpy as np
 
-from rlscale.scaling import runs, tan, tan_runs
+from rlscale.scaling import baselines, runs, tan, tan_runs
+from rlscale.scaling import fit as fit_lib
 
 SIZES = ("xs", "s", "m", "l", "xl")
 TAN_FRAC = 0.5  # Tan et al. use 25-40%; a half keeps 5 of the 10 evaluations to fit on.
 TARGET_MAE = 0.02
 PREDICTION = "prediction_xl.json"
+EVAL_SAMPLES = 2000  # 500 problems x 4 samples: the noise `beats_baselines` must clear.
 
 
 def load(path):
@@ -47,10 +52,15 @@ def evals(workdir):
     return np.array([r["eval/pass@1"] for r in records if "eval/pass@1" in r])
 
 
-def at_bound(A, floor):
-    """Whether a sigmoid's A sits at a bound of its search (`fit.fit_sigmoid`): 1, or the
-    floor min(R0, lowest reward)."""
-    return bool(np.isclose(A, 1.0, atol=1e-6) or np.isclose(A, floor, atol=1e-6))
+def bounds_of(record, curve, fit_until=None):
+    """Every sigmoid parameter on a bound (`SigmoidFit.at_bounds`) of a fit record of
+    `curve` (on compute <= `fit_until` when given); a record written before fits named them
+    is refitted with the same R0."""
+    if "at_bounds" in record:
+        return list(record["at_bounds"])
+    keep = curve.compute <= (np.inf if fit_until is None else fit_until)
+    refit = fit_lib.fit_sigmoid(curve.compute[keep], curve.reward[keep], r0=record["R0"])
+    return list(refit.at_bounds)
 
 
 def fmt(x, digits=3):
@@ -99,11 +109,12 @@ def main():
 
     print()
     print(
-        "| run | step 0 | end | best | A [95%] (all evals) | B | A at a bound | "
-        "sigmoid, first half: A, 2nd-half MAE | Tan line, first half: 2nd-half MAE |"
+        "| run | step 0 | end | best | A [95%] (all evals) | B | on a bound (all; half) | "
+        "sigmoid, first half: A, 2nd-half MAE | Tan line, first half: 2nd-half MAE | "
+        "flat, log-linear: 2nd-half MAE |"
     )
-    print("|" + " --- |" * 9)
-    n_ok = n_runs = 0
+    print("|" + " --- |" * 10)
+    n_ok = n_runs = n_beat = 0
     for s in sizes:
         for seed, d in sorted(found[s]):
             fit = load(os.path.join(d, "scaling", "fit.json"))
@@ -113,19 +124,28 @@ def main():
             pred = fit["prediction"]
             mae = pred["extrapolation"]["mae"]
             half = curve.compute <= pred["fit_until"]
-            bound = at_bound(fit["A"], min(fit["R0"], curve.reward.min())) or at_bound(
-                pred["A"], min(fit["R0"], curve.reward[half].min())
+            on_all = bounds_of(fit, curve)
+            on_half = bounds_of({"R0": fit["R0"], **pred}, curve, pred["fit_until"])
+            base = baselines.baseline_errors(
+                curve.compute[half], curve.reward[half], curve.compute[~half], curve.reward[~half]
             )
+            noise = baselines.binomial_se(float(curve.reward[~half].mean()), EVAL_SAMPLES)
             n_runs += 1
-            n_ok += mae <= TARGET_MAE and not bound
+            n_ok += mae <= TARGET_MAE and not (on_all or on_half)
+            n_beat += baselines.beats_baselines(mae, base, noise)
             lo, hi = fit["A_interval"]
             print(
                 f"| {s} s{seed} | {ys[0]:.3f} | {ys[-1]:.3f} | {ys.max():.3f} | "
                 f"{fit['A']:.3f} [{lo:.3f}, {hi:.3f}] | {fit['B']:.2f} | "
-                f"{'yes' if bound else 'no'} | "
-                f"{pred['A']:.3f}, {mae:.3f} | {intra.mae:.3f} |"
+                f"{', '.join(on_all) or '-'}; {', '.join(on_half) or '-'} | "
+                f"{pred['A']:.3f}, {mae:.3f} | {intra.mae:.3f} | "
+                f"{base.flat_mae:.3f}, {base.line_mae:.3f} |"
             )
-    print(f"\nruns with first-half MAE <= {TARGET_MAE} and A off its bounds: {n_ok} / {n_runs}")
+    print(
+        f"\nruns with first-half MAE <= {TARGET_MAE} and no parameter on a bound: {n_ok} / "
+        f"{n_runs}; sigmoid predictions beating both baselines by more than the noise: "
+        f"{n_beat} / {n_runs}"
+    )
 
     tan_path = os.path.join(a.root, "tan", "fits.json")
     if os.path.exists(tan_path):

@@ -11,8 +11,10 @@ Prints Markdown:
 1. one row per paradigm: seeds, final pass@1 (mean [min, max]), its peak, the FLOPs at
    which it first reaches 0.6 and 0.7 (mean over the seeds that do; how many do), and the
    ScaleRL sigmoid fitted to every seed's evaluations together (A with its bootstrap 95%
-   interval, B, C_mid; R0 the shared warm start's pass@1); a row whose mean end lies more
-   than `FALL` below its mean peak is fitted up to each seed's peak (marked);
+   interval over those pooled points, which leaves out the seed-to-seed spread, B, C_mid,
+   and every parameter on a bound of the fit: `SigmoidFit.at_bounds`; R0 the shared warm
+   start's pass@1); a row whose mean end lies more than `FALL` below its mean peak is fitted
+   up to each seed's peak (marked);
 2. the reward-model runs' training reward against their held-out pass@1 (over-optimization:
    the reward the run optimizes keeps rising while the pass rate it was meant to buy falls);
 3. test-time scaling of the warm start and online seed 0's policy: pass@N and best-of-N under
@@ -79,6 +81,7 @@ def row_summary(curves):
     order = np.argsort(x, kind="stable")  # The seeds' points merged in compute order.
     f = fit.fit_sigmoid(x[order], y[order], r0=r0, n_boot=200)
     out["fit"] = {"A": f.A, "A_interval": f.A_interval, "B": f.B, "C_mid": f.C_mid, "r2": f.r2}
+    out["fit"]["at_bounds"] = list(f.at_bounds)
     out["fit"]["points"] = f.n_points
     return out
 
@@ -155,9 +158,9 @@ def main():
     report = {"rows": {k: row_summary(v) for k, v in groups.items()}}
     print(
         "| paradigm | seeds | end pass@1 [min, max] | peak | FLOPs at end | FLOPs to 0.6 (seeds)"
-        " | FLOPs to 0.7 (seeds) | A [95%] | B | C_mid |"
+        " | FLOPs to 0.7 (seeds) | A [95%] | B | C_mid | on a bound |"
     )
-    print("|" + " --- |" * 10)
+    print("|" + " --- |" * 11)
     for name, r in report["rows"].items():
         f = r["fit"]
         lo, hi = f["A_interval"] or (float("nan"), float("nan"))
@@ -166,7 +169,7 @@ def main():
             f" | {r['peak']:.3f} | {r['flops_end']:.2e} | {fmt_flops(r['flops_to_0.6'])} | "
             f"{fmt_flops(r['flops_to_0.7'])} | {f['A']:.3f} [{lo:.3f}, {hi:.3f}]"
             f"{' (to the peak)' if r['falls'] else ''} | "
-            f"{f['B']:.2f} | {f['C_mid']:.2e} |"
+            f"{f['B']:.2f} | {f['C_mid']:.2e} | {', '.join(f['at_bounds']) or '-'} |"
         )
     if "rm_rl" in trains:
         print(

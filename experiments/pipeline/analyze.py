@@ -3,7 +3,9 @@
     python experiments/pipeline/analyze.py ROOT [--out experiments/pipeline]
 
 Reads ROOT/NAME_sSEED/metrics.jsonl and ROOT/fits/fits.json (tools/fit_scaling.py) and prints
-one Markdown row per run: final held-out pass@1; A [95% interval], B, C_mid of the run's fit;
+one Markdown row per run: final held-out pass@1; A [95% interval], B, C_mid of the run's fit
+and every parameter of it on a bound (`at_bounds`: such a value is the bound's, not the
+data's; "?" for a fits.json written before fits named them);
 training wall seconds (the sum of `time/step_s`: evaluations excluded) in all and until
 held-out pass@1 first reaches each threshold; the staleness, logprob-match, utilization and
 idle diagnostics averaged over the run's steps. Writes OUT/wall.png: pass@1 against training
@@ -52,7 +54,7 @@ def main():
         with open(fits_path) as f:
             fits = {rec["name"]: rec for rec in json.load(f)}
     header = (
-        "| run | end pass@1 | A [95%] | B | C_mid | train wall s | "
+        "| run | end pass@1 | A [95%] | B | C_mid | on a bound | train wall s | "
         + " | ".join(f"s to {t}" for t in THRESHOLDS)
         + " | staleness mean / max | in flight / in queue | logp gap | prob r | util | idle |"
     )
@@ -79,9 +81,11 @@ def main():
         fit = fits.get(name, {})
         A, B, C_mid = (fit.get(k, nan) for k in ("A", "B", "C_mid"))
         ci = fit.get("A_interval") or [nan, nan]
+        bounds = fit.get("at_bounds")
+        bounds = "?" if bounds is None else (", ".join(bounds) or "-")
         print(
             f"| {name} | {ys[-1]:.3f} | {A:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | {B:.2f} | {C_mid:.2e}"
-            f" | {xs[-1]:.0f} | " + " | ".join(reach) + " | "
+            f" | {bounds} | {xs[-1]:.0f} | " + " | ".join(reach) + " | "
             f"{mean(steps, 'pipeline/staleness_mean'):.2f} / "
             f"{max(r['pipeline/staleness_max'] for r in steps)} | "
             f"{mean(steps, 'pipeline/staleness_in_flight_mean'):.2f} / "

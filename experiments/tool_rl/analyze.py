@@ -4,8 +4,11 @@ predict a run's final accuracy from its first third.
 
     python experiments/tool_rl/analyze.py [--plot experiments/tool_rl/curves.png]
 
-Reads experiments/tool_rl/runs/NAME/metrics.jsonl (run.sh writes them) and prints every
-figure the README quotes.
+Reads the stored evidence experiments/tool_rl/runs/NAME.jsonl (`rlscale.scaling.evidence`:
+each evaluation's step, FLOPs, samples, pass@1, plus the code-execution frequencies), prints
+every figure the README quotes and writes experiments/tool_rl/results.json, which
+tests/test_experiments.py checks the README against (`--study DIR` reads another copy of the
+study, `--results PATH` writes elsewhere).
 
 The law (after Mai et al. 2025, "Agent RL Scaling Law", arXiv 2505.07773, who find code
 frequency, response length and accuracy rising together and predictably with training steps):
@@ -19,34 +22,37 @@ frequency, response length and accuracy rising together and predictably with tra
 Fitted on the first third of a run's steps, the two give acc(T) = a + b f(T) at its last
 step T. The comparison: the ScaleRL sigmoid fitted on the same first third of the evaluation
 curve (against compute, `rlscale.scaling.fit.fit_sigmoid`, R0 the step-0 evaluation) and
-extrapolated to the run's final compute; and a flat baseline (the first third's last
-evaluation). The final accuracy is the mean of the last two evaluations.
+extrapolated to the run's final compute; and the two baselines every prediction is scored
+beside: flat (the first third's last evaluation held) and a straight line in log-compute
+fitted to the first third's evaluations. The final accuracy is the mean of the last two
+evaluations.
 """
 
 import argparse
-import glob
-import json
 import os
 
 import numpy as np
 from scipy import optimize
 
+from rlscale.scaling import evidence
 from rlscale.scaling import fit as scaling_fit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = ("power_law", "logistic", "sigmoid", "flat", "log-linear")
 
 
-def read(path):
-    lines = [json.loads(x) for x in open(path)]
-    evals = [x for x in lines if "eval/pass@1" in x]
-    train = [x for x in lines if "env/episodes_with_calls" in x]
+def read(run):
+    """A `evidence.StoredRun` as the arrays the analysis uses."""
+    step, flops, _, acc = run.evals()
+    _, _, _, calls = run.evals("eval/episodes_with_calls")
+    train_step, freq = run.series("env/episodes_with_calls")
     return {
-        "eval_step": np.array([x["step"] for x in evals], float),
-        "eval_acc": np.array([x["eval/pass@1"] for x in evals]),
-        "eval_calls": np.array([x.get("eval/episodes_with_calls", np.nan) for x in evals]),
-        "eval_flops": np.array([x["compute/flops"] for x in evals], float),
-        "step": np.array([x["step"] for x in train], float),
-        "freq": np.array([x["env/episodes_with_calls"] for x in train]),
+        "eval_step": np.array(step, float),
+        "eval_acc": np.array(acc, float),
+        "eval_calls": np.array([np.nan if c is None else c for c in calls], float),
+        "eval_flops": np.array(flops, float),
+        "step": np.array(train_step, float),
+        "freq": np.array(freq, float),
     }
 
 
@@ -87,43 +93,77 @@ def sigmoid_predict(run, cut):
     return float(fit.predict(run["eval_flops"][-1])), fit
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plot", default="")
-    args = parser.parse_args()
-    runs = {
-        os.path.basename(os.path.dirname(p)): read(p)
-        for p in sorted(glob.glob(os.path.join(HERE, "runs", "*", "metrics.jsonl")))
-    }
-    print("run         steps  acc@0  final  calls@0  calls@end")
+def loglinear_predict(run, cut):
+    """The straight line acc = a + b log(FLOPs) fitted on the evaluations at steps <= cut
+    (compute > 0), at the run's final compute."""
+    e = (run["eval_step"] <= cut) & (run["eval_flops"] > 0)
+    b, a = np.polyfit(np.log(run["eval_flops"][e]), run["eval_acc"][e], 1)
+    return float(a + b * np.log(run["eval_flops"][-1]))
+
+
+def predictions(name, r, numbers):
+    """Each method's final accuracy predicted from the first third; fills `numbers`."""
+    final = float(r["eval_acc"][-2:].mean())
+    cut = r["eval_step"][-1] / 3
+    z, zp = zerotir_predict(r, cut)
+    zl, _ = zerotir_predict(r, cut, logistic)
+    s, sigmoid_fit = sigmoid_predict(r, cut)
+    flat = float(r["eval_acc"][r["eval_step"] <= cut][-1])
+    row = dict(zip(METHODS, (z, zl, s, flat, loglinear_predict(r, cut))))
+    for k, v in row.items():
+        numbers[f"{name}.predicted.{k}"] = v
+        numbers[f"{name}.error.{k}"] = abs(v - final)
+    numbers[f"{name}.power_law.f0"], numbers[f"{name}.power_law.alpha"] = map(float, zp)
+    # Every sigmoid parameter on a bound of its fit: there the prediction is the bound's.
+    bounds = sigmoid_fit.at_bounds if sigmoid_fit else ()
+    numbers[f"{name}.sigmoid.n_at_bounds"] = float(len(bounds))
+    return final, row, bounds
+
+
+def analyze(runs):
+    """(numbers, tables) of the study: every figure the README quotes."""
+    numbers = {}
+    rows = ["| run | held-out pass@1, step 0 | final (mean of the last 2 evaluations) | "
+            "episodes that ran code, step 0 -> 40 |", "| --- | --- | --- | --- |"]  # fmt: skip
     for name, r in runs.items():
-        final = float(r["eval_acc"][-2:].mean())
-        calls = r["eval_calls"]
-        print(
-            f"{name:<11} {int(r['eval_step'][-1]):5d}  {r['eval_acc'][0]:.3f}  {final:.3f}"
-            f"  {calls[0]:7.3f}  {calls[-1]:9.3f}"
-        )
-    print("\nfinal accuracy predicted from the first third (|error| in brackets)")
-    print("run         final  power law       logistic        sigmoid         flat")
-    errors = {"power law": [], "logistic": [], "sigmoid": [], "flat": []}
+        final, calls = float(r["eval_acc"][-2:].mean()), r["eval_calls"]
+        numbers.update({f"{name}.acc0": float(r["eval_acc"][0]), f"{name}.final": final})
+        code = f"{calls[0]:.3f} -> {calls[-1]:.3f}" if np.isfinite(calls[0]) else "-"
+        rows.append(f"| {name} | {r['eval_acc'][0]:.3f} | {final:.3f} | {code} |")
+    head = " | ".join(k.replace("_", " ") for k in METHODS)
+    pred = [f"| run | final | {head} | sigmoid on a bound |", "| --- " * (len(METHODS) + 3) + "|"]
+    errors = {k: [] for k in METHODS}
     for name, r in runs.items():
         if not len(r["step"]):  # The no-tool arm runs no code: no law to fit.
             continue
-        final = float(r["eval_acc"][-2:].mean())
-        cut = r["eval_step"][-1] / 3
-        z, zp = zerotir_predict(r, cut)
-        zl, _ = zerotir_predict(r, cut, logistic)
-        s, _ = sigmoid_predict(r, cut)
-        flat = float(r["eval_acc"][r["eval_step"] <= cut][-1])
-        row = {"power law": z, "logistic": zl, "sigmoid": s, "flat": flat}
+        final, row, bounds = predictions(name, r, numbers)
         for k, v in row.items():
             if np.isfinite(v):
                 errors[k].append(abs(v - final))
-        cells = "  ".join(f"{v:.3f} ({abs(v - final):.3f})" for v in row.values())
-        print(f"{name:<11} {final:.3f}  {cells}   power law f0={zp[0]:.2f} alpha={zp[1]:.2f}")
-    print("mean |error|: " + "  ".join(f"{k} {np.mean(v):.3f}" for k, v in errors.items() if v))
+        cells = " | ".join(f"{v:.3f} ({abs(v - final):.3f})" for v in row.values())
+        pred.append(f"| {name} | {final:.3f} | {cells} | {', '.join(bounds) or '-'} |")
+    for k, v in errors.items():
+        numbers[f"mean_error.{k}"] = float(np.mean(v))
+    return numbers, {"runs": "\n".join(rows), "prediction": "\n".join(pred)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plot", default="")
+    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
+    parser.add_argument("--results", default="", help="default: STUDY/results.json")
+    args = parser.parse_args(argv)
+    runs = {name: read(run) for name, run in evidence.read_study(args.study).items()}
+    numbers, tables = analyze(runs)
+    print(tables["runs"] + "\n\nfinal accuracy predicted from the first third (|error|)")
+    print(tables["prediction"])
+    print("mean |error|: " + "  ".join(f"{k} {numbers[f'mean_error.{k}']:.3f}" for k in METHODS))
+    path = args.results or os.path.join(args.study, "results.json")
+    results = evidence.write_results(path, args.study, numbers, tables)
+    print(f"wrote {path}")
     if args.plot:
         plot(runs, args.plot)
+    return results
 
 
 def plot(runs, path):

@@ -494,6 +494,7 @@ class ForwardSpec(NamedTuple):
     pack_length: int = 0  # Tokens per forward row (`batch_layout.Plan.T`).
     pack_rows: int = 0  # Forward rows per batch shard in a micro-batch.
     chunk: int = 0  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
+    router_replay: bool = False  # A MoE's forward uses the batch's recorded expert ids.
 
 
 def abstract_model(cfg: ModelConfig):

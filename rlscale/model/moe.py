@@ -35,6 +35,8 @@ class Routing(NamedTuple):
 
     Attributes:
       expert_ids_lBTc: int32, each token's top-k experts (or the forced ones), best first.
+      top_ids_lBTc: int32, each token's top-k experts by this router (the same array as
+        `expert_ids_lBTc` unless forced): what replay's routing mismatch compares with.
       counts_le: float32, how many of the real tokens' c choices went to each expert.
       probs_le: float32, the real tokens' router probabilities (softmax over all e), summed.
       z_l: float32, the real tokens' squared router log-partition, logsumexp(logits)^2, summed.
@@ -45,6 +47,7 @@ class Routing(NamedTuple):
     """
 
     expert_ids_lBTc: Array
+    top_ids_lBTc: Array
     counts_le: Array
     probs_le: Array
     z_l: Array
@@ -122,9 +125,9 @@ class MoE(nnx.Module):
         x_XD = x_BTD.reshape(B * T, D)
         logits_Xe = x_XD.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         probs_Xe = jax.nn.softmax(logits_Xe, axis=-1)
-        if expert_ids_BTc is None:
-            top_Xc, ids_Xc = jax.lax.top_k(probs_Xe, cfg.experts_per_token)
-        else:  # Router replay: the given experts, weighted by this router's probabilities.
+        top_Xc, own_Xc = jax.lax.top_k(probs_Xe, cfg.experts_per_token)
+        ids_Xc = own_Xc
+        if expert_ids_BTc is not None:  # Router replay: the given experts, this router's weights.
             ids_Xc = expert_ids_BTc.reshape(B * T, -1).astype(jnp.int32)
             top_Xc = jnp.take_along_axis(probs_Xe, ids_Xc, axis=-1)
         if cfg.norm_topk_prob:
@@ -143,6 +146,7 @@ class MoE(nnx.Module):
         lse_X = jax.nn.logsumexp(logits_Xe, axis=-1)
         routing = Routing(
             expert_ids_lBTc=ids_Xc.reshape(1, B, T, -1),
+            top_ids_lBTc=own_Xc.reshape(1, B, T, -1),
             counts_le=(valid_X @ chosen_Xe)[None],
             probs_le=(valid_X @ probs_Xe)[None],
             z_l=jnp.sum(valid_X * lse_X**2)[None],

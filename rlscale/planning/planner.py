@@ -363,7 +363,8 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int, targets: list | 
     if learn.spec.ref and ref is None:  # `Learner.reference`: a copy (pinned host: offloaded).
         kind = "pinned_host" if learn.offload_ref else "device"
         ref = jax.tree.map(lambda x: _abstract(x, x.sharding.with_memory_kind(kind)), params)
-    rollouts = rollouts_lib.full_length(B * G, prompt_bucket, config.sampling.max_new_tokens)
+    M = config.sampling.max_new_tokens  # A MoE's recorded routing too (router replay).
+    rollouts = rollouts_lib.full_length(B * G, prompt_bucket, M, learn.routing_lc)
     _, metrics, _ = learn.update(state, ref, rollouts, step=1)
     entry = progs.entry("update_step")
     # Its micro-batch loops run as many times as the worst case fills micro-batches (per

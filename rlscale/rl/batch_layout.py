@@ -57,6 +57,7 @@ class Plan(NamedTuple):
     place: dict  # `pack`'s [O, N] arrays.
     count: np.ndarray  # [O] micro-batches per optimizer step.
     padding_frac: float  # The share of the forward rows' tokens that are padding.
+    experts_NLlc: np.ndarray | None = None  # A MoE's recorded routing, re-padded as `tokens_NL`.
 
 
 def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
@@ -83,6 +84,11 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
     attn = np.zeros((N, width + M), bool)
     tokens[:, width - keep :] = rollouts.tokens_NL[:, P - keep : P + M]
     attn[:, width - keep :] = rollouts.attn_mask_NL[:, P - keep : P + M]
+    experts = getattr(rollouts, "experts_NLlc", None)  # Any batch with the Rollouts fields.
+    if experts is not None:  # Each token's recorded experts go where the token goes.
+        ids = experts
+        experts = np.zeros((N, width + M, *ids.shape[2:]), ids.dtype)
+        experts[:, width - keep :] = ids[:, P - keep : P + M]
     length_N = rollouts.attn_mask_NL[:, : P + M].astype(bool).sum(1)
     place, count = pack(
         length_N,
@@ -96,7 +102,7 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
     )
     run = int(count.sum()) * c * shards * T
     placed = np.where(place["micro"] >= 0, length_N, 0).sum()
-    return Plan(M, T, c, tokens, attn, place, count, 1.0 - placed / max(run, 1))
+    return Plan(M, T, c, tokens, attn, place, count, 1.0 - placed / max(run, 1), experts)
 
 
 def length_bucket(length: int, max_len: int, buckets: int) -> int:

@@ -331,12 +331,43 @@ def problems(config) -> list[str]:
             f"env.name={config.env.name!r}: a preference run ({config.preference.key}) trains "
             "on pairs of single-turn completions; set env.name='single_turn'"
         )
+    found += _router_replay_problems(config)
     f, M = config.filters, config.sampling.max_new_tokens
     if f.overlong_cache and isinstance(M, int) and f.overlong_cache > M:
         found.append(
             f"filters.overlong_cache={f.overlong_cache} exceeds sampling.max_new_tokens={M}"
         )
     return found
+
+
+def _router_replay_problems(config) -> list[str]:
+    """`learner.router_replay` and `learner.replay_probe` need a mixture of experts (the
+    config's model, or `init.hf_checkpoint`'s) whose routing a generator recorded: not a
+    dense model, nor a preference run's pairs."""
+    u = config.learner
+    on = [f"learner.router_replay={u.router_replay!r}"] * (u.router_replay == "generator")
+    on += ["learner.replay_probe=True"] * (u.replay_probe is True)
+    if not on:
+        return []
+    experts = config.model.num_experts if config.model is not None else 1
+    path = os.path.join(config.init.hf_checkpoint, "config.json")
+    if config.init.hf_checkpoint and os.path.isfile(path):
+        with open(path) as f:
+            experts = json.load(f).get("num_experts", 0)
+    problems = []
+    if not experts:
+        where = config.init.hf_checkpoint or "model.num_experts=0"
+        problems.append(
+            f"{' and '.join(on)} replays a mixture of experts' routing, but the policy "
+            f"({where}) is dense: it has no routers; set learner.router_replay='off' and "
+            "learner.replay_probe=False"
+        )
+    if config.preference.enabled:
+        problems.append(
+            f"{' and '.join(on)}: a preference run ({config.preference.key}) trains on pairs "
+            "whose routing no generator recorded; set learner.router_replay='off'"
+        )
+    return problems
 
 
 def _objective_problems(config) -> list[str]:

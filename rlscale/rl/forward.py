@@ -29,7 +29,14 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
     `fwd` is a micro-batch's forward rows (`packed_micro`), with `targets` at every position:
     the terms are computed at every position of the rows, then each completion token's is
     gathered into its batch row (0s and garbage for rows outside the micro-batch).
+
+    Router replay: with the generator's recorded routing (`fwd["experts"]`, [l, R, T, c]) a
+    mixture of experts routes each token to the recorded experts where
+    `spec.router_replay`, and adds `routing_mismatch`, [N, M]: at the position predicting
+    each completion token, the share of its l x c (layer, choice) slots whose recorded expert
+    is not among this router's own top c (the routing that computed its logprob).
     """
+    recorded_lRTc = fwd.get("experts")
     h_RTD, _, routing = decoder.routed_hidden(
         spec.graphdef,
         params,
@@ -38,6 +45,7 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
         None,
         segments_BT=fwd["segments"],
         remat=spec.remat,
+        expert_ids_lBTc=recorded_lRTc if spec.router_replay else None,
         mesh=spec.mesh,
     )
     R, T, _ = h_RTD.shape
@@ -59,6 +67,8 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
         )
     if "value" in terms:
         out["value"] = h_RTD.astype(jnp.float32) @ value_params["w"] + value_params["b"]
+    if routing is not None and recorded_lRTc is not None:
+        out["routing_mismatch"] = routing_mismatch(recorded_lRTc, routing.top_ids_lBTc)
     # From the forward rows' positions to the batch rows' tokens.
     N, M = fwd["gather"].shape
     index_dX = rows_sharded(fwd["gather"].reshape(d, N // d * M), spec.mesh)
@@ -70,6 +80,15 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
     if routing is not None:  # A mixture of experts: its auxiliary losses over the rows' tokens.
         out.update(moe_lb=moe.load_balancing_loss(routing), moe_z=moe.z_loss(routing))
     return out
+
+
+def routing_mismatch(recorded_lBTc, own_lBTc):
+    """[B, T] float32: the share of each token's l x c recorded experts that are not among
+    its own top c (a set: the order of the choices does not matter)."""
+    slots = recorded_lBTc.shape[0] * recorded_lBTc.shape[-1]
+    hit = recorded_lBTc.astype(jnp.int32)[..., :, None] == own_lBTc[..., None, :]
+    missed_lBTc = ~jnp.any(hit, axis=-1)
+    return jnp.sum(missed_lBTc, axis=(0, 3)).astype(jnp.float32) / slots
 
 
 def no_grad_terms(spec: ForwardSpec, params, value_params, batch, place, count, terms):
@@ -108,7 +127,9 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
     else the sequence's row within its shard plus 1) and `targets` (the next token where it
     is a completion token), [d * pack_rows, pack_length] each; `gather` [N, M], the flat
     index within row r's shard of the packed rows of the position predicting its completion
-    token m; and `in_N`, the rows in the micro-batch.
+    token m; and `in_N`, the rows in the micro-batch. With the batch's recorded routing
+    (`batch["experts"]`, [N, L, l, c]), `experts`: [l, d * pack_rows, pack_length, c], each
+    token's where the token goes.
     """
     tokens_NL, attn_NL = batch["tokens"], batch["attn"]
     N, L = tokens_NL.shape
@@ -124,10 +145,13 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
     gather_NM = jnp.minimum(start_N[:, None] + prompt_N[:, None] - 1 + jnp.arange(M), c * T - 1)
     into_NM = jnp.where(attn_NL[:, P:] & in_N[:, None], gather_NM, c * T)
 
-    def scatter(dest, values):  # Per batch shard: [N / d, ...] values -> [c * T].
-        dest, values = (rows_sharded(x.reshape(d, -1), spec.mesh) for x in (dest, values))
-        rows = jax.vmap(lambda i, v: jnp.zeros(c * T, jnp.int32).at[i].set(v, mode="drop"))
-        return rows_sharded(rows(dest, values.astype(jnp.int32)), spec.mesh).reshape(d * c, T)
+    def scatter(dest, values):  # Per batch shard: [N / d, L, ...] values -> [c * T, ...].
+        rest = values.shape[2:]
+        dest = rows_sharded(dest.reshape(d, -1), spec.mesh)
+        values = rows_sharded(values.reshape(d, -1, *rest), spec.mesh)
+        rows = jax.vmap(lambda i, v: jnp.zeros((c * T, *rest), jnp.int32).at[i].set(v, mode="drop"))
+        out = rows_sharded(rows(dest, values.astype(jnp.int32)), spec.mesh)
+        return out.reshape(d * c, T, *rest)
 
     segment_N = jnp.arange(N) % (N // d) + 1
     fwd = {
@@ -137,6 +161,8 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
         "targets": scatter(into_NM, tokens_NL[:, P:]),  # At the position predicting each.
         "gather": gather_NM,
     }
+    if "experts" in batch:  # A mixture of experts' recorded routing: [l, rows, T, c].
+        fwd["experts"] = jnp.moveaxis(scatter(dest_NL, batch["experts"]), 2, 0)
     return fwd, in_N
 
 

@@ -80,6 +80,11 @@ def logp_match(chunks: list[dict]) -> dict[str, float]:
       train/logp_gap_abs   mean_t |logp_t - sampler_logp_t|
       train/prob_pearson   Pearson r between exp(logp_t) and exp(sampler_logp_t):
                            Cxy / sqrt(M2x M2y)
+      train/routing_mismatch  (a mixture of experts with recorded routing: the chunks'
+                           `routing_diff`, each token's share of mismatched (layer, choice)
+                           slots, `forward.routing_mismatch`, summed) the share of the
+                           tokens' slots whose recorded expert is not among the trainer's
+                           own top-k
 
     NaN (null in metrics.jsonl) where undefined: no tokens, or r of a constant.
     """
@@ -95,7 +100,12 @@ def logp_match(chunks: list[dict]) -> dict[str, float]:
             mean_x += d_x * c["n"] / total
             mean_y += d_y * c["n"] / total
         n, abs_gap = total, abs_gap + c["abs_gap"]
+    routed = {}
+    if chunks and "routing_diff" in chunks[0]:
+        diff = sum(float(c["routing_diff"]) for c in chunks)
+        routed["train/routing_mismatch"] = diff / n if n > 0 else float("nan")
     return {
+        **routed,
         "train/logp_gap_abs": abs_gap / n if n > 0 else float("nan"),
         "train/prob_pearson": c_xy / np.sqrt(m2_x * m2_y)
         if m2_x > 0 and m2_y > 0

@@ -85,13 +85,18 @@ class Rollouts:
     step_mask_NM: np.ndarray | None = None
     # An environment's tokens of multi-turn episodes: context, out of `mask_NM` (None: none).
     env_NM: np.ndarray | None = None
+    # A mixture of experts' routing as the generator recorded it: the c experts each token of
+    # `tokens_NL` went to in each of the l sparse layers (router replay; None: a dense model).
+    experts_NLlc: np.ndarray | None = None
 
 
-def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
+def full_length(rows: int, prompt_len: int, max_new_tokens: int, routing_lc=()) -> Rollouts:
     """A batch of `rows` rows whose prompts fill `prompt_len` tokens and whose completions
     are all `max_new_tokens` long and trained on: the largest update a run with these
-    settings compiles (its values are zeros)."""
+    settings compiles (its values are zeros; `routing_lc`, a mixture of experts' (l, c):
+    with its recorded routing)."""
     N, P, M = rows, prompt_len, max_new_tokens
+    experts = np.zeros((N, P + M, *routing_lc), np.uint8) if routing_lc else None
     return Rollouts(
         tokens_NL=np.zeros((N, P + M), np.int32),
         attn_mask_NL=np.ones((N, P + M), bool),
@@ -105,6 +110,7 @@ def full_length(rows: int, prompt_len: int, max_new_tokens: int) -> Rollouts:
         teacher_logp_NM=np.zeros((N, M), np.float32),
         step_reward_NM=np.zeros((N, M), np.float32),
         step_mask_NM=np.zeros((N, M), bool),
+        experts_NLlc=experts,
     )
 
 
@@ -329,7 +335,11 @@ class RolloutSource:
             pad = ((0, 0), (P - s.prompt_BP.shape[1], 0))
             prompt_NP = np.pad(np.repeat(s.prompt_BP, G, 0), pad, constant_values=self.scfg.pad_id)
             prompt_mask_NP = np.pad(np.repeat(s.prompt_mask_BP, G, 0), pad)
+            routed = {}
+            if s.experts_NLlc is not None:  # Re-padded as the prompts.
+                routed["experts_NLlc"] = np.pad(s.experts_NLlc, pad + ((0, 0), (0, 0)))
             return {
+                **routed,
                 "tokens_NL": np.concatenate([prompt_NP, s.tokens_NM], 1).astype(np.int32),
                 "attn_mask_NL": np.concatenate([prompt_mask_NP, s.mask_NM], 1),
                 # Tokens written by forced interruption or an environment are context, not

@@ -58,7 +58,9 @@ class LearnerConfig(sections.Section):
     row), `pack_rows` rows per batch shard a micro-batch (0: derived from the batch,
     `batch_layout.Layout.rows`);
     logprobs `logprob_chunk` tokens at a time; `remat` what each block's backward pass
-    recomputes; `offload_ref` keeps the KL reference in host memory."""
+    recomputes; `offload_ref` keeps the KL reference in host memory; `router_replay` a
+    mixture of experts' routing in the learner (`learner.ROUTER_REPLAY`), `replay_probe` also
+    the logprob gap under the other routing."""
 
     epochs: int = 1
     minibatches: int = 1
@@ -68,6 +70,8 @@ class LearnerConfig(sections.Section):
     logprob_chunk: int = 1024
     remat: str = "none"
     offload_ref: bool = False
+    router_replay: str = "off"
+    replay_probe: bool = False
 
     def problems(self) -> list[str]:
         problems = sections.at_least("learner.length_buckets", self.length_buckets, 1)
@@ -76,6 +80,9 @@ class LearnerConfig(sections.Section):
             problems.append(
                 f"learner.remat={self.remat!r} is not one of {tuple(decoder.REMAT_POLICIES)}"
             )
+        if self.router_replay not in learner.ROUTER_REPLAY:
+            modes = learner.ROUTER_REPLAY
+            problems.append(f"learner.router_replay={self.router_replay!r} is not one of {modes}")
         if not isinstance(self.offload_ref, bool):
             problems.append(f"learner.offload_ref={self.offload_ref!r} must be True or False")
         if not isinstance(self.pack_rows, int) or self.pack_rows < 0:
@@ -381,6 +388,9 @@ def make_learner(config, graphdef, params, mesh, progs) -> learner.Learner:
         remat=u.remat,
         offload_ref=u.offload_ref,
         lora=lora,
+        router_replay=u.router_replay,
+        replay_probe=u.replay_probe,
+        routing_lc=learner.routing_lc(graphdef, params),
     )
 
 

@@ -31,6 +31,8 @@ from rlscale.sampling.sampler import (
     _constrain,
     decode_step,
     empty_rows,
+    expert_ids_dtype,
+    recorded,
 )
 
 
@@ -41,7 +43,10 @@ class EngineState(NamedTuple):
     `last_S` the last token run through the model (re-run under new weights); `waiting_S`
     which samples stopped at an action; `turn_S` the completion column where each sample's
     current turn began; `env_SM` which completion tokens the environment wrote (logprob 0,
-    version -1); `version` the policy version of the current params."""
+    version -1); `version` the policy version of the current params; `experts_SClc` (a
+    mixture of experts only, else None) the experts each cache column's token went to in
+    each sparse layer (`sampler.recorded`), written with the column: a slot's prompt at
+    [0, P), its completion's token i at P + i."""
 
     cache: decoder.KVCache
     logits_SV: jax.Array
@@ -55,6 +60,7 @@ class EngineState(NamedTuple):
     env_SM: jax.Array
     rows: dict  # `sampler.empty_rows` fields, N = S.
     version: jax.Array
+    experts_SClc: jax.Array | None = None
 
 
 def finished(state: EngineState):
@@ -104,6 +110,10 @@ def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layo
         rows=empty_rows(S, M, cfg.pad_id),
         version=jnp.zeros((), jnp.int32),
     )
+    if model_cfg.num_experts:
+        lc = (len(model_cfg.moe_layers), model_cfg.experts_per_token)
+        ids = jnp.zeros((S, columns, *lc), expert_ids_dtype(model_cfg.num_experts))
+        state = state._replace(experts_SClc=ids)
     return _constrain(state, _state_axes(model_cfg, state), layout)
 
 
@@ -136,7 +146,9 @@ def insert(
     positions_RP = decoder.positions_from_mask(mask_RP)
     cache_axes = decoder.cache_logical_axes(model_cfg)
     cache = _constrain(decoder.init_cache(model_cfg, R, P), cache_axes, layout)
-    h, prompt = decoder.hidden(graphdef, params, tokens_RP, positions_RP, mask_RP, cache)
+    h, prompt, routing = decoder.routed_hidden(
+        graphdef, params, tokens_RP, positions_RP, mask_RP, cache
+    )
     new = {
         "k": prompt.k,
         "v": prompt.v,
@@ -156,6 +168,8 @@ def insert(
         "last_R": specs.last_S,
         "key_R": specs.key_S,
     }
+    if routing is not None:
+        new["experts_RPlc"], new_specs["experts_RPlc"] = recorded(routing), specs.experts_SClc
     place = functools.partial(_place, cfg=cfg)
     in_specs = (specs, new_specs, specs.version_SM, specs.version_SM)  # Rows as the slots.
     return _on_shards(place, layout, in_specs, specs)(state, new, slot_RG, limit_RG)
@@ -220,6 +234,9 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
     valid_NC = jnp.zeros((R * G, C), bool).at[:, :P].set(tile(new["mask_RP"]))
     keys_N = jax.vmap(jax.random.fold_in)(tile(new["key_R"]), jnp.tile(jnp.arange(G), R))
     fresh = empty_rows(R * G, cfg.max_new_tokens, cfg.pad_id)
+    if state.experts_SClc is not None:
+        ids = state.experts_SClc.at[slot_N, :P].set(tile(new["experts_RPlc"]), mode="drop")
+        state = state._replace(experts_SClc=ids)
     return state._replace(
         cache=state.cache._replace(
             k=k,
@@ -283,6 +300,9 @@ def decode(params, state, steps, wanted, waits, *, graphdef, model_cfg, cfg, lay
             version_SM=version_SM,
             rows=rows,
         )
+        if s.experts_SClc is not None:  # The token's experts, at its cache column.
+            at = (jnp.arange(S), jnp.where(live_S, index_S, C))
+            s = s._replace(experts_SClc=s.experts_SClc.at[at].set(d["experts_Nlc"], mode="drop"))
         if cfg.action_stops:  # A forced token never ends a turn (as it never ends a sample).
             sampled_S = live_S & ~d["forced_NM"][jnp.arange(S), at_S] & ~finished(s)
             stops = cfg.action_stops
@@ -306,9 +326,14 @@ def refresh(params, state, version, *, graphdef, model_cfg, cfg, layout):
     on_S = ~finished(state)
     index_S = state.cache.index_B
     cache = state.cache._replace(index_B=jnp.where(on_S, index_S - 1, C))
-    logits_S1V, cache = decoder.forward(
+    h_S1D, cache, routing = decoder.routed_hidden(
         graphdef, params, state.last_S[:, None], (state.pos_S - 1)[:, None], on_S[:, None], cache
     )
+    logits_S1V = decoder.logits(graphdef, params, h_S1D)
+    if routing is not None:  # The token's experts under the new weights.
+        at = (jnp.arange(on_S.shape[0]), jnp.where(on_S, index_S - 1, C))
+        ids = state.experts_SClc.at[at].set(recorded(routing)[:, 0], mode="drop")
+        state = state._replace(experts_SClc=ids)
     state = state._replace(
         cache=cache._replace(index_B=index_S),
         logits_SV=jnp.where(on_S[:, None], logits_S1V[:, 0].astype(jnp.float32), state.logits_SV),
@@ -355,7 +380,9 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
     mask_RT = jnp.arange(T) < n_R[:, None]
     positions_RT = rows["pos_R"][:, None] + jnp.arange(T)
     cache = _constrain(rows["cache"], decoder.cache_logical_axes(model_cfg), layout)
-    h, cache = decoder.hidden(graphdef, params, tokens_RT, positions_RT, mask_RT, cache)
+    h, cache, routing = decoder.routed_hidden(
+        graphdef, params, tokens_RT, positions_RT, mask_RT, cache
+    )
     last_R = jnp.maximum(n_R - 1, 0)
     h_R1D = jnp.take_along_axis(h, last_R[:, None, None], axis=1)
     logits_RV = decoder.logits(graphdef, params, h_R1D)[:, 0].astype(jnp.float32)
@@ -378,6 +405,8 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
         "n_R": row,
         "end_R": row,
     }
+    if routing is not None:
+        new["experts_RTlc"], new_specs["experts_RTlc"] = recorded(routing), specs.experts_SClc
     return _on_shards(put, layout, (specs, new_specs, row), specs)(state, new, slot_R)
 
 
@@ -422,6 +451,12 @@ def _put_rows(state: EngineState, new: dict, slot_R, *, cfg, first_slot) -> Engi
     rows["length_N"] = put(rows["length_N"], length_R + n_R)
     rows["forced_NM"] = put_cols(rows["forced_NM"], False)
     rows["done_N"] = put(rows["done_N"], new["end_R"])  # A waiting sample is not done.
+    if state.experts_SClc is not None:  # The reply's experts, at its cache columns.
+        C = state.experts_SClc.shape[1]
+        start_R = new["cache"].index_B - n_R
+        at_RT = jnp.where(jnp.arange(T) < n_R[:, None], start_R[:, None] + jnp.arange(T), C)
+        ids = state.experts_SClc.at[w_R[:, None], at_RT].set(new["experts_RTlc"], mode="drop")
+        state = state._replace(experts_SClc=ids)
     return state._replace(
         cache=jax.tree.map(put, state.cache, new["cache"]),
         logits_SV=put(state.logits_SV, new["logits_RV"]),

@@ -50,7 +50,9 @@ class Completed(NamedTuple):
     the environment's replies between them, each token as it was sampled or replied:
     `env_GM` is True on the replies' tokens (inside `mask_GM`, logprob 0: a learner leaves
     them out of the loss), and `truncated_G` is False for an episode the environment
-    ended."""
+    ended. `experts_GLlc` (a mixture of experts only, else None): the experts each token of
+    the row went to, its prompt left-padded to its bucket P then its M completion columns
+    (L = P + M; `sampler.SampleOutput.experts`)."""
 
     request: Request
     tokens_GM: np.ndarray
@@ -62,6 +64,7 @@ class Completed(NamedTuple):
     truncated_G: np.ndarray
     interrupted_G: np.ndarray
     env_GM: np.ndarray
+    experts_GLlc: np.ndarray | None = None
 
 
 class Turn(NamedTuple):
@@ -530,16 +533,29 @@ class Generator:
             self.where[h] = s
             turns.append(self.waiting[h])
         completed, G = [], self.cfg.num_samples
+        experts = self._experts(sorted(done))
         for s in sorted(done):
             r, g = self.running.pop(s)
             self.free.append(s)
             got = self.partial.setdefault(id(r), {})
             got[g] = {k: np.asarray(v[s]) for k, v in host.items()}
+            if experts:
+                got[g]["experts"] = experts[s]
             if len(got) == G:
                 del self.partial[id(r)]
                 completed.append(self._completed(r, [got[g] for g in range(G)]))
         self.free.sort()
         return Stepped(completed, turns)
+
+    def _experts(self, slots: list[int]) -> dict:
+        """A mixture of experts' recorded routing of `slots` (slot -> [C, l, c], fetched
+        for those slots only, padded to a power of two); {} for a dense model."""
+        ids = self.state.experts_SClc
+        if ids is None or not slots:
+            return {}
+        at = np.full(1 << (len(slots) - 1).bit_length(), slots[0], np.int32)
+        at[: len(slots)] = slots
+        return dict(zip(slots, sharding.fetch(jnp.take(ids, jnp.asarray(at), axis=0))))
 
     def _completed(self, r: Request, rows: list[dict]) -> Completed:
         def stack(k):
@@ -547,6 +563,7 @@ class Generator:
 
         lengths = stack("lengths")
         M = self.cfg.max_new_tokens
+        L = self.cfg.bucket(len(r.prompt)) + M  # The row's columns: its prompt bucket and M.
         return Completed(
             request=r,
             tokens_GM=stack("tokens"),
@@ -558,4 +575,5 @@ class Generator:
             truncated_G=~stack("stopped"),
             interrupted_G=stack("interrupted"),
             env_GM=stack("env"),
+            experts_GLlc=stack("experts")[:, :L] if "experts" in rows[0] else None,
         )

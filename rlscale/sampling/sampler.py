@@ -166,6 +166,9 @@ class SampleOutput(NamedTuple):
       interrupted: [N] True when the completion was interrupted.
       prompt_index: [N] which prompt each row continues.
       prompt_BP, prompt_mask_BP: the prompts as the sampler padded them (host arrays).
+      experts: [N, P + M, l, c] a mixture of experts' routing of each row's prompt (left-padded
+        as `prompt_BP`) and completion tokens: the c experts each token went to in each of
+        the l sparse layers, what router replay forces (`recorded`); None for a dense model.
     """
 
     tokens: jax.Array
@@ -178,6 +181,7 @@ class SampleOutput(NamedTuple):
     prompt_index: np.ndarray
     prompt_BP: np.ndarray | None = None
     prompt_mask_BP: np.ndarray | None = None
+    experts: jax.Array | None = None
 
 
 def transform_logits(logits, cfg: SamplingConfig):
@@ -302,6 +306,19 @@ def empty_rows(N: int, M: int, pad_id: int) -> dict:
     }
 
 
+def expert_ids_dtype(num_experts: int):
+    """The dtype recorded expert ids are kept in: one byte each where they fit."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int32
+
+
+def recorded(routing) -> jax.Array:
+    """A mixture of experts' routing as the sampler and the engine record it (router replay):
+    each token's experts [B, T, l, c] (`routing.expert_ids_lBTc` with the layers after the
+    tokens), in `expert_ids_dtype`."""
+    ids_BTlc = jnp.moveaxis(routing.expert_ids_lBTc, 0, 2)
+    return ids_BTlc.astype(expert_ids_dtype(routing.counts_le.shape[-1]))
+
+
 def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -> dict:
     """One token for every live row: the decode step of both the static sampler and the
     generator engine.
@@ -312,7 +329,8 @@ def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -
     and runs it through the model (cache slot `cache.index_B[n]`) for the next logits. Rows
     that are not live write nothing to the completion and do not advance; what they write to
     the cache is the caller's (the static sampler's rows keep one shared index, the engine
-    points a row that is not live past the cache's end).
+    points a row that is not live past the cache's end). A mixture of experts also returns
+    `experts_Nlc`, the experts each row's token went to (`recorded`), for the caller to keep.
     """
     i_N = c["length_N"]
     token_N, logp_N = sample_tokens(c["logits_NV"], row_uniforms(key_N, i_N), cfg)
@@ -326,9 +344,10 @@ def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -
         logp_N = jnp.where(forced_N, 0.0, logp_N)
     token_N = jnp.where(live_N, token_N, cfg.pad_id)
     logp_N = jnp.where(live_N, logp_N, 0.0)
-    logits_N1V, cache = decoder.forward(
+    h_N1D, cache, routing = decoder.routed_hidden(
         graphdef, params, token_N[:, None], c["pos_N"][:, None], live_N[:, None], c["cache"]
     )
+    logits_N1V = decoder.logits(graphdef, params, h_N1D)
     stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
     think_end = jnp.asarray(cfg.think_end_tokens or (-1,), jnp.int32)
     rows = jnp.arange(token_N.shape[0])
@@ -336,8 +355,10 @@ def decode_step(graphdef, params, c: dict, key_N, live_N, cfg: SamplingConfig) -
     def put(buf_NM, x_N):  # Column i_N of live rows; others (and i_N = M) write nothing.
         return buf_NM.at[rows, jnp.where(live_N, i_N, buf_NM.shape[1])].set(x_N, mode="drop")
 
+    routed = {} if routing is None else {"experts_Nlc": recorded(routing)[:, 0]}
     return {
         **c,
+        **routed,  # A mixture of experts: the experts each row's token went to (not carried).
         "logits_NV": logits_N1V[:, 0],
         "cache": cache,
         "pos_N": c["pos_N"] + live_N,
@@ -379,13 +400,15 @@ def generate(
     # Prefill once per prompt; only the last position's logits are needed.
     cache = _constrain(decoder.init_cache(model_cfg, B, sizes[0]), cache_axes, layout)
     positions_BP = decoder.positions_from_mask(mask_BP)
-    h, cache = decoder.hidden(graphdef, params, tokens_BP, positions_BP, mask_BP, cache)
+    h, cache, routing = decoder.routed_hidden(
+        graphdef, params, tokens_BP, positions_BP, mask_BP, cache
+    )
     logits_BV = decoder.logits(graphdef, params, h[:, -1:])[:, 0]
     pos_B = positions_BP[:, -1] + 1
 
     # n samples per prompt share the prefill: tile the cache along the batch.
+    tile = functools.partial(jnp.repeat, repeats=n, axis=0)
     if n > 1:
-        tile = functools.partial(jnp.repeat, repeats=n, axis=0)
         cache = decoder.KVCache(*jax.tree.map(tile, tuple(cache)))
         logits_BV, pos_B = tile(logits_BV), tile(pos_B)
     cache = _constrain(cache, cache_axes, layout)
@@ -396,6 +419,10 @@ def generate(
 
     def body(c):
         d = decode_step(graphdef, params, c, key_N, ~c["done_N"], cfg)
+        if routing is not None:  # The sampled token's experts at its column.
+            col_N = jnp.where(~c["done_N"], c["length_N"], M)
+            at = (jnp.arange(B * n), col_N)
+            d["experts_NMlc"] = c["experts_NMlc"].at[at].set(d.pop("experts_Nlc"), mode="drop")
         return {**d, "i": c["i"] + 1}
 
     carry = {
@@ -405,6 +432,9 @@ def generate(
         "pos_N": pos_B,
         **empty_rows(B * n, M, cfg.pad_id),
     }
+    if routing is not None:  # A mixture of experts: the prompt's experts, then each token's.
+        prompt_NPlc = tile(recorded(routing))
+        carry["experts_NMlc"] = jnp.zeros((B * n, M, *prompt_NPlc.shape[2:]), prompt_NPlc.dtype)
     for j, size in enumerate(sizes):
         if j:
             carry["cache"] = _constrain(grow_cache(carry["cache"], size), cache_axes, layout)
@@ -419,6 +449,7 @@ def generate(
         ~carry["done_N"],
         carry["forced_NM"],
         carry["interrupted_N"],
+        None if routing is None else jnp.concatenate([prompt_NPlc, carry["experts_NMlc"]], 1),
     )
 
 
@@ -494,4 +525,4 @@ class Sampler:
         else:
             out = generate(params, tokens, mask, rng, **static)
         prompt_index = np.repeat(np.arange(len(prompts)), cfg.num_samples)
-        return SampleOutput(*out, prompt_index, prompt_BP, prompt_mask_BP)
+        return SampleOutput(*out[:7], prompt_index, prompt_BP, prompt_mask_BP, experts=out[7])

@@ -59,6 +59,9 @@ class Samples:
     env_NM: np.ndarray | None = None
     # Per row, how each episode went (`envs.episodes.Episode.stats`); None: single-turn.
     episodes: dict | None = None
+    # A mixture of experts' routing of each row's prompt (padded as `prompt_BP`) and
+    # completion tokens, [N, P + M, l, c] (the engine's; None: a dense model, the sampler's).
+    experts_NLlc: np.ndarray | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -133,6 +136,9 @@ def concat(parts: list[Samples], pad_id: int) -> Samples:
         values = [getattr(s, f.name) for s in parts]
         if f.name in ("prompt_BP", "prompt_mask_BP"):
             values = [left_pad(v, pad_id if f.name == "prompt_BP" else False) for v in values]
+        if f.name == "experts_NLlc" and values[0] is not None:  # Prompts in columns [0, P).
+            M = values[0].shape[1] - parts[0].prompt_BP.shape[1]
+            values = [np.pad(v, ((0, 0), (P + M - v.shape[1], 0), (0, 0), (0, 0))) for v in values]
         if f.name == "texts":
             fields[f.name] = [t for v in values for t in v]
         elif values[0] is None:
@@ -204,6 +210,12 @@ def score_completed(
         "versions_NM": cat("versions_GM"),
         "env_NM": cat("env_GM"),
     }
+    if completed[0].experts_GLlc is not None:  # Each prompt left-padded to P, as `prompt_BP`.
+        L = P + cfg.max_new_tokens
+        pad = [((0, 0), (L - c.experts_GLlc.shape[1], 0), (0, 0), (0, 0)) for c in completed]
+        host["experts_NLlc"] = np.concatenate(
+            [np.pad(c.experts_GLlc, w) for c, w in zip(completed, pad)]
+        )
     G = completed[0].tokens_GM.shape[0]
     rows = [p for p in problems for _ in range(G)]
     per_row = None if episodes is None else concat_episodes(episodes)

@@ -6,7 +6,11 @@ and predicts a run's rest or a held-out size; `runs` reads runs' curves, fits th
 `fits.json`; `tan_runs` sizes runs and reads, tables and reports Tan's law over them;
 `allocation` splits a rollout budget into rollouts per prompt, prompts per batch and steps
 (the IsoCompute playbook, arXiv 2603.12151) and finds the compute-optimal rollouts per prompt
-n*(C); `plot` draws the fits (matplotlib is imported only when plotting).
+n*(C); `plot` draws the fits (matplotlib is imported only when plotting). Statistics that
+survive a referee: `baselines` (the flat and log-linear errors every prediction is scored
+beside), `seeds` (fits per seed and across seeds, a bootstrap over seeds), `stats` (Welch's t,
+Holm's correction, seeds per arm) and `evidence` (stored runs, README numbers checked against
+them, the protocol committed before its results).
 """
 
 from rlscale.scaling.allocation import (
@@ -19,8 +23,10 @@ from rlscale.scaling.allocation import (
     format_reuse_table,
     iso_cells,
     optimal_rollouts,
+    record_breaking,
     record_points,
 )
+from rlscale.scaling.baselines import BaselineErrors, baseline_errors, beats_baselines
 from rlscale.scaling.fit import (
     Extrapolation,
     PowerLawFit,
@@ -29,7 +35,6 @@ from rlscale.scaling.fit import (
     extrapolation_check,
     fit_power_law,
     fit_sigmoid,
-    record_breaking,
     sigmoid,
 )
 from rlscale.scaling.runs import (
@@ -45,6 +50,8 @@ from rlscale.scaling.runs import (
     read_metrics,
     write_report,
 )
+from rlscale.scaling.seeds import SeedFits, fit_seeds
+from rlscale.scaling.stats import holm, seeds_per_arm, welch
 from rlscale.scaling.tan import (
     RunPrediction,
     SizeExtrapolation,
@@ -63,6 +70,14 @@ from rlscale.scaling.tan_runs import (
 )
 
 __all__ = [
+    "BaselineErrors",
+    "SeedFits",
+    "baseline_errors",
+    "beats_baselines",
+    "fit_seeds",
+    "holm",
+    "seeds_per_arm",
+    "welch",
     "Cell",
     "Curve",
     "Extrapolation",

@@ -331,7 +331,7 @@ def record_points(points, *, bin_width: float, origin: float = 0.0) -> list[Reco
 
     The points `(compute, reward, cell)` of all cells are pooled and sorted by compute (at
     equal compute the higher reward first, so a point dominated at its own compute is never
-    a record), then thinned by `fit.record_breaking`: a point is kept when it is the first
+    a record), then thinned by `record_breaking`: a point is kept when it is the first
     to enter a reward bin `[origin + k w, origin + (k + 1) w)` above every bin reached so
     far.
 
@@ -352,7 +352,7 @@ def record_points(points, *, bin_width: float, origin: float = 0.0) -> list[Reco
     compute, reward, _ = zip(*pts)
     if min(compute) < 0:
         raise ValueError(f"negative compute {min(compute):g}")
-    kept = fit_lib.record_breaking(compute, reward, bin_width=bin_width, origin=origin)
+    kept = record_breaking(compute, reward, bin_width=bin_width, origin=origin)
     return [RecordPoint(*pts[k]) for k in kept.tolist()]
 
 
@@ -393,3 +393,37 @@ def format_reuse_table(cells: Sequence[Cell], rewards) -> str:
         row = [str(k) for k in key] + ["-" if v is None else f"{v:.3f}" for v in vals]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def record_breaking(compute, reward, *, bin_width: float, origin: float = 0.0) -> np.ndarray:
+    """Indices of IsoCompute-style record-breaking points.
+
+    The reward axis is cut into bins `[origin + k w, origin + (k + 1) w)`; walking in compute
+    order, a point is kept when it is the first to enter a bin above every bin reached so
+    far (the first point always is). The kept points trace the best-so-far frontier at a
+    resolution of `bin_width`, thinning a noisy curve before a fit (the ScaleRL paper's
+    IsoCompute plots keep such record points).
+
+    Args:
+      compute: 1-D compute, non-decreasing.
+      reward: 1-D rewards.
+      bin_width: the reward bin width, > 0.
+      origin: where the bins start.
+
+    Returns:
+      The kept indices, increasing (int array).
+
+    Raises:
+      ValueError: for NaN/inf, decreasing compute or `bin_width <= 0`.
+    """
+    if not bin_width > 0:
+        raise ValueError(f"bin_width={bin_width} must be > 0")
+    _, r = fit_lib.check_curve(compute, reward, positive=False)
+    # Rounding first keeps values on a bin edge (0.3 / 0.1 = 2.9999...) in their bin.
+    bins = np.floor(np.round((r - origin) / bin_width, 9)).astype(np.int64)
+    kept, best = [], None
+    for i, b in enumerate(bins):
+        if best is None or b > best:
+            kept.append(i)
+            best = b
+    return np.asarray(kept, dtype=np.int64)

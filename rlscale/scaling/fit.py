@@ -1,11 +1,11 @@
-"""Compute-reward curve fits: the ScaleRL sigmoid, the power law, record points, extrapolation.
+"""Compute-reward curve fits: the ScaleRL sigmoid, the power law, extrapolation.
 
 Owns the arithmetic of "reward as a function of training compute": fitting the saturating
 sigmoid of Khatri et al. 2025 ("The Art of Scaling RL Compute for LLMs", arXiv 2510.13786,
-ScaleRL), its uncertainty, the power law of Tan et al. 2025 (arXiv 2509.25300) for
-comparison, IsoCompute-style record-breaking points and the fit-on-a-prefix extrapolation
-check. Everything takes plain arrays `(compute, reward)` in compute order; reading runs lives
-in `scaling.runs`, plotting in `scaling.plot`.
+ScaleRL), its uncertainty and the parameters it leaves on a bound, the power law of Tan et
+al. 2025 (arXiv 2509.25300) for comparison and the fit-on-a-prefix extrapolation check with
+its baselines (`scaling.baselines`). Everything takes plain arrays `(compute, reward)` in
+compute order; reading runs lives in `scaling.runs`, plotting in `scaling.plot`.
 
 Degenerate curves raise `ValueError` naming the problem (too few points, flat reward,
 decreasing compute, NaN/inf, non-positive compute) instead of returning a meaningless fit.
@@ -16,8 +16,13 @@ import math
 
 import numpy as np
 
+from rlscale.scaling import baselines as baselines_lib
+
 # A sigmoid with three free parameters (A, B, C_mid) needs more points than parameters.
 MIN_POINTS = 4
+# A parameter within this fraction of its search range (log range for B, C_mid) of a bound
+# sits on it: the data did not determine it.
+BOUND_TOL = 1e-5
 
 
 def _expit(z):
@@ -59,6 +64,8 @@ class SigmoidFit:
       min_compute: points below this compute were left out.
       A_interval: bootstrap interval on `A` (`level` coverage), or None when not asked for or
         when the points are too few for the bootstrap to mean anything.
+      at_bounds: the parameters (of "A", "B", "C_mid") that sit on a bound of the fit, each
+        as `"A=upper"` or `"B=lower"`: the data did not determine them.
     """
 
     A: float
@@ -71,6 +78,7 @@ class SigmoidFit:
     method: str
     min_compute: float
     A_interval: tuple[float, float] | None = None
+    at_bounds: tuple[str, ...] = ()
 
     def predict(self, compute) -> np.ndarray:
         """The fitted curve at `compute`."""
@@ -79,6 +87,7 @@ class SigmoidFit:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["A_interval"] = list(self.A_interval) if self.A_interval else None
+        d["at_bounds"] = list(self.at_bounds)
         return d
 
 
@@ -116,6 +125,8 @@ class Extrapolation:
       mae: mean absolute error of `fit.predict` on the later points.
       max_abs_err: the largest absolute error there.
       n_points: number of later points.
+      baselines: the flat and log-linear baselines' errors on the same points
+        (`baselines.baseline_errors`, fitted on the same prefix).
     """
 
     fit: SigmoidFit
@@ -123,9 +134,17 @@ class Extrapolation:
     mae: float
     max_abs_err: float
     n_points: int
+    baselines: baselines_lib.BaselineErrors
 
     def as_dict(self) -> dict:
-        return {"mae": self.mae, "max_abs_err": self.max_abs_err, "n_points": self.n_points}
+        """`mae, max_abs_err, n_points` and the baselines' `flat_mae, flat_max, line_mae,
+        line_max`."""
+        return {
+            "mae": self.mae,
+            "max_abs_err": self.max_abs_err,
+            "n_points": self.n_points,
+            **self.baselines.as_dict(),
+        }
 
 
 # ==========================================================================================
@@ -429,7 +448,26 @@ def fit_sigmoid(
         method=method,
         min_compute=float(min_compute),
         A_interval=interval,
+        at_bounds=_at_bounds((A, math.log(B), m), bounds),
     )
+
+
+def _at_bounds(values, bounds):
+    """The sigmoid's parameters (A, log B, log C_mid) on a bound, as `"A=upper"`..."""
+    (a_lo, a_hi), (m_lo, m_hi), (b_lo, b_hi) = bounds
+    ranges = ((a_lo, a_hi), (math.log(b_lo), math.log(b_hi)), (m_lo, m_hi))
+    sides = [(name, on_bound(v, *r)) for name, v, r in zip(("A", "B", "C_mid"), values, ranges)]
+    return tuple(f"{name}={side}" for name, side in sides if side)
+
+
+def on_bound(value: float, low: float, high: float) -> str | None:
+    """`"lower"`/`"upper"`: `value` is within `BOUND_TOL` of the range of that (finite) bound."""
+    tol = BOUND_TOL * (high - low) if math.isfinite(high - low) else 0.0
+    if math.isfinite(low) and value <= low + tol:
+        return "lower"
+    if math.isfinite(high) and value >= high - tol:
+        return "upper"
+    return None
 
 
 def _sigmoid_points(compute, reward, *, r0, min_compute, method):
@@ -470,7 +508,7 @@ def _bootstrap_a(u, r, r0, bounds, x0, n_boot, level, seed):
 
 
 # ==========================================================================================
-# Power law, record-breaking points, extrapolation.
+# Power law, extrapolation.
 # ==========================================================================================
 
 
@@ -515,40 +553,6 @@ def fit_power_law(compute, pass_rate, *, min_compute: float = 0.0) -> PowerLawFi
     )
 
 
-def record_breaking(compute, reward, *, bin_width: float, origin: float = 0.0) -> np.ndarray:
-    """Indices of IsoCompute-style record-breaking points.
-
-    The reward axis is cut into bins `[origin + k w, origin + (k + 1) w)`; walking in compute
-    order, a point is kept when it is the first to enter a bin above every bin reached so
-    far (the first point always is). The kept points trace the best-so-far frontier at a
-    resolution of `bin_width`, thinning a noisy curve before a fit (the ScaleRL paper's
-    IsoCompute plots keep such record points).
-
-    Args:
-      compute: 1-D compute, non-decreasing.
-      reward: 1-D rewards.
-      bin_width: the reward bin width, > 0.
-      origin: where the bins start.
-
-    Returns:
-      The kept indices, increasing (int array).
-
-    Raises:
-      ValueError: for NaN/inf, decreasing compute or `bin_width <= 0`.
-    """
-    if not bin_width > 0:
-        raise ValueError(f"bin_width={bin_width} must be > 0")
-    _, r = check_curve(compute, reward, positive=False)
-    # Rounding first keeps values on a bin edge (0.3 / 0.1 = 2.9999...) in their bin.
-    bins = np.floor(np.round((r - origin) / bin_width, 9)).astype(np.int64)
-    kept, best = [], None
-    for i, b in enumerate(bins):
-        if best is None or b > best:
-            kept.append(i)
-            best = b
-    return np.asarray(kept, dtype=np.int64)
-
-
 def extrapolation_check(compute, reward, *, fit_until: float, **fit_kwargs) -> Extrapolation:
     """Fits the sigmoid on compute <= `fit_until` and scores it on the later points.
 
@@ -583,10 +587,14 @@ def extrapolation_check(compute, reward, *, fit_until: float, **fit_kwargs) -> E
     except ValueError as e:
         raise ValueError(f"fitting compute <= fit_until={fit_until:g}: {e}") from None
     err = np.abs(fit.predict(c[later]) - r[later])
+    kept = c[~later] >= fit.min_compute  # The baselines see the points the fit saw.
     return Extrapolation(
         fit=fit,
         fit_until=float(fit_until),
         mae=float(err.mean()),
         max_abs_err=float(err.max()),
         n_points=int(later.sum()),
+        baselines=baselines_lib.baseline_errors(
+            c[~later][kept], r[~later][kept], c[later], r[later]
+        ),
     )

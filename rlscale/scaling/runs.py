@@ -71,8 +71,9 @@ class RunFit:
     options: dict = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict:
-        """The JSON record: `name, A, B, C_mid, R0, r2, n_points, A_interval, extrapolation`,
-        plus `path, x, y, error, full` and the options; fit fields are None on error."""
+        """The JSON record: `name, A, B, C_mid, R0, r2, n_points, A_interval, at_bounds,
+        extrapolation` (with its baselines' errors), plus `path, x, y, error, full` and the
+        options; fit fields are None on error."""
         f = self.fit
         rec = {
             "name": self.name,
@@ -86,6 +87,7 @@ class RunFit:
             "r2": f.r2 if f else None,
             "n_points": f.n_points if f else None,
             "A_interval": list(f.A_interval) if f and f.A_interval else None,
+            "at_bounds": list(f.at_bounds) if f else None,
             "method": self.options.get("method"),
             "min_compute": self.options.get("min_compute"),
             "fit_until": self.extrapolation.fit_until if self.extrapolation else None,
@@ -327,7 +329,8 @@ def format_table(results: list[RunFit]) -> str:
     rows = sort_by_asymptote(results)
     width = max([len(r.name) for r in rows] + [4])
     head = f"{'name':<{width}}  {'A':>6}  {'A interval':>15}  {'B':>6}  {'C_mid':>9}  "
-    head += f"{'R0':>6}  {'R2':>6}  {'n':>4}  {'extrap MAE/max':>14}"
+    head += f"{'R0':>6}  {'R2':>6}  {'n':>4}  {'extrap MAE/max':>14}  {'flat/line MAE':>13}  "
+    head += "on a bound"
     lines = [head, "-" * len(head)]
     for r in rows:
         f = r.fit
@@ -335,11 +338,14 @@ def format_table(results: list[RunFit]) -> str:
             lines.append(f"{r.name:<{width}}  no fit: {r.error}")
             continue
         iv = f"[{f.A_interval[0]:.3f}, {f.A_interval[1]:.3f}]" if f.A_interval else "-"
-        ex = r.extrapolation
+        ex, base = r.extrapolation, "-"
+        if ex:
+            base = f"{ex.baselines.flat_mae:.3f}/{ex.baselines.line_mae:.3f}"
         ex = f"{ex.mae:.3f}/{ex.max_abs_err:.3f}" if ex else "-"
         lines.append(
             f"{r.name:<{width}}  {f.A:6.3f}  {iv:>15}  {f.B:6.3f}  {f.C_mid:9.3g}  "
-            f"{f.R0:6.3f}  {f.r2:6.3f}  {f.n_points:4d}  {ex:>14}"
+            f"{f.R0:6.3f}  {f.r2:6.3f}  {f.n_points:4d}  {ex:>14}  {base:>13}  "
+            + (", ".join(f.at_bounds) or "-")
         )
     return "\n".join(lines)
 
@@ -355,9 +361,14 @@ def describe(record: dict) -> str:
         f"B={record['B']:.3f} C_mid={record['C_mid']:.4g} R0={record['R0']:.4f} "
         f"R2={record['r2']:.3f} ({record['n_points']} points)"
     )
+    if record.get("at_bounds"):
+        line += f" on a bound: {', '.join(record['at_bounds'])}"
     ex = (record.get("prediction") or {}).get("extrapolation")
     if ex:
-        line += f"; first half predicts the second: MAE {ex['mae']:.3f} ({ex['n_points']} points)"
+        line += (
+            f"; first half predicts the second: MAE {ex['mae']:.3f} ({ex['n_points']} "
+            f"points; flat {ex['flat_mae']:.3f}, log-linear {ex['line_mae']:.3f})"
+        )
     return line
 
 
@@ -444,7 +455,8 @@ def fit_run(
                 curve, fit_until=float(curve.compute[(curve.compute.size - 1) // 2]), **options
             )
             rec = half.record()
-            prediction = {k: rec[k] for k in ("fit_until", "A", "B", "C_mid", "A_interval")}
+            keys = ("fit_until", "A", "B", "C_mid", "A_interval", "at_bounds")
+            prediction = {k: rec[k] for k in keys}
             prediction.update(extrapolation=rec["extrapolation"], error=rec["error"])
     record = result.record()
     record.update(x=x_key, y=y_key, prediction=prediction)

@@ -8,11 +8,14 @@ import math
 
 import numpy as np
 
+from rlscale.scaling import baselines as baselines_lib
 from rlscale.scaling import fit as fit_lib
 
-# N0 and N1 are searched within this many decades either side of the fitted sizes: further
-# out, only k_max / N0 (all sizes far below N0) or k_max alone (all far above) is identified.
-DECADES = 3.0
+# The authors' bounds (Tan et al. 2025): k_max in [0, 2], |E0_max| <= 10, and N0, N1 within
+# the fitted sizes' range (`size_range=None`): outside it only k_max / N0 (all sizes far below
+# N0) or k_max alone (all far above) is identified, and an unbounded fit wanders there.
+K_MAX_BOUNDS = (0.0, 2.0)
+E0_MAX_BOUNDS = (-10.0, 10.0)
 _GRID = 121  # Starting-value grid points per axis of (log N0, log N1).
 _STARTS = 8  # At most this many grid minima are refined.
 
@@ -44,6 +47,8 @@ class TanFit:
       r2: `1 - SSE / SST` in log10 L over the fitted points.
       n_points: points fitted.
       sizes: the fitted model sizes, ascending.
+      at_bounds: the parameters on a bound of the fit (`"k_max=upper"`, `"N1=lower"`...):
+        the data did not determine them.
     """
 
     k_max: float
@@ -53,6 +58,7 @@ class TanFit:
     r2: float
     n_points: int
     sizes: tuple[float, ...]
+    at_bounds: tuple[str, ...] = ()
 
     def k(self, size) -> np.ndarray:
         """Learning efficiency `k(N) = k_max N / (N + N0)`."""
@@ -72,8 +78,9 @@ class TanFit:
         return 1.0 - 10.0 ** self.log10_loss(size, compute)
 
     def as_dict(self) -> dict:
-        """`k_max, N0, E0_max, N1, r2, n_points` (the fits.json fields)."""
-        return {k: getattr(self, k) for k in ("k_max", "N0", "E0_max", "N1", "r2", "n_points")}
+        """`k_max, N0, E0_max, N1, r2, n_points, at_bounds` (the fits.json fields)."""
+        keys = ("k_max", "N0", "E0_max", "N1", "r2", "n_points")
+        return {**{k: getattr(self, k) for k in keys}, "at_bounds": list(self.at_bounds)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,8 @@ class RunPrediction:
       fit_until: the compute cut.
       mae, max_abs_err: mean and largest reward error on the later points.
       n_points: the later points.
+      baselines: the flat and log-linear baselines' errors on them
+        (`baselines.baseline_errors`, fitted on the same points).
     """
 
     k: float
@@ -124,6 +133,7 @@ class RunPrediction:
     mae: float
     max_abs_err: float
     n_points: int
+    baselines: baselines_lib.BaselineErrors
 
     def predict(self, compute) -> np.ndarray:
         """Predicted reward `1 - 10^(E0) X^(-k)`."""
@@ -247,7 +257,7 @@ def _starts(n, u, y, lo, hi):
     return [np.array([k[i, j], axis[i], e[i, j], axis[j]]) for i, j in minima]
 
 
-def _least_squares(n, u, y, x0, lo, hi):
+def _least_squares(n, u, y, x0, lower, upper):
     """Bounded least squares on (k_max, log N0, E0_max, log N1); returns (params, sse)."""
 
     def parts(p):
@@ -263,12 +273,36 @@ def _least_squares(n, u, y, x0, lo, hi):
         # d s / d log N0 = -s (1 - s).
         return np.stack([-s0 * u, k_max * s0 * (1 - s0) * u, s1, -e0_max * s1 * (1 - s1)], -1)
 
-    inf = np.inf
-    lower, upper = np.array([-inf, lo, -inf, lo]), np.array([inf, hi, inf, hi])
     return fit_lib.solve_least_squares(residual, jacobian, x0, lower, upper)
 
 
-def fit_tan(size, compute, reward) -> TanFit:
+def _param_bounds(n, k_max_bounds, e0_max_bounds, size_range):
+    """(lower, upper) over (k_max, log N0, E0_max, log N1), checked.
+
+    Raises:
+      ValueError: a bound pair that is not `low < high` (`size_range` also `low > 0`),
+        naming it.
+    """
+    size_range = size_range or (float(n.min()), float(n.max()))
+    pairs = {"k_max_bounds": k_max_bounds, "e0_max_bounds": e0_max_bounds}
+    for name, (lo, hi) in {**pairs, "size_range": size_range}.items():
+        if not lo < hi or (name == "size_range" and lo <= 0):
+            raise ValueError(f"{name}={(lo, hi)} must satisfy low < high (sizes > 0)")
+    a, b = math.log(size_range[0]), math.log(size_range[1])
+    lower = np.array([k_max_bounds[0], a, e0_max_bounds[0], a])
+    upper = np.array([k_max_bounds[1], b, e0_max_bounds[1], b])
+    return lower, upper
+
+
+def fit_tan(
+    size,
+    compute,
+    reward,
+    *,
+    k_max_bounds: tuple[float, float] = K_MAX_BOUNDS,
+    e0_max_bounds: tuple[float, float] = E0_MAX_BOUNDS,
+    size_range: tuple[float, float] | None = None,
+) -> TanFit:
     """Fits Tan et al.'s law jointly over model sizes by least squares in log10 L.
 
     `log10 L = -k_max N / (N + N0) log10 X + E0_max N / (N + N1)`, `L = 1 - reward` (Tan et
@@ -276,32 +310,38 @@ def fit_tan(size, compute, reward) -> TanFit:
     the starting values come from a grid over (log N0, log N1), each cell solved exactly for
     (k_max, E0_max); scipy's bounded trust-region least squares then refines all four from
     every local minimum of the grid (the error has more than one basin) and the lowest
-    error wins. N0 and N1 are fitted as logs (so > 0) within `DECADES` decades either
-    side of the fitted sizes; k_max and E0_max are free.
+    error wins. Bounded as the law's authors bound it: k_max in [0, 2], |E0_max| <= 10,
+    N0 and N1 (fitted as logs) within the fitted sizes' range; a parameter that ends on a
+    bound is named in `at_bounds`.
 
     Args:
       size: model size N of each point (parameters), > 0.
       compute: compute or data X of each point, > 0.
       reward: pass rate of each point, in [0, 1).
+      k_max_bounds, e0_max_bounds: (low, high) of k_max and E0_max.
+      size_range: (low, high) of N0 and N1; None: the smallest and largest fitted size.
 
     Returns:
       A `TanFit`.
 
     Raises:
       ValueError: degenerate input (see `check_points`), one size only, a size with a
-        single compute value, fewer than 5 points, a reward equal at every point, or sizes
-        whose compute ranges do not overlap (naming them).
+        single compute value, fewer than 5 points, a reward equal at every point, sizes
+        whose compute ranges do not overlap (naming them) or inconsistent bounds.
     """
     n, x, r = check_points(size, compute, reward)
     _check_sizes(n, x)
+    lower, upper = _param_bounds(n, k_max_bounds, e0_max_bounds, size_range)
     u, y = np.log10(x), np.log10(1.0 - r)
     sst = float(np.sum((y - y.mean()) ** 2))
     if sst == 0:
         raise ValueError(f"flat: the reward is {r[0]:g} at all {r.size} points; nothing to fit")
-    span = DECADES * math.log(10.0)
-    lo, hi = math.log(n.min()) - span, math.log(n.max()) + span
-    fits = [_least_squares(n, u, y, x0, lo, hi) for x0 in _starts(n, u, y, lo, hi)]
-    (k_max, a, e0_max, b), sse = min(fits, key=lambda f: f[1])
+    starts = _starts(n, u, y, lower[1], upper[1])
+    fits = [_least_squares(n, u, y, x0, lower, upper) for x0 in starts]
+    params, sse = min(fits, key=lambda f: f[1])
+    k_max, a, e0_max, b = params
+    names = ("k_max", "N0", "E0_max", "N1")
+    on = [(k, fit_lib.on_bound(v, lo, hi)) for k, v, lo, hi in zip(names, params, lower, upper)]
     return TanFit(
         k_max=float(k_max),
         N0=math.exp(a),
@@ -310,6 +350,7 @@ def fit_tan(size, compute, reward) -> TanFit:
         r2=1.0 - sse / sst,
         n_points=int(n.size),
         sizes=tuple(float(s) for s in np.unique(n)),
+        at_bounds=tuple(f"{k}={side}" for k, side in on if side),
     )
 
 
@@ -318,12 +359,17 @@ def fit_tan(size, compute, reward) -> TanFit:
 # ==========================================================================================
 
 
-def extrapolate_to_size(size, compute, reward, *, holdout_size: float) -> SizeExtrapolation:
+def extrapolate_to_size(
+    size, compute, reward, *, holdout_size: float, **bounds
+) -> SizeExtrapolation:
     """Fits the law on every size but `holdout_size` and scores it on that size.
 
     Tan et al.'s inter-model use: from smaller models' curves, predict a larger model's.
     `mae = mean |R_fit(N_h, X_i) - R_i|`, `max_abs_err = max |...|` over the held-out
     size's points, in reward (pass@1 = 1 - L) units.
+
+    `bounds`: `fit_tan`'s keyword arguments; the default `size_range` is the fitted sizes'
+    (without the held-out one).
 
     Raises:
       ValueError: degenerate input (as `fit_tan`, on the remaining sizes) or a
@@ -337,7 +383,7 @@ def extrapolate_to_size(size, compute, reward, *, holdout_size: float) -> SizeEx
             f"{', '.join(f'{s:.12g}' for s in np.unique(n))}"
         )
     try:
-        fit = fit_tan(n[~held], x[~held], r[~held])
+        fit = fit_tan(n[~held], x[~held], r[~held], **bounds)
     except ValueError as e:
         raise ValueError(f"fitting the sizes other than {holdout_size:g}: {e}") from None
     err = np.abs(fit.predict(n[held], x[held]) - r[held])
@@ -357,7 +403,8 @@ def predict_within_run(compute, reward, *, fit_until_frac: float) -> RunPredicti
     Tan et al.'s intra-model use: with one size, k(N) and E0(N) are two numbers, so the law
     is a line in (log10 X, log10 L), fitted by `fit.fit_power_law` (the slope is the same in
     any log base; `E0 = E / ln 10`). The fit uses the points with compute <= `fit_until_frac`
-    times the largest; `mae` and `max_abs_err` are reward errors on the later points.
+    times the largest; `mae` and `max_abs_err` are reward errors on the later points, beside
+    the flat and log-linear baselines' (`baselines`).
 
     Args:
       compute: 1-D compute (or data) in the order it was spent, > 0.
@@ -390,4 +437,5 @@ def predict_within_run(compute, reward, *, fit_until_frac: float) -> RunPredicti
         mae=float(err.mean()),
         max_abs_err=float(err.max()),
         n_points=int(later.sum()),
+        baselines=baselines_lib.baseline_errors(c[~later], r[~later], c[later], r[later]),
     )

@@ -84,7 +84,7 @@ def read_sized_points(
 
 def tan_record(fit, extrapolation=None) -> dict:
     """The fits.json object of a `tan.TanFit` and its `tan.SizeExtrapolation` (or None):
-    `law: "tan", k_max, N0, E0_max, N1, r2, n_points` and
+    `law: "tan", k_max, N0, E0_max, N1, r2, n_points, at_bounds` and
     `extrapolation` (`{holdout_size, mae, max_abs_err, n_points}` in reward units, or None
     without a held-out size)."""
     return {
@@ -103,6 +103,8 @@ def format_tan_table(fit, size, compute, reward, holdout_size: float | None = No
         f"N0={fit.N0:.4g} E0_max={fit.E0_max:.4g} N1={fit.N1:.4g} R2={fit.r2:.4f} "
         f"({fit.n_points} points)"
     )
+    if fit.at_bounds:
+        head += f"; on a bound: {', '.join(fit.at_bounds)} (not determined by the data)"
     cols = f"{'size':>12}  {'n':>4}  {'compute range':>19}  {'k(N)':>7}  {'E0(N)':>7}  "
     cols += f"{'MAE':>7}  {'max':>7}"
     lines = [head, cols, "-" * len(cols)]

@@ -1,0 +1,176 @@
+"""Stored evidence: every study that stores its runs regenerates its README's numbers from them.
+
+For each `experiments/STUDY/` with `runs/*.jsonl`, its `analyze.py` runs on the stored runs
+(in-process, writing its results to a temporary file) and `evidence.check_study` compares
+them with the committed `results.json` (the runs it was computed from, each number) and with
+the README (every `NUMBER<!--=key-->` and every results block). A study without stored runs
+must be in `NO_EVIDENCE` with the reason, and is listed as skipped, one line each
+(`pytest -rs`): storing its runs is the only way out of the list, since a listed study
+that stores runs fails here too. Deleting one stored run of a copy makes the check fail.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+
+from rlscale.scaling import evidence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+# The fits' least squares stop at relative tolerances of about 1e-8 (scipy's curve_fit
+# defaults); their last digits differ between machines, so committed numbers are compared
+# to 100 times that.
+REL_TOL = 1e-6
+
+# Studies whose runs are not in the repository: the reason each cannot be recomputed.
+NO_EVIDENCE = {
+    "batch_size": "no metrics.jsonl or fit.json stored; no analyze.py",
+    "iso_compute": "only the aggregated iso_compute.json and reuse.json; no per-run lines",
+    "ladder": "analyze.py reads a ROOT of workdirs; only fits_tan.json and prediction_xl.json",
+    "paradigms": "analyze.py reads a ROOT of workdirs; only the aggregated paradigms.json",
+    "pipeline": "analyze.py reads a ROOT of workdirs; only fits.json stored",
+    "scalerl_ablations": "analyze.py reads a ROOT of workdirs; only fits_first_half.json",
+    "verifier_audit": "no runs: its table is checked by tests/test_math_verifier.py",
+}
+
+
+def _studies():
+    return sorted(
+        d
+        for d in os.listdir(EXPERIMENTS)
+        if os.path.isfile(os.path.join(EXPERIMENTS, d, "README.md"))
+    )
+
+
+def _stored(study_dir):
+    return bool(evidence.manifest(study_dir))
+
+
+def _analyze(study_dir, out):
+    """Runs STUDY/analyze.py (the committed one) on `study_dir`'s runs; its results."""
+    name = os.path.basename(study_dir)
+    path = os.path.join(EXPERIMENTS, name, "analyze.py")
+    spec = importlib.util.spec_from_file_location(f"_analyze_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--study", study_dir, "--results", str(out)])
+
+
+def test_every_study_stores_evidence_or_is_listed_without():
+    problems = []
+    for study in _studies():
+        stored = _stored(os.path.join(EXPERIMENTS, study))
+        if stored and study in NO_EVIDENCE:
+            problems.append(f"{study} stores runs now: remove it from NO_EVIDENCE")
+        if not stored and study not in NO_EVIDENCE:
+            problems.append(f"{study} stores no runs/*.jsonl: store them (or list it)")
+    problems += [f"{s} in NO_EVIDENCE is not a study" for s in NO_EVIDENCE if s not in _studies()]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("study", _studies())
+def test_readme_numbers_are_regenerated_from_stored_runs(study, tmp_path):
+    study_dir = os.path.join(EXPERIMENTS, study)
+    if not _stored(study_dir):
+        pytest.skip(f"no stored evidence: {study}: {NO_EVIDENCE.get(study, '?')}")
+    regenerated = _analyze(study_dir, tmp_path / "results.json")
+    assert regenerated["runs"] == evidence.manifest(study_dir)
+    assert evidence.check_study(study_dir, regenerated, rel_tol=REL_TOL) == []
+
+
+def test_deleting_a_stored_run_fails_the_check(tmp_path):
+    study = os.path.join(tmp_path, "tool_rl")
+    shutil.copytree(os.path.join(EXPERIMENTS, "tool_rl"), study)
+    os.remove(os.path.join(study, "runs", "tool_s1.jsonl"))
+    problems = evidence.check_study(study, _analyze(study, tmp_path / "r.json"), rel_tol=REL_TOL)
+    assert "run 'tool_s1' is in results.json but not stored in runs/" in problems
+    # The numbers it fed are gone, and the README's tables and means no longer match.
+    assert any(p.startswith("number tool_s1.final: results.json has 0.96") for p in problems)
+    assert "README.md: results block 'runs' differs from what analyze.py makes" in problems
+    assert any(p.startswith("README.md: quotes mean_error.logistic = 0.038") for p in problems)
+
+
+# ==========================================================================================
+# The evidence format and the README convention, on hand-made files.
+# ==========================================================================================
+
+
+def test_compact_run_from_a_workdir(tmp_path):
+    config = {"seed": 3, "batch": {"group_size": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lines = [
+        {"step": 0, "compute/flops": 0.0, "eval/pass@1": 0.2, "eval/reward_mean": 0.25},
+        {"step": 1, "compute/flops": 10.0, "data/prompt_ids": [1, 2, 3], "loss": 1.0},
+        {"step": 2, "compute/flops": 20.0, "data/prompt_ids": [4, 5], "loss": 0.9},
+        {"step": 2, "compute/flops": 20.0, "eval/pass@1": 0.4, "eval/reward_mean": 0.45},
+        # A resumed run replays step 2: counted once, its last lines.
+        {"step": 2, "compute/flops": 20.0, "data/prompt_ids": [6, 7], "loss": 0.8},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta, kept = evidence.compact_run(str(tmp_path), keep=("loss",))
+    assert meta == {"run": tmp_path.name, "seed": 3, "config_hash": evidence.config_hash(config)}
+    assert kept == [
+        {"step": 0, "flops": 0.0, "samples": 0, "pass@1": 0.2, "reward": 0.25},
+        {"step": 1, "flops": 10.0, "samples": 12, "loss": 1.0},
+        {"step": 2, "flops": 20.0, "samples": 20, "pass@1": 0.4, "reward": 0.45, "loss": 0.8},
+    ]
+    path = tmp_path / "runs" / "a_s3.jsonl"
+    evidence.write_run(str(path), meta, kept)
+    run = evidence.read_run(str(path))
+    assert run.meta == meta and run.evals() == ([0, 2], [0.0, 20.0], [0, 20], [0.2, 0.4])
+    assert evidence.arms(evidence.read_study(str(tmp_path)), last=2) == {"a": [pytest.approx(0.3)]}
+    path.write_text(json.dumps(meta) + "\n" + json.dumps({"step": 1, "pass@1": 0.3}) + "\n")
+    with pytest.raises(ValueError, match=r"a_s3.jsonl:2: lacks flops, samples, reward"):
+        evidence.read_run(str(path))
+
+
+def test_readme_convention_by_hand():
+    results = {"numbers": {"a.final": 0.9716, "gap": -0.0056}, "tables": {"t": "| x |\n| 1 |"}}
+    ok = "final 0.972<!--=a.final-->, gap -0.006<!--=gap-->, -0.0056<!--=gap-->.\n"
+    ok += "<!-- begin results: t -->\n| x |\n| 1 |\n<!-- end results: t -->\n"
+    assert evidence.check_readme(ok, results) == []
+    bad = ok.replace("0.972<", "0.971<").replace("| 1 |\n<", "| 2 |\n<") + "1.0<!--=nope-->"
+    assert evidence.check_readme(bad, results) == [
+        "README.md: quotes a.final = 0.971, the evidence gives 0.972",
+        "README.md: 1.0<!--=nope--> but results have no 'nope'",
+        "README.md: results block 't' differs from what analyze.py makes",
+    ]
+    assert evidence.check_readme("no numbers", results) == [
+        "README.md: quotes no number as NUMBER<!--=key--> and no results block"
+    ]
+
+
+# ==========================================================================================
+# The corrections (issue 31): numbers recomputed from the committed JSONs, quoted checkably.
+# ==========================================================================================
+
+# READMEs quoting `experiments/corrections.py`'s numbers; experiments/README.md from its
+# "Corrections" section on (its conventions section shows the tag as an example).
+CORRECTED = ("ladder", "paradigms", "iso_compute", "scalerl_ablations")
+
+
+def test_corrections_are_recomputed_from_committed_files(tmp_path):
+    path = os.path.join(EXPERIMENTS, "corrections.py")
+    spec = importlib.util.spec_from_file_location("_corrections", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fresh = module.main(["--results", str(tmp_path / "corrections.json")])
+    with open(os.path.join(EXPERIMENTS, "corrections.json")) as f:
+        committed = json.load(f)
+    assert committed["tables"] == fresh["tables"]
+    assert committed["numbers"].keys() == fresh["numbers"].keys()
+    for key, value in committed["numbers"].items():
+        assert value == pytest.approx(fresh["numbers"][key], rel=REL_TOL), key
+    problems = []
+    for study in CORRECTED:
+        with open(os.path.join(EXPERIMENTS, study, "README.md")) as f:
+            problems += evidence.check_readme(f.read(), fresh, name=f"{study}/README.md")
+    with open(os.path.join(EXPERIMENTS, "README.md")) as f:
+        text = f.read()
+    assert "## Corrections" in text
+    corrections = text[text.index("## Corrections") :]
+    problems += evidence.check_readme(corrections, fresh, name="experiments/README.md")
+    assert problems == []
