@@ -54,7 +54,13 @@ def _batch(tokenizer, task, problems, length, bare_B=None):
 
 # Model fields that change how the policy computes, not its parameters: a warm start trained
 # with one setting serves runs with another (an RL ablation of the FP32 LM head, bf16 compute).
-COMPUTE_ONLY = ("dtype", "fp32_lm_head", "attention")
+COMPUTE_ONLY = (
+    "dtype",
+    "fp32_lm_head",
+    "attention",
+    "expert_dispatch",
+    "expert_capacity_factor",
+)
 
 
 @dataclasses.dataclass(frozen=True)

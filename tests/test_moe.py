@@ -2,6 +2,7 @@
 one device with the work divided, the auxiliary losses against transformers' and by hand,
 router replay, and bad input named at start-up."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 
 from rlscale import model, objectives, rl, sharding
 from rlscale.model import decoder, hf, moe
+from rlscale.planning import hlo
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -319,3 +321,110 @@ def test_dense_forward_has_no_routing_and_the_presets_count():
     big = model.get("qwen3_30b_a3b")
     assert round(big.num_params() / 1e9, 1) == 30.5
     assert 3.3e9 <= moe.active_params(big) < 3.4e9
+
+
+# ------------------------------------------------------------------------------------------
+# The all-to-all dispatch (`model.expert_dispatch=all_to_all`).
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def a2a_model():
+    """tiny_moe's params and 96 tokens (12 per device of an 8-way expert axis), on one
+    device and placed on the (1, 1, 1, 8) mesh."""
+    cfg = model.get("tiny_moe", expert_dispatch="all_to_all", expert_capacity_factor=4.0)
+    graphdef, _ = model.abstract_model(cfg)
+    params = model.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(_tokens(8, 12, cfg.vocab_size), jnp.int32)
+    mesh = sharding.make_mesh((1, 1, 1, 8))
+    placed = sharding.reshard(params, sharding.param_shardings(params, mesh, sharding.TRAIN_RULES))
+    inputs = (tokens, *_unpadded(tokens))
+    on_mesh = jax.device_put(inputs, sharding.batch_sharding(mesh, 2, sharding.TRAIN_RULES))
+    return cfg, graphdef, params, placed, mesh, inputs, on_mesh
+
+
+def test_all_to_all_equals_one_device_and_its_flops_are_the_capacity(a2a_model):
+    """Capacity factor e / c = 4 (C = a device's 12 tokens: nothing can drop): the logits
+    are the one-device ones within float32 reordering, no choice is dropped, and the
+    compiled forward's dispatch exchanges the rows with two all-to-alls per sparse layer
+    and gathers no tokens (`planning.hlo`). Its FLOPs are the capacity's: factor 1 (C = 3)
+    compiles to 2 layers x e experts x 9 fewer rows x (3 matmuls x 2 D F) fewer, within 2%
+    (the activation's few elementwise ops per [C, F] element against the matmuls' 6 D),
+    and per device at most an eighth of the one-device forward's."""
+    cfg, graphdef, params, placed, mesh, inputs, on_mesh = a2a_model
+    run1 = _routed.lower(graphdef, params, *inputs).compile()
+    run8 = _routed.lower(graphdef, placed, *on_mesh, mesh=mesh).compile()
+    (h1, _, r1), (h8, _, r8) = run1(params, *inputs), run8(placed, *on_mesh)
+    np.testing.assert_array_equal(r8.expert_ids_lBTc, r1.expert_ids_lBTc)
+    np.testing.assert_array_equal(r8.dropped_l, [0.0, 0.0])
+    one, eight = _logits(graphdef, params, h1), _logits(graphdef, placed, h8)
+    assert np.all(np.abs(np.asarray(eight) - np.asarray(one)) <= _moe_logit_bound(cfg, params, h1))
+    dispatch = hlo.collectives(run8.as_text())["expert_dispatch"]
+    assert dispatch["all-to-all"]["count"] == 2 * len(cfg.moe_layers), dispatch
+    assert "all-gather" not in dispatch and "reduce-scatter" not in dispatch
+    flops1, flops8 = run1.cost_analysis()["flops"], run8.cost_analysis()["flops"]
+    assert flops8 <= flops1 / 8
+
+    small = dataclasses.replace(cfg, expert_capacity_factor=1.0)
+    assert (moe.capacity(12, cfg), moe.capacity(12, small)) == (12, 3)
+    graph_small, _ = model.abstract_model(small)
+    run_small = _routed.lower(graph_small, placed, *on_mesh, mesh=mesh).compile()
+    fewer = flops8 - run_small.cost_analysis()["flops"]
+    expected = len(cfg.moe_layers) * 8 * 9 * 3 * 2 * cfg.d_model * cfg.moe_intermediate_size
+    assert fewer == pytest.approx(expected, rel=0.02)
+
+
+def test_all_to_all_drops_past_capacity_as_counted_by_hand(a2a_model):
+    """One layer's experts on the (1, 1, 1, 8) mesh at capacity C = 2 (factor 1, 8 tokens
+    x 2 choices per device over 8 experts): the output is the one-device mixture with the
+    dropped choices' weights set to 0, the dropped choices found in NumPy (per device, an
+    expert's rows past its first C in token then choice order), and the count is theirs over
+    the real tokens (the last token of each device is padding)."""
+    cfg, _, _, placed, mesh, _, _ = a2a_model
+    cfg = dataclasses.replace(cfg, expert_capacity_factor=1.0)
+    rng = np.random.default_rng(1)
+    X, c, e, n = 64, 2, cfg.num_experts, 8
+    ids = np.stack([rng.choice(e, c, replace=False) for _ in range(X)]).astype(np.int32)
+    x = rng.normal(size=(X, cfg.d_model)).astype(np.float32)
+    w = rng.uniform(size=(X, c)).astype(np.float32)
+    valid = np.ones(X, np.float32)
+    valid[X // n - 1 :: X // n] = 0
+    C = moe.capacity(X // n, cfg)
+    assert C == 2
+    kept = np.zeros((X, c), bool)
+    for d in range(n):
+        seen = np.zeros(e, int)
+        for t in range(d * X // n, (d + 1) * X // n):
+            for j in range(c):
+                kept[t, j] = seen[ids[t, j]] < C
+                seen[ids[t, j]] += 1
+    layer = placed["layers"][0]["moe"]
+    weights = [jax.device_put(layer[k][...], jax.devices()[0]) for k in ("gate", "up", "down")]
+    want, none = moe.experts(x, ids, np.where(kept, w, 0), valid, *weights, cfg)
+    rows = jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES))
+    experts = jax.sharding.NamedSharding(mesh, jax.P("expert"))
+    args = jax.device_put((x, ids, w, valid), rows)
+    with jax.set_mesh(mesh):
+        got, dropped = jax.jit(moe.experts, static_argnums=7)(
+            *args, *jax.device_put(weights, experts), cfg
+        )
+    assert float(none) == 0.0
+    assert float(dropped) == np.sum(~kept * valid[:, None]) > 0
+    # Reordered float32 sums of D (gate, up), F (down) and c (mixture) terms: rounding(N) of
+    # the terms' magnitudes, |silu(g) u| bounded by 1.1 |x| |W_gate| x |x| |W_up|, twice.
+    gate_e, up_e, down_e = (np.abs(np.asarray(a, np.float64)) for a in weights)
+    ax = np.abs(x.astype(np.float64))
+    h_XcF = np.einsum("xd,xcdf->xcf", ax, 1.1 * gate_e[ids]) * np.einsum(
+        "xd,xcdf->xcf", ax, up_e[ids]
+    )
+    mags = np.einsum("xc,xcf,xcfd->xd", np.where(kept, w, 0), h_XcF, down_e[ids])
+    bound = 2 * rounding(cfg.d_model + cfg.moe_intermediate_size + c) * mags
+    assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound)
+
+
+def test_expert_dispatch_settings_fail_naming_the_key():
+    names = r"\('all_gather', 'all_to_all'\)"
+    with pytest.raises(ValueError, match=f"expert_dispatch='ring' is not one of {names}"):
+        model.get("tiny_moe", expert_dispatch="ring")
+    with pytest.raises(ValueError, match="expert_capacity_factor=0 must be a number > 0"):
+        model.get("tiny_moe", expert_capacity_factor=0)

@@ -17,7 +17,8 @@ from conftest import ROOT, load_config, subprocess_env
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlscale import model, rl, sharding
-from rlscale.planning import inputs, planner, report, topology
+from rlscale.model import lora, moe
+from rlscale.planning import hlo, inputs, planner, report, topology
 from rlscale.rl import checks
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import generator
@@ -198,7 +199,8 @@ def test_check_target_defaults_and_every_problem_at_once():
     bad = {**flag_values, "mesh": "2,x,1", "accelerator": "a100", "prompt_len": 65}
     problems, _ = inputs.check_target(**bad)
     assert problems == [
-        "--mesh=2,x,1: expected three positive sizes data,fsdp,tensor",
+        "--mesh=2,x,1: expected three positive sizes data,fsdp,tensor (or four: "
+        "data,fsdp,tensor,expert)",
         "--accelerator=a100: not one of h100, h200, tpu_v5e, tpu_v5p, tpu_v6e",
         "--prompt_len=65 is longer than the largest prompt bucket (sampling.buckets=(16, 64))",
     ]
@@ -524,3 +526,146 @@ def test_update_compiles_for_a_tpu_slice_without_a_tpu():
     expected = 3 * compute.forward_flops(cfg, rows * T, T) / 4
     assert entry["flops_per_device"] * entry["loop_factor"] == pytest.approx(expected, rel=0.02)
     assert entry["argument_bytes"] >= planner.device_bytes(state)
+
+
+# ------------------------------------------------------------------------------------------
+# Mixtures of experts and LoRA.
+# ------------------------------------------------------------------------------------------
+
+
+def test_model_flops_count_a_mixture_of_experts_active_params_by_hand():
+    """`scaling.compute` counts the parameters a token reads. tiny_moe (D 64, 4 heads and 2 kv
+    heads of 16, QK-norm, 2 layers of 8 experts of width 32, top-2, untied head of 256):
+    per layer attention 64*64 + 2*64*32 + 64*64 + 2*16 (q, k, v, o, QK-norm) = 12,320 and its
+    two norms 128; router 64*8 = 512 and 2 experts x 3 x 64*32 = 12,288; then the final norm
+    64 and the head 64*256 = 16,384: 66,944 matmul parameters, where all 8 experts would
+    give 2 * 6 * 3 * 64 * 32 = 73,728 more. A dense model is counted as before."""
+    cfg = model.get("tiny_moe")
+    assert compute.matmul_params(cfg) == 2 * (12_320 + 128 + 512 + 12_288) + 64 + 16_384
+    assert cfg.num_params(include_embedding=False) - compute.matmul_params(cfg) == 73_728
+    assert compute.forward_flops(cfg, 10, 0) == 10 * 2 * 66_944
+    attn = 4 * 2 * 4 * 16 * 32  # 4 x layers x heads x head_dim x context.
+    assert compute.train_flops(cfg, 10, 32) == 3 * 10 * (2 * 66_944 + attn)
+    dense = model.get("tiny")
+    assert compute.matmul_params(dense) == dense.num_params(include_embedding=False)
+    big = model.get("qwen3_30b_a3b")  # 3.3B active, less the 0.31B-parameter embedding.
+    assert compute.matmul_params(big) == moe.active_params(big) - 151_936 * 2048
+
+
+def test_collectives_read_from_the_hlo_by_hand():
+    """A program with one of each collective over 8 devices, one under the dispatch's named
+    scope: per kind its count and the bytes each device sends (R its result bytes: an
+    all-gather of 4 x 16 float32 rows per device R = 32 x 16 x 4 = 2,048 and sends 7/8 R; a
+    reduce-scatter of 32 x 16 rows, R = 256, sends 7 R; an all-to-all of 8 x 2 x 16, R =
+    1,024, sends 7/8 R; a psum of 16 floats, R = 64, sends 2 x 7/8 R)."""
+    mesh = sharding.make_mesh((1, 1, 1, 8))
+    P = PartitionSpec
+
+    def local(a, b, c, d):
+        with jax.named_scope(hlo.DISPATCH_SCOPE + "test"):
+            swapped = jax.lax.all_to_all(c, "expert", 0, 0, tiled=True)
+        return (
+            jax.lax.all_gather(a, "expert", tiled=True),
+            jax.lax.psum_scatter(b, "expert", tiled=True),
+            swapped,
+            jax.lax.psum(d, "expert"),
+        )
+
+    specs = (P("expert"), P(), P("expert"), P())
+    out_specs = (P(), P("expert"), P("expert"), P())
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+    fn = jax.jit(mapped)
+    shapes = [(32, 16), (32, 16), (64, 2, 16), (16,)]
+    args = [
+        jax.ShapeDtypeStruct(x, jnp.float32, sharding=NamedSharding(mesh, s))
+        for x, s in zip(shapes, specs)
+    ]
+    found = hlo.collectives(fn.lower(*args).compile().as_text())
+    assert found["all"] == {
+        "all-gather": {"count": 1, "bytes": 2048 * 7 / 8},
+        "reduce-scatter": {"count": 1, "bytes": 256 * 7},
+        "all-to-all": {"count": 1, "bytes": 1024 * 7 / 8},
+        "all-reduce": {"count": 1, "bytes": 2 * 64 * 7 / 8},
+    }
+    assert found["expert_dispatch"] == {"all-to-all": {"count": 1, "bytes": 1024 * 7 / 8}}
+    line = "x = f32[8] all-gather(y), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}"
+    assert hlo.group_size(line) == 4 and hlo.collectives(line)["all"]["all-gather"]["bytes"] == 24
+    assert hlo.group_size("all-reduce(y), replica_groups=[2,4]<=[8]") == 4
+
+
+@pytest.mark.slow
+def test_moe_update_plan_on_an_expert_axis():
+    """tiny_moe's update on a (1, 1, 1, 8) mesh, all-to-all dispatch: one expert per
+    device, each expert's weights an eighth on each device (the planned params hold 1/8 of
+    the experts and the rest whole), and the dispatch's collectives two all-to-alls per
+    sparse layer in the forward and two in the backward, no all-gather."""
+    config = load_config("quickstart")
+    config.mesh.shape = (1, 1, 1, 8)
+    config.model.update(num_experts=8, experts_per_token=2, moe_intermediate_size=32)
+    config.model.update(expert_dispatch="all_to_all")
+    run = rl.resolve(config)
+    cfg = planner.model_config(run, "tiny_moe")
+    assert cfg.expert_dispatch == "all_to_all"
+    mesh = sharding.make_mesh((1, 1, 1, 8))
+    assert planner.experts_info(cfg, mesh) == {
+        "num_experts": 8,
+        "experts_per_token": 2,
+        "expert_axis": 8,
+        "experts_per_device": 1,
+        "active_params": moe.active_params(cfg),
+        "dispatch": "all_to_all",
+        "capacity_factor": 1.25,
+    }
+    _, params, _, _, entry = planner.compile_update(run, cfg, mesh, 64)
+    experts = 2 * 3 * 8 * 64 * 32  # Layers x (gate, up, down) x e x D x F.
+    norms = _norm_params(cfg)
+    assert planner.device_bytes(params) == 4 * (cfg.num_params() - experts * 7 // 8)
+    assert norms < cfg.num_params()  # The norms, like every non-expert leaf, whole.
+    dispatch = entry["collectives"]["expert_dispatch"]
+    assert dispatch["all-to-all"]["count"] == 4 * len(cfg.moe_layers), dispatch
+    assert "all-gather" not in dispatch and "reduce-scatter" not in dispatch
+
+
+@pytest.mark.slow
+def test_lora_plan_trains_adapters_and_counts_the_merged_copy():
+    """A LoRA run of `tiny` on one device (rank 4, every projection): the trained params are
+    the adapters and the value head, the optimizer state their two float32 moments (and
+    step counts), the reference is the base, and the generator's params are the merged
+    copy of the adapted weights (2 layers x (q 64*64 + k, v 64*32 + o 64*64 + gate, up,
+    down 3*64*128) = 73,728 float32), which full fine-tuning in sync mode shares."""
+    config = load_config("quickstart")
+    config.mesh.shape = (1, 1, 1)
+    config.lora.rank = 4
+    run = rl.resolve(config)
+    cfg = planner.model_config(run, "tiny")
+    train, gen = sharding.role_meshes((1, 1, 1), 0)
+    p = planner.plan_run(run, cfg, train, gen, 64)
+    b = p.per_device_bytes
+    _, base = planner.abstract_params(cfg, train, sharding.TRAIN_RULES)
+    adapters = lora.num_params(jax.eval_shape(lambda: lora.init(base, run.lora, jax.random.key(0))))
+    trained = adapters + cfg.d_model + 1  # And the value head.
+    assert p.info["trained_params"] == adapters
+    assert b["params"] == 4 * trained
+    assert 8 * trained <= b["opt_state"] <= 8 * trained + 64
+    assert b["ref_params"] == 4 * cfg.num_params()
+    assert b["generator_params"] == 4 * 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+    assert "lora_merge" not in p.programs  # Its temporaries count, its FLOPs do not.
+
+
+def test_temp_advice_names_the_all_to_all_dispatch_on_an_expert_axis():
+    settings = {
+        "mesh": (1, 1, 1, 8),
+        "param_dtype": "bfloat16",
+        "pack_rows": 8,
+        "next_pack_rows": 0,
+        "remat": "full",
+        "logprob_chunk": 1,
+        "slots": 32,
+        "max_new_tokens": 32,
+        "expert_dispatch": "all_gather",
+    }
+    assert report.advice("temp", settings) == (
+        "model.expert_dispatch=all_to_all (now all_gather; it drops past capacity), "
+        "more data x fsdp devices (--mesh=1,1,1,8)"
+    )
+    assert "expert_dispatch" not in report.advice("temp", {**settings, "expert_dispatch": None})

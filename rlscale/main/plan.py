@@ -3,7 +3,8 @@ target mesh, from its programs compiled ahead of time on this machine.
 
     python -m rlscale.main.plan --config configs/math.py --model llama3_8b --mesh 1,8,1 \\
         [--devices 8] [--platform cpu|gpu|tpu] [--topology v5p-64] [--accelerator h100] \\
-        [--hbm_gib 80] [--prompt_len 512] [--out plan.json] [--config.learner.pack_rows=4 ...]
+        [--num_layers 4] [--hbm_gib 80] [--prompt_len 512] [--out plan.json] \\
+        [--config.learner.pack_rows=4 ...]
 
 The architecture is `--model`'s; everything else is the config's. The programs compile for
 `--devices` fake CPU devices (set here, before JAX starts); with `--platform gpu` on that
@@ -14,6 +15,7 @@ It prints the table (`rlscale.planning.report`), then FITS, or one `error: DOES 
 lines and status 2. `--out` writes the plan as JSON. See docs/pods_and_planning.md.
 """
 
+import math
 import os
 import sys
 
@@ -45,7 +47,7 @@ def _device_count(argv) -> int:
         sizes = [int(s) for s in (_flag(argv, "mesh") or "").split(",")]
     except ValueError:
         return 0
-    return sizes[0] * sizes[1] * sizes[2] if len(sizes) == 3 else 0
+    return math.prod(sizes) if len(sizes) in (3, 4) else 0
 
 
 def _set_up_devices(argv):
@@ -90,7 +92,17 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     cli.define_config(fv, argv)
     flags.DEFINE_string("model", None, f"Architecture: one of {', '.join(NAMES)}.", flag_values=fv)
     flags.DEFINE_string(
-        "mesh", None, "data,fsdp,tensor sizes (default: the config's).", flag_values=fv
+        "mesh",
+        None,
+        "data,fsdp,tensor sizes, or data,fsdp,tensor,expert (default: the config's).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_layers",
+        None,
+        "Plan the architecture with this many layers, each of its shapes (a quicker compile; "
+        "default: its own).",
+        flag_values=fv,
     )
     flags.DEFINE_integer(
         "devices", None, "Devices to plan for (default: the mesh's).", flag_values=fv
@@ -141,6 +153,7 @@ def main(fv: flags.FlagValues) -> None:
     problems, config, target, model_cfg = inputs.resolve(
         fv.config,
         fv.model,
+        num_layers=fv.num_layers,
         mesh=fv.mesh,
         devices=fv.devices,
         platform=fv.platform,

@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from rlscale.model import attention as attention_lib
+from rlscale.model import moe as moe_lib
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -60,6 +61,13 @@ class ModelConfig:
       norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE).
       decoder_sparse_step: layer i is sparse when (i + 1) is a multiple of this (Qwen3-MoE).
       mlp_only_layers: layers that keep the dense MLP (`mlp_dim`) whatever the step.
+      expert_dispatch: how a sparse layer reaches the experts on other devices of the
+        `expert` mesh axis, a registered name (`moe.dispatch_names()`): "all_gather" (each
+        device gathers every token, drops none) or "all_to_all" (each routed row goes to its
+        expert's device, at most `expert_capacity_factor` x an even share per expert). A
+        compute setting: the parameters are the same under each.
+      expert_capacity_factor: the all-to-all dispatch's capacity per (device, expert), in
+        units of an even share of the device's routed rows (`moe.capacity`).
     """
 
     vocab_size: int
@@ -97,6 +105,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    expert_dispatch: str = "all_gather"
+    expert_capacity_factor: float = 1.25
 
     def __post_init__(self):
         # A list from a ConfigDict or config.json: a tuple keeps the config hashable.
@@ -131,6 +141,7 @@ class ModelConfig:
             self.attention, self.sliding_window, self.attn_softcap, self.dtype
         )
         problems += self._moe_problems()
+        problems += moe_lib.dispatch_problems(self.expert_dispatch, self.expert_capacity_factor)
         if problems:
             raise ValueError("Invalid model config: " + "; ".join(problems))
 

@@ -7,15 +7,20 @@ compile on.
 
 import dataclasses
 import difflib
+import math
 
 import jax
 import ml_collections
 
-from rlscale import rl, sections
+from rlscale import model as model_lib
+from rlscale import rl, sections, sharding, warm_start
 from rlscale.model.config import NAMES
 from rlscale.planning import planner, report, topology
 from rlscale.rl import checks
 from rlscale.rl import run_config as resolve_lib
+
+# The config's model fields a plan keeps whatever `--model` it plans (`planner.model_config`).
+_COMPUTE = (*warm_start.COMPUTE_ONLY, "param_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +28,7 @@ class Target:
     """What a plan is for, from the flags' values (None where a value is bad).
 
     Attributes:
-      mesh: data, fsdp and tensor sizes.
+      mesh: data, fsdp and tensor sizes, and expert's where given.
       devices: the devices planned for (the mesh's product).
       accelerator: a key of `report.ACCELERATORS`.
       hbm_bytes: memory per device.
@@ -31,7 +36,7 @@ class Target:
       tpu: with `--platform tpu`, the slice the programs compile for.
     """
 
-    mesh: tuple[int, int, int] | None
+    mesh: tuple[int, ...] | None
     devices: int | None
     accelerator: str
     hbm_bytes: float | None
@@ -60,17 +65,21 @@ def check_target(
     mesh_text = mesh or ",".join(str(s) for s in config_mesh)
     try:
         sizes = tuple(int(s) for s in mesh_text.split(","))
-        if len(sizes) != 3 or min(sizes) < 1:
+        if len(sizes) not in (3, 4) or min(sizes) < 1:
             raise ValueError
     except ValueError:
-        problems.append(f"--mesh={mesh_text}: expected three positive sizes data,fsdp,tensor")
+        problems.append(
+            f"--mesh={mesh_text}: expected three positive sizes data,fsdp,tensor (or four: "
+            "data,fsdp,tensor,expert)"
+        )
         sizes = None
     if sizes is not None:
-        product = sizes[0] * sizes[1] * sizes[2]
+        product = math.prod(sizes)
         devices = product if devices is None else devices
+        axes = " x ".join(sharding.EXPERT_MESH_AXES[: len(sizes)])
         if devices != product:
             problems.append(
-                f"--mesh={mesh_text} has {product} devices (data x fsdp x tensor) but "
+                f"--mesh={mesh_text} has {product} devices ({axes}) but "
                 f"--devices={devices}; they must be equal"
             )
     if model not in NAMES:
@@ -188,10 +197,11 @@ def shape_problems(config, model_cfg, prompt_len: int) -> list[str]:
     return problems + checks.pack_problems(config.learner, config.batch, config.sampling, P)
 
 
-def resolve(config, model: str, **flag_values):
+def resolve(config, model: str, num_layers: int | None = None, **flag_values):
     """The config at the planned mesh, the target and the architecture `model` with the
     run's numerics (`planner.model_config`), from the plan command's flag values
-    (`check_target`'s keywords, less the config's); or every problem at once.
+    (`check_target`'s keywords, less the config's); or every problem at once. `num_layers`
+    (`--num_layers`) plans the architecture with that many layers, each of its shapes.
 
     Returns:
       (problems, run, target, model_cfg): `run` the resolved config (`rl.RunConfig`; None
@@ -205,18 +215,24 @@ def resolve(config, model: str, **flag_values):
         **flag_values,
     )
     problems += missing_libtpu(flag_values["platform"])
+    layers = {} if num_layers is None else {"num_layers": num_layers}
+    architecture = {}
+    if model in NAMES:
+        try:
+            architecture = model_lib.as_dict(model_lib.get(model, **layers))
+        except ValueError as e:
+            problems.append(f"--num_layers={num_layers}: {e}")
     config = config.copy_and_resolve_references()
-    with config.unlocked():  # The checks below see the planned mesh when it is a valid one.
+    with config.unlocked():  # The checks below see the planned mesh when it is a valid one,
         config.mesh.shape = target.mesh if not problems else (1, 1, 1)
+        # and the planned architecture (its expert axis, its auxiliary losses), with the
+        # config's numerics and compute settings.
+        config.model.update({k: v for k, v in architecture.items() if k not in _COMPUTE})
     config_problems, run = resolve_shapes(config)
     problems += config_problems
     model_cfg = None
-    if (
-        run is not None
-        and model in NAMES
-        and not any(x.startswith("--prompt_len") for x in problems)
-    ):
-        model_cfg = planner.model_config(run, model)
+    if run is not None and architecture and not any(x.startswith("--prompt_len") for x in problems):
+        model_cfg = planner.model_config(run, model, **layers)
         problems += [
             f"--model={model}: {e}" for e in shape_problems(run, model_cfg, target.prompt_len)
         ]

@@ -16,7 +16,8 @@ a worst-case batch: every completion `sampling.max_new_tokens` long) and the eng
                     with `learner.offload_ref`: it is then in host memory between updates);
   generator_params  the sampling-layout copy of the policy the generator decodes with, in
                     its dtype (`sampling.generator_dtype`; 0 where that layout and dtype are
-                    the training ones and the roles share devices);
+                    the training ones and the roles share devices; with LoRA at least the
+                    adapted weights, which the merge makes anew at each weight swap);
   kv_cache          the engine's state: its KV cache (in the generator's dtype) over
                     `slots` x (prompt bucket + max_new_tokens) columns, and the per-slot
                     next-token logits and rows;
@@ -24,7 +25,8 @@ a worst-case batch: every completion `sampling.max_new_tokens` long) and the eng
   temp              the update's other temporaries (activations, logits, the reference
                     brought in from host): the compiled program's `memory_analysis()` temp
                     size, less the accumulators it includes;
-  generator_temp    the engine programs' temporaries (the largest of insert and decode);
+  generator_temp    the engine programs' temporaries (the largest of insert, decode and,
+                    with LoRA, the merge);
   total             params + opt_state + ref_params + generator_params + kv_cache
                     + max(grads + temp, generator_temp): the state every phase keeps, plus
                     the larger of the update's and the generator's working memory.
@@ -35,7 +37,11 @@ read from the program's jaxpr (`loop_factor`: the ratio of its matmul FLOPs with
 `scan` at its length to those with every loop body once). A decode call's `while_loop` has
 a data-dependent trip count, so its count is one decode step's, multiplied by the steps of a
 worst-case batch (every completion `max_new_tokens` long); an update's micro-batch
-loops (also `while_loop`s) count as many trips as that batch fills micro-batches.
+loops (also `while_loop`s) count as many trips as that batch fills micro-batches. Beside
+them, `model_flops_per_device` is `scaling.compute`'s count of the step's useful work (a
+mixture of experts' active parameters only: XLA:CPU lowers the grouped expert matmul to a
+dense one over every expert). Each program's collectives (count and bytes sent per device,
+in all and in the experts' dispatch) are read from its HLO text (`hlo`).
 
 What a plan says against an accelerator (the table, the verdict on a memory budget, the
 knobs to turn, the step-time bound) is `report`'s; the checks of what a plan is asked for
@@ -48,15 +54,15 @@ import math
 from typing import Any
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
-from rlscale.model import decoder, lora
-from rlscale.planning import topology
+from rlscale.model import decoder, lora, moe
+from rlscale.planning import hlo, topology
+from rlscale.planning.flops import loop_factor, model_flops
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine, precision
@@ -137,53 +143,6 @@ def abstract_train_state(learn, params, value_params):
     return jax.tree.map(assign, shapes, is_leaf=match)
 
 
-# ------------------------------------------------------------------------------------------
-# FLOPs: the compiled count, with loops at their trip counts.
-# ------------------------------------------------------------------------------------------
-
-
-def _dot_flops(eqn) -> float:
-    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
-    free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
-    return 2.0 * math.prod(lhs) * math.prod(free)
-
-
-def matmul_flops(jaxpr, loops: bool = True, while_trips: float = 1.0) -> float:
-    """The matmul FLOPs (dot_general, 2 per multiply-add) of a jaxpr and its sub-jaxprs.
-
-    With `loops`, a `scan` body counts `length` times and a `while_loop` body (whose trip
-    count is data-dependent) `while_trips` times; without, every loop body counts once
-    (XLA's cost-analysis convention). A `cond` counts its most expensive branch.
-    """
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            total += _dot_flops(eqn)
-            continue
-        subs = list(jex.core.jaxprs_in_params(eqn.params))
-        if not subs:
-            continue
-        inner = [matmul_flops(s, loops, while_trips) for s in subs]
-        if name == "cond":
-            total += max(inner)
-        elif name == "scan" and loops:
-            total += eqn.params["length"] * sum(inner)
-        elif name == "while" and loops:
-            total += while_trips * sum(inner)
-        else:
-            total += sum(inner)
-    return total
-
-
-def loop_factor(jaxpr, while_trips: float = 1.0) -> float:
-    """How many times more matmul FLOPs a program runs than its loop bodies counted once."""
-    once = matmul_flops(jaxpr, loops=False)
-    return matmul_flops(jaxpr, loops=True, while_trips=while_trips) / once if once else 1.0
-
-
 def executable_devices(executable) -> list:
     """The devices a compiled program is for (those its first argument is sharded over)."""
     return list(jax.tree.leaves(executable.input_shardings)[0]._device_assignment)
@@ -215,6 +174,7 @@ class Compiler(programs.Programs):
                 "name": name,
                 **programs.cost(executable),
                 "loop_factor": loop_factor(traced.jaxpr),
+                "collectives": hlo.collectives(executable.as_text()),
                 "device_kind": executable_devices(executable)[0].device_kind,
                 "mesh_shape": dict(self.mesh.shape),
                 "devices": int(self.mesh.devices.size),
@@ -234,15 +194,21 @@ class Compiler(programs.Programs):
 # ------------------------------------------------------------------------------------------
 
 
-def model_config(config, name: str):
-    """The architecture `name` with the numerics the run would give it. A run from a Hugging
-    Face checkpoint (`init.hf_checkpoint`; every task but the synthetic ones, which train a
-    warm start) holds its params in `model.dtype` and computes in it, as `hf.load_hf` loads
-    them; one from the warm start uses `config.model`'s dtypes."""
+def model_config(config, name: str, **overrides):
+    """The architecture `name` (with `overrides` of its fields, such as `num_layers`) with the
+    numerics and expert dispatch the run would give it. A run from a Hugging Face checkpoint
+    (`init.hf_checkpoint`; every task but the synthetic ones, which train a warm start) holds
+    its params in `model.dtype` and computes in it, as `hf.load_hf` loads them; one from the
+    warm start uses `config.model`'s dtypes."""
     m = config.model
+    dispatch = dict(
+        expert_dispatch=m.expert_dispatch, expert_capacity_factor=m.expert_capacity_factor
+    )
     if config.init.hf_checkpoint or config.task.name not in tasks.TASKS:
-        return model.get(name, dtype=m.dtype, param_dtype=m.dtype)
-    return model.get(name, dtype=m.dtype, param_dtype=m.param_dtype, fp32_lm_head=m.fp32_lm_head)
+        numerics = dict(dtype=m.dtype, param_dtype=m.dtype)
+    else:
+        numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, fp32_lm_head=m.fp32_lm_head)
+    return model.get(name, **{**numerics, **dispatch, **overrides})
 
 
 def sampling_config(config) -> SamplingConfig:
@@ -319,6 +285,21 @@ def engine_programs(config, graphdef, model_cfg, params, mesh, scfg, prompt_len,
     return state, admitted, R
 
 
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def lora_merge(config, params, adapters, progs) -> list[bool]:
+    """Compiles a LoRA run's weight swap, the merge of `adapters` into the base `params`
+    (`lora.merged`, as `Setup.generator_params` runs it) as "lora_merge" in `progs`, and
+    returns per leaf of `params` whether the merge makes it anew (an adapted weight: the
+    generator's copy even where it needs no reshard or cast)."""
+    progs.run("lora_merge", lora.merged, (params, adapters), {"scale": config.lora.scale})
+    flat = jax.tree_util.tree_flatten_with_path(adapters)[0]
+    adapted = {_names(path)[:-1] for path, _ in flat}  # Less the "a" / "b".
+    return [_names(p) in adapted for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
 # ------------------------------------------------------------------------------------------
 # The plan.
 # ------------------------------------------------------------------------------------------
@@ -334,18 +315,22 @@ class Plan:
       roles: per device group ("trainer", "generator", or "shared") its own terms and total.
       host_bytes: per device, what `learner.offload_ref` keeps in pinned host memory.
       flops_per_device: FLOPs per RL step per device (update + prefills + decode steps).
+      model_flops_per_device: `scaling.compute`'s FLOPs of the step per device (`flops.
+        model_flops`: a mixture of experts' active parameters), "update" and "generate".
       programs: per compiled program its cost entry (`programs.cost`, per call, loop bodies
         counted once), `loop_factor`, calls per step and FLOPs per step.
       decode_bytes: per device, what each decode step reads: the generator's weights and the
         engine state (the memory traffic of `report.estimate`'s bound).
-      info: the shapes planned (prompt length, completion length, rows, slots, ...) and, as
-        `settings`, the knob values `report.advice` names.
+      info: the shapes planned (prompt length, completion length, rows, slots, ...), a
+        mixture of experts' layout (`experts`: `experts_info`) and, as `settings`, the knob
+        values `report.advice` names.
     """
 
     per_device_bytes: dict
     roles: dict
     host_bytes: int
     flops_per_device: float
+    model_flops_per_device: dict
     programs: dict
     decode_bytes: int
     info: dict
@@ -419,10 +404,16 @@ def plan_run(
         config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
     )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
+    gen_entries = [insert, decode]
+    adapted = None
+    if config.lora.enabled:  # On the trainer's devices, before the reshard to the generator.
+        merge_progs = Compiler(train_mesh, targets)
+        adapted = lora_merge(config, params, state.params, merge_progs)
+        gen_entries.append(merge_progs.entry("lora_merge"))
 
     trainer = trainer_bytes(state, ref, update)
     copy = config.pipeline.mode != "sync"  # `Setup.generator_params` copies in pipeline modes.
-    generator = generator_bytes(params, gen_params, engine_state, (insert, decode), copy)
+    generator = generator_bytes(params, gen_params, engine_state, gen_entries, copy, adapted)
     if shared:
         roles = {"shared": _with_total({**trainer, **generator})}
     else:
@@ -430,11 +421,16 @@ def plan_run(
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
     table = work_per_step(config, entries, admitted)
     slots = config.pipeline.slots
+    useful = model_flops(config, model_cfg, P)
     return Plan(
         per_device_bytes=max(roles.values(), key=lambda r: r["total"]),
         roles=roles,
         host_bytes=device_bytes(ref, "pinned_host"),
         flops_per_device=sum(t["flops_per_step"] for t in table.values()),
+        model_flops_per_device={
+            "update": useful["update"] / train_mesh.devices.size,
+            "generate": useful["generate"] / gen_mesh.devices.size,
+        },
         programs=table,
         decode_bytes=device_bytes(gen_params) + generator["kv_cache"],
         info={
@@ -452,9 +448,30 @@ def plan_run(
             "dtype": model_cfg.dtype,
             "generator_dtype": gen_cfg.dtype,
             "num_params": model_cfg.num_params(),
+            "num_layers": model_cfg.num_layers,
+            "experts": experts_info(model_cfg, train_mesh),
+            "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
             "settings": advice_settings(config, model_cfg, train_mesh, P),
         },
     )
+
+
+def experts_info(model_cfg, mesh) -> dict | None:
+    """A mixture of experts' layout on `mesh` (None for a dense model): its experts, those a
+    token uses, the experts each device holds (e / the expert axis), its active parameters
+    (`moe.active_params`) and the dispatch and capacity factor of its expert axis."""
+    if not model_cfg.num_experts:
+        return None
+    n = int(dict(mesh.shape).get(moe.EXPERT_AXIS, 1))
+    return {
+        "num_experts": model_cfg.num_experts,
+        "experts_per_token": model_cfg.experts_per_token,
+        "expert_axis": n,
+        "experts_per_device": model_cfg.num_experts // n,
+        "active_params": moe.active_params(model_cfg),
+        "dispatch": model_cfg.expert_dispatch if n > 1 else "none (no expert axis)",
+        "capacity_factor": model_cfg.expert_capacity_factor,
+    }
 
 
 def trainer_bytes(state, ref, update: dict) -> dict:
@@ -472,19 +489,22 @@ def trainer_bytes(state, ref, update: dict) -> dict:
     }
 
 
-def generator_bytes(params, gen_params, engine_state, entries, copy: bool) -> dict:
+def generator_bytes(
+    params, gen_params, engine_state, entries, copy: bool, adapted: list | None = None
+) -> dict:
     """The generator's terms per device: the leaves of its sampling-layout params that are a
-    copy (all of them with `copy`, else those the reshard from `params` moves or the cast to
-    the generator's dtype makes), the engine state, and the largest temporaries of its
-    compiled `entries`."""
+    copy (all of them with `copy`, else those the reshard from `params` moves, the cast to
+    the generator's dtype makes or, per leaf where `adapted` says so, a LoRA merge makes),
+    the engine state, and the largest temporaries of its compiled `entries`."""
+    adapted = adapted or [False] * len(jax.tree.leaves(params))
 
-    def moved(x, y):
+    def moved(x, y, new):
         same = x.dtype == y.dtype and x.sharding.is_equivalent_to(y.sharding, len(x.shape))
-        return copy or not same
+        return copy or new or not same
 
-    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(gen_params))
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(gen_params), adapted)
     return {
-        "generator_params": device_bytes([y for x, y in pairs if moved(x, y)]),
+        "generator_params": device_bytes([y for x, y, new in pairs if moved(x, y, new)]),
         "kv_cache": device_bytes(engine_state),
         "generator_temp": max(e["temp_bytes"] for e in entries),
     }
@@ -522,6 +542,7 @@ def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
         "logprob_chunk": config.learner.logprob_chunk,
         "slots": config.pipeline.slots,
         "max_new_tokens": config.sampling.max_new_tokens,
+        "expert_dispatch": (experts_info(model_cfg, mesh) or {}).get("dispatch"),
     }
 
 

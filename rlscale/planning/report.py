@@ -80,7 +80,8 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
     `model`, `recipe`: the names of the architecture and the config."""
     info = p.info
     lines = [
-        f"plan: {model} ({_count(info['num_params'])} params, {info['param_dtype']} "
+        f"plan: {model} ({info['num_layers']} layers, {_count(info['num_params'])} params, "
+        f"{info['param_dtype']} "
         f"params, {info['dtype']} compute), config {recipe}",
         f"  compiled {where}",
         f"  trainer mesh {info['train_mesh']}, generator mesh {info['generator_mesh']}"
@@ -88,6 +89,7 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
         f"  {info['rows']} rows, prompt bucket {info['prompt_bucket']} (prompts up to "
         f"{info['prompt_len']} tokens), completions of {info['max_new_tokens']} tokens, "
         f"{info['slots']} decode slots",
+        *_model_lines(info),
         "",
         "per device" + "".join(f"{role:>18}" for role in p.roles),
     ]
@@ -106,12 +108,47 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
             f"{'s' if n != 1 else ''} x {each:.3e}   temp {size(e['temp_bytes'])}"
         )
     s = estimate(p, acc)
+    useful = p.model_flops_per_device
     lines += [
         f"  {'total':<14} {p.flops_per_device:10.3e} FLOPs",
+        f"  {'model FLOPs':<14} {sum(useful.values()):10.3e} FLOPs (scaling.compute, active "
+        f"params): update {useful['update']:.3e}, generate {useful['generate']:.3e}",
         f"  step >= {s['step']:.3g} s: update {s['update']:.3g} s, prefill {s['prefill']:.3g} s, "
         f"decode {s['decode']:.3g} s at 100% of peak FLOP/s and HBM bandwidth",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _collective_lines(p))
+
+
+def _model_lines(info: dict) -> list[str]:
+    """What a plan of fewer layers, a LoRA run or a mixture of experts adds to the header."""
+    lines = []
+    if info.get("trained_params", info["num_params"]) < info["num_params"]:
+        lines.append(f"  trained: {_count(info['trained_params'])} params (the LoRA adapters)")
+    x = info.get("experts")
+    if x:
+        lines.append(
+            f"  experts: {x['num_experts']}, {x['experts_per_token']} per token, "
+            f"{x['experts_per_device']} per device (expert axis {x['expert_axis']}), "
+            f"{_count(x['active_params'])} active params; dispatch {x['dispatch']}"
+            + (f", capacity factor {x['capacity_factor']}" if x["dispatch"] == "all_to_all" else "")
+        )
+    return lines
+
+
+def _collective_lines(p: planner.Plan) -> list[str]:
+    """Per program its collectives (`hlo.collectives`), those of the experts' dispatch apart."""
+    lines = ["", "collectives per call, per device (loop bodies once): count x, bytes sent"]
+    for name, e in p.programs.items():
+        found = e.get("collectives", {})
+        for where in ("all", "expert_dispatch"):
+            kinds = found.get(where) or {}
+            if kinds:
+                text = ", ".join(
+                    f"{k} {v['count']}x {size(v['bytes'])}" for k, v in sorted(kinds.items())
+                )
+                label = name if where == "all" else "  of which MoE"
+                lines.append(f"  {label:<16} {text}")
+    return lines
 
 
 def verdict(p: planner.Plan, hbm_bytes: float) -> tuple[bool, str]:
@@ -165,6 +202,8 @@ def advice(term: str, s: dict) -> str:
 def _temp_knobs(s: dict) -> list[str]:
     """The learner's knobs that shrink the update's temporaries and have room left."""
     knobs = []
+    if s.get("expert_dispatch") == "all_gather":  # Only with an expert axis.
+        knobs.append("model.expert_dispatch=all_to_all (now all_gather; it drops past capacity)")
     if s.get("next_pack_rows"):
         knobs.append(f"learner.pack_rows={s['next_pack_rows']} (now {s['pack_rows']})")
     if s["remat"] != "full":
