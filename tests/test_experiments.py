@@ -30,6 +30,8 @@ NO_EVIDENCE = {
     "batch_size": "no metrics.jsonl or fit.json stored; no analyze.py",
     "iso_compute": "only the aggregated iso_compute.json and reuse.json; no per-run lines",
     "ladder": "analyze.py reads a ROOT of workdirs; only fits_tan.json and prediction_xl.json",
+    "moe_lora": "runs pending (protocol registered)",
+    "off_policy": "runs pending (protocol registered)",
     "paradigms": "analyze.py reads a ROOT of workdirs; only the aggregated paradigms.json",
     "pipeline": "analyze.py reads a ROOT of workdirs; only fits.json stored",
     "scalerl_ablations": "analyze.py reads a ROOT of workdirs; only fits_first_half.json",
