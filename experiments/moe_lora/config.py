@@ -11,8 +11,7 @@ Arms (`:arm=`):
                  (Qwen3-MoE routing, renormalised): 5.83M parameters, 1.85M active (the dense
                  model's 1.84M plus the routers), with `moe_aux(lb=0.001)`; synchronous.
   replay_on      `moe` in pipeline mode with k = 8 and a bfloat16 generator, the learner
-                 replaying the generator's routing (`learner.router_replay`, a key that is
-                 landing: until it does, resolve refuses the run naming it).
+                 replaying the generator's routing (`learner.router_replay="generator"`).
   replay_off     the same without replay.
   lora           the dense arm training rank `lora_rank` adapters on every projection
                  (alpha 32, configs/quickstart.py:lora's), or full fine-tuning at rank 0.
@@ -61,7 +60,7 @@ def get_config(arg=None):
     if arg.arm in ("replay_on", "replay_off"):
         c.pipeline.mode, c.pipeline.max_staleness = "pipeline", 8
         c.sampling.generator_dtype = "bfloat16"
-        c.learner.router_replay = arg.arm == "replay_on"  # The key is to be confirmed.
+        c.learner.router_replay = "generator" if arg.arm == "replay_on" else "off"
     c.optim.lr = arg.lr or LR
     if arg.arm == "lora" and arg.lora_rank:
         c.lora.rank, c.lora.alpha = arg.lora_rank, LORA_ALPHA
