@@ -70,6 +70,14 @@ def test_seeds_per_arm_matches_published_values():
     assert stats.power(64, 0.5, 1.0) >= 0.8 > stats.power(63, 0.5, 1.0)
 
 
+def test_power_is_finite_and_seeds_fall_as_the_effect_grows():
+    """Large effects at a Holm-corrected alpha, where scipy's noncentral t underflows to NaN
+    in the far tail (df 4, nc 8.4): power stays a probability, seeds per arm never rise."""
+    assert 0.9 < stats.power(3, 0.05, 0.0073, alpha=0.05 / 8) <= 1.0
+    seeds = [stats.seeds_per_arm(e / 100, 0.0073, alpha=0.05 / 7) for e in range(2, 11)]
+    assert seeds == sorted(seeds, reverse=True) and min(seeds) >= 2
+
+
 def test_power_refuses_bad_input():
     with pytest.raises(ValueError, match=r"effect=0 must be finite and non-zero; sd=0 must"):
         stats.seeds_per_arm(0, 0)

@@ -147,7 +147,10 @@ def power(n: int, effect: float, sd: float, *, alpha: float = 0.05) -> float:
     df = 2 * n - 2
     nc = abs(effect) / sd * math.sqrt(n / 2.0)
     crit = sp_stats.t.ppf(1.0 - alpha / 2.0, df)
-    return float(sp_stats.nct.sf(crit, df, nc) + sp_stats.nct.cdf(-crit, df, nc))
+    # The far tail's probability: scipy's noncentral t returns NaN where it underflows (below
+    # 1e-15 at the neighbouring arguments, e.g. df 4, nc 8.4, crit 5.3), which is 0 here.
+    far = float(np.nan_to_num(sp_stats.nct.cdf(-crit, df, nc), nan=0.0))
+    return float(sp_stats.nct.sf(crit, df, nc)) + far
 
 
 def seeds_per_arm(
