@@ -51,5 +51,4 @@ def get_config(arg=None):
         config_lib.smoke(c)
         c.learner.pack_length = 0  # As the quickstart's smoke: the tests' shared warm start.
         c.reward.model_steps = 20
-        c.preference.prompts = 32  # The reward model's pairs from 32 prompts x 8 samples.
     return c

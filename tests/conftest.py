@@ -49,6 +49,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import filelock  # noqa: E402
 import jax  # noqa: E402  (must come after XLA_FLAGS)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -285,10 +286,16 @@ def pytest_unconfigure(config):
         head_start.join()
 
 
+def completed_arrays(done) -> dict:
+    """The generator's `Completed` records' array fields, each concatenated over the records
+    (a dense model's `experts_GLlc`, None, left out)."""
+    fields = [f for f in done[0]._fields[1:] if getattr(done[0], f) is not None]
+    return {f: np.concatenate([getattr(c, f) for c in done]) for f in fields}
+
+
 def random_decoder_params(model_cfg, seed: int):
     """Decoder params drawn in NumPy (no init program to compile): N(0, 1 / fan_in) weights,
     unit norm scales."""
-    import numpy as np
     from flax import nnx
 
     from rlscale.model import decoder

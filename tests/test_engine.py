@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import completed_arrays
 
 from rlscale import model, programs, sharding
 from rlscale.sampling import Sampler, SamplingConfig, transform_logits
@@ -71,7 +72,7 @@ def test_engine_samples_what_the_static_sampler_samples(policy, shape, slots):
     gen.set_params(sharding.reshard(params, shardings), 0)
     done = _run(gen, _requests(rng), chunk=3)
     assert [c.request.id for c in done] == list(range(len(PROMPTS)))
-    cat = {f: np.concatenate([getattr(c, f) for c in done]) for f in done[0]._fields[1:]}
+    cat = completed_arrays(done)
     np.testing.assert_array_equal(cat["tokens_GM"], np.asarray(ref.tokens))
     np.testing.assert_array_equal(cat["forced_GM"], np.asarray(ref.forced))
     np.testing.assert_array_equal(cat["lengths_G"], np.asarray(ref.lengths))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rounding
+from conftest import completed_arrays, rounding
 
 from rlscale import model, sharding
 from rlscale.sampling import Sampler, SamplingConfig, engine, transform_logits
@@ -157,7 +157,7 @@ def _check_trajectory_logprobs(policy, done, scfg):
     """Every environment token has logprob 0 and version -1, and every policy token the
     logprob of one forward pass over prompt, turns and replies, under the sampling
     transform."""
-    cat = {f: np.concatenate([getattr(c, f) for c in done]) for f in done[0]._fields[1:]}
+    cat = completed_arrays(done)
     env, policy_tokens = cat["env_GM"], cat["mask_GM"] & ~cat["env_GM"]
     assert np.all(cat["logprobs_GM"][env] == 0) and np.all(cat["versions_GM"][env] == -1)
     # Each logprob is z - logsumexp(z) of float32 results that sums of about 1,300 terms
@@ -188,7 +188,7 @@ def test_multi_turn_logprobs_are_the_trajectorys(policy, static, shape, count_co
     done, log, overflow = _episodes(gen)
     G, M = scfg.num_samples, scfg.max_new_tokens
     assert [c.request.id for c in done] == list(range(len(PROMPTS)))
-    cat = {f: np.concatenate([getattr(c, f) for c in done]) for f in done[0]._fields[1:]}
+    cat = completed_arrays(done)
     for row in range(len(tokens)):
         pieces, n = log[divmod(row, G)], cat["lengths_G"][row]
         env = [i % 2 == 1 for i, piece in enumerate(pieces) for _ in piece]
