@@ -127,6 +127,9 @@ def test_compact_run_from_a_workdir(tmp_path):
     path.write_text(json.dumps(meta) + "\n" + json.dumps({"step": 1, "pass@1": 0.3}) + "\n")
     with pytest.raises(ValueError, match=r"a_s3.jsonl:2: lacks flops, samples, reward"):
         evidence.read_run(str(path))
+    # A study's store.py: the keys its pattern matches in full, kept beside the evaluations.
+    stored = evidence.store_run(str(tmp_path), str(tmp_path / "stored"), r"l\w+|data/x")
+    assert list(evidence.read_run(stored).lines) == kept
 
 
 def test_readme_convention_by_hand():

@@ -129,6 +129,21 @@ def write_run(path: str, meta: dict, lines: list[dict]) -> None:
             f.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
 
+def store_run(workdir: str, runs_dir: str, keep_pattern: str) -> str:
+    """Stores a finished run as evidence: RUNS_DIR/NAME.jsonl (`compact_run`, `write_run`),
+    keeping beside the evaluations every per-step key of its metrics that the regular
+    expression `keep_pattern` matches in full; returns the file's path."""
+    pattern, keys = re.compile(keep_pattern), set()
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                keys.update(k for k in json.loads(line) if pattern.fullmatch(k))
+    meta, lines = compact_run(workdir, keep=tuple(sorted(keys)))
+    path = os.path.join(runs_dir, f"{meta['run']}.jsonl")
+    write_run(path, meta, lines)
+    return path
+
+
 def read_run(path: str) -> StoredRun:
     """Reads `runs/NAME.jsonl` (see the module docstring).
 
