@@ -35,10 +35,7 @@ def pooled_testbed_sd(path: str = SEEDS_FILE) -> tuple[float, int, int]:
 def design(family: int = FAMILY, effects=EFFECTS, alpha: float = 0.05) -> dict:
     """{"sd", "arms", "seeds", "seeds_per_arm": {effect: (at alpha, at alpha / family)}}."""
     sd, n_arms, n_seeds = pooled_testbed_sd()
-    table = {
-        e: tuple(stats.seeds_per_arm(e, sd, alpha=a) for a in (alpha, alpha / family))
-        for e in effects
-    }
+    table = stats.seed_table(sd, effects, alpha=alpha, family=family)
     return {"sd": sd, "arms": n_arms, "seeds": n_seeds, "seeds_per_arm": table}
 
 

@@ -186,6 +186,14 @@ def seeds_per_arm(
     return hi
 
 
+def seed_table(sd: float, effects, *, alpha: float = 0.05, family: int = 1) -> dict:
+    """{effect: (seeds per arm at `alpha`, at `alpha / family`)}: a study's design table
+    (`seeds_per_arm` at power 0.8; Holm's smallest p of `family` tests faces alpha / family)."""
+    return {
+        e: tuple(seeds_per_arm(e, sd, alpha=a) for a in (alpha, alpha / family)) for e in effects
+    }
+
+
 def _check_power_args(effect, sd, alpha, target):
     problems = []
     if not (math.isfinite(effect) and effect != 0):
