@@ -6,6 +6,7 @@ against each one's rounding), and the per-token log-ratio histogram (`rl.logp_ma
 off-policy corrections: tests/test_corrections.py."""
 
 import glob
+import os
 import struct
 
 import jax
@@ -129,7 +130,21 @@ def sample_and_rescore(cfg, params, name: str, scfg: SamplingConfig):
     return np.asarray(out.logprobs), logp, np.asarray(out.mask)
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+# XLA:CPU converts float16 with the F16C instructions (AVX and later): code generated for SSE4.2
+# alone (`--xla_cpu_max_isa=SSE4_2`, an older CPU's) fails to link its conversion kernels.
+NO_F16C = "max_isa=SSE" in os.environ.get("XLA_FLAGS", "")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bfloat16",
+        pytest.param(
+            "float16",
+            marks=pytest.mark.skipif(NO_F16C, reason="XLA:CPU's float16 needs F16C (AVX)"),
+        ),
+    ],
+)
 def test_low_precision_generator_logprobs_differ_by_its_rounding(tiny_cfg, name):
     """The mean per-token |trainer - generator| logprob gap is a small multiple of the
     generator dtype's unit roundoff u (bfloat16 2^-8, float16 2^-11): its weights are rounded
