@@ -76,6 +76,10 @@ def test_power_is_finite_and_seeds_fall_as_the_effect_grows():
     assert 0.9 < stats.power(3, 0.05, 0.0073, alpha=0.05 / 8) <= 1.0
     seeds = [stats.seeds_per_arm(e / 100, 0.0073, alpha=0.05 / 7) for e in range(2, 11)]
     assert seeds == sorted(seeds, reverse=True) and min(seeds) >= 2
+    # The smallest effect 6 seeds detect at Holm's alpha / 8: power 0.8 there, less below.
+    mde = stats.minimum_detectable_effect(6, 0.0073, alpha=0.05 / 8)
+    assert stats.power(6, mde, 0.0073, alpha=0.05 / 8) >= 0.8
+    assert stats.power(6, 0.99 * mde, 0.0073, alpha=0.05 / 8) < 0.8
     # The design table: both levels, Holm's smallest p facing alpha / family.
     table = stats.seed_table(0.0073, (0.02,), family=8)
     assert table == {0.02: (stats.seeds_per_arm(0.02, 0.0073), 6)}

@@ -67,18 +67,6 @@ def step_means(run: evidence.StoredRun) -> dict:
     return {k: float(np.mean(run.series(k)[1])) for k in sorted(keys)}
 
 
-def minimum_detectable(n: int, sd: float, alpha: float, target: float = POWER) -> float:
-    """The effect the two-sided t-test with `n` seeds per arm detects with power `target`
-    at `alpha` (bisection on `stats.power`; scipy's noncentral t returns NaN far out, where
-    the power is 1, so NaN counts as reached)."""
-    lo, hi = 0.0, 20.0 * sd
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        p = stats.power(n, mid, sd, alpha=alpha)
-        lo, hi = (lo, mid) if (math.isnan(p) or p >= target) else (mid, hi)
-    return hi
-
-
 def tests(values: dict, numbers: dict) -> str:
     """The primary family's Welch tests, Holm-adjusted; fills `numbers`, returns the table."""
     rows = [(a, b) for a, b in FAMILY if min(len(values.get(x, ())) for x in (a, b)) >= 2]
@@ -193,7 +181,9 @@ def analyze(runs: dict) -> tuple[dict, dict]:
         numbers.update({"sd_pooled": sd, "seeds_min": float(n)})
         if sd > 0:
             m = max(int(numbers["family.tests"]), 1)
-            numbers["mde_holm"] = minimum_detectable(n, sd, ALPHA / m)
+            numbers["mde_holm"] = stats.minimum_detectable_effect(
+                n, sd, alpha=ALPHA / m, target=POWER
+            )
     tables = {"arms": arms, "tests": table, "fits": fits}
     if left_out:
         tables["left_out"] = "runs of incomplete seeds, left out: " + ", ".join(left_out)

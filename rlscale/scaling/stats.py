@@ -186,6 +186,19 @@ def seeds_per_arm(
     return hi
 
 
+def minimum_detectable_effect(
+    n: int, sd: float, *, alpha: float = 0.05, target: float = 0.8
+) -> float:
+    """The smallest difference of means the two-sided t-test with `n` seeds per arm detects
+    with power `target` at `alpha` (`power` is increasing in the effect: bisection to 2^-60
+    of 20 sd)."""
+    lo, hi = 0.0, 20.0 * sd
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if power(n, mid, sd, alpha=alpha) >= target else (mid, hi)
+    return hi
+
+
 def seed_table(sd: float, effects, *, alpha: float = 0.05, family: int = 1) -> dict:
     """{effect: (seeds per arm at `alpha`, at `alpha / family`)}: a study's design table
     (`seeds_per_arm` at power 0.8; Holm's smallest p of `family` tests faces alpha / family)."""
