@@ -7,7 +7,8 @@ p-values come from scipy's t distribution. A table of comparisons is corrected w
 step-down procedure (family-wise error at alpha, uniformly more powerful than Bonferroni).
 The power calculation is exact: the two-sided two-sample t-test's power from the noncentral
 t distribution (equal seeds per arm and equal sd, where Welch's df equal the pooled test's),
-the smallest n per arm reaching the target power.
+the smallest n per arm reaching the target power. scipy is imported where a p-value or a power
+is computed: a command that imports the package (every run does) does not pay its second.
 """
 
 import dataclasses
@@ -15,7 +16,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy import stats as sp_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,8 @@ def welch(a, b, *, names: tuple[str, str] = ("a", "b")) -> Welch:
       ValueError: an arm with fewer than 2 seeds or a non-finite value (named), or both
         arms without any spread (the test is undefined).
     """
+    from scipy import stats as sp_stats
+
     a, b = _arm(names[0], a), _arm(names[1], b)
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     se = math.sqrt(va + vb)
@@ -146,6 +148,8 @@ def power(n: int, effect: float, sd: float, *, alpha: float = 0.05) -> float:
         raise ValueError(f"n={n} seeds per arm: the t-test needs at least 2")
     df = 2 * n - 2
     nc = abs(effect) / sd * math.sqrt(n / 2.0)
+    from scipy import stats as sp_stats
+
     crit = sp_stats.t.ppf(1.0 - alpha / 2.0, df)
     # The far tail's probability: scipy's noncentral t returns NaN where it underflows (below
     # 1e-15 at the neighbouring arguments, e.g. df 4, nc 8.4, crit 5.3), which is 0 here.
