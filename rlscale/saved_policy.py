@@ -211,8 +211,12 @@ def load_problems(task_cfg, workdir: str, split: str, n: int):
     return task, splits[split][:n]
 
 
-def verifier_pool(reward: isolation.RewardConfig):
+def verifier_pool(reward: isolation.RewardConfig, *verifiers):
     """The reward section's verifier pool (`reward.workers` worker processes) as a context
-    manager, or None in-process when `reward.workers` is 0."""
-    workers = reward.workers
-    return isolation.verifier_pool(workers) if workers else contextlib.nullcontext()
+    manager, or None in-process when `reward.workers` is 0. The workers start with the
+    `verifiers`' modules imported: a module first imported by a call (unpickling its verifier)
+    would spend that call's `reward.timeout` on imports."""
+    if not reward.workers:
+        return contextlib.nullcontext()
+    modules = sorted({v.__module__ for v in verifiers})  # A function's, or a class's.
+    return isolation.verifier_pool(reward.workers, preload=modules)

@@ -199,7 +199,7 @@ def _sample_and_search(
     (`reward.workers`, `reward.timeout`), and with `step_search` the report's `step_search`
     entry (`step_search.summary`): the PRM-guided beam search over steps of every problem,
     with a key other than the samples'."""
-    with saved_policy.verifier_pool(reward) as pool:
+    with saved_policy.verifier_pool(reward, task.verify) as pool:
         samples = scoring.sample_and_score(
             policy.sampler,
             policy.params,

@@ -371,7 +371,7 @@ def label_policy(
     cfg = saved_policy.sampling_config(config.sampling, config.task, policy.tokenizer, k)
     sample_key, rollout_key = jax.random.split(jax.random.key(seed))
     timeout = config.reward.timeout
-    with saved_policy.verifier_pool(config.reward) as pool:
+    with saved_policy.verifier_pool(config.reward, task.verify, PrefixVerifier) as pool:
         samples = scoring.sample_and_score(
             policy.sampler,
             policy.params,
