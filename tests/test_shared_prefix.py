@@ -4,6 +4,7 @@ and the gradient of a GRPO loss against the plain packed rows' (groups with uneq
 completions, padding, tokens out of the loss as a multi-turn reply's are, a group split over
 rows, a group whose prompts differ, a sample with nothing to train); the start-up checks."""
 
+import dataclasses
 import types
 
 import jax
@@ -14,7 +15,7 @@ from conftest import load_config, rounding
 
 from rlscale import config_lib, model, objectives, sections, sharding
 from rlscale.model import attention, decoder
-from rlscale.rl import batch_layout, forward, run_config
+from rlscale.rl import batch_layout, checks, forward, run_config
 from rlscale.sampling import SamplingConfig
 
 G, B, P, M = 4, 4, 6, 8
@@ -219,4 +220,14 @@ def test_start_up_refuses_what_cannot_share():
     assert "model.attention='splash' reads segment ids only" in text
     assert "learner.shared_prefix=True with model.sliding_window=4" in text
     c.learner.pack_length, c.model.attention, c.model.sliding_window = 96, "dot_product", 0
-    assert run_config.resolve(c).learner.shared_prefix is True
+    run = run_config.resolve(c)
+    assert run.learner.shared_prefix is True
+    # Once the data is read: rows of 96 tokens hold a 20-token prompt and 2 samples of 1 + 32
+    # tokens each (shared), or one 52-token sequence (plain).
+    G, M = run.batch.group_size, run.sampling.max_new_tokens
+    assert M == 32 and G % 2 == 0
+    learner = dataclasses.replace(run.learner, pack_rows=G // 2)
+    assert checks.pack_problems(learner, run.batch, run.sampling, 20) == []
+    plain = dataclasses.replace(learner, shared_prefix=False)
+    (problem,) = checks.pack_problems(plain, run.batch, run.sampling, 20)
+    assert f"learner.pack_rows={G // 2} rows" in problem and f"it needs {G}" in problem

@@ -127,7 +127,9 @@ def shared_lengths(prompt_NP, attn_NP, layout: Layout) -> np.ndarray:
     predicts a sample's first completion token is then its own, so every packed position has
     one target and the gathers of the plain layout serve unchanged, for one token per sample.
     """
-    G = layout.group_size
+    G, N = layout.group_size, len(prompt_NP)
+    if N % G:  # Not whole groups (none of the learner's batches): nothing shared.
+        return np.zeros(N, np.int32)
     prompt_BGP = np.where(attn_NP, prompt_NP, -1).reshape(-1, G, prompt_NP.shape[1])
     same_B = (prompt_BGP == prompt_BGP[:, :1]).all(axis=(1, 2))
     prompt_N = attn_NP.astype(bool).sum(1)
