@@ -175,12 +175,15 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # A mixture of experts (docs/model_and_sampling.md#router-replay): `router_replay` "off"
     # (the learner's own routing) or "generator" (the experts the generator recorded);
     # `replay_probe` also measures the logprob gap the other way (one more forward pass).
+    # `shared_prefix` (with a pack_length): a group's prompt once per packed row, then its
+    # samples' own tokens (docs/learner.md#shared-prefix).
     c.learner = dict(
         epochs=1,
         minibatches=1,
         length_buckets=4,
         pack_length=0,
         pack_rows=0,
+        shared_prefix=False,
         logprob_chunk=1024,
         remat="none",
         offload_ref=False,

@@ -7,7 +7,10 @@
 with grouped query heads (a kv head serves H / K query heads), the soft-cap only when
 `attn_softcap` = cap > 0 (Gemma 2), and `visible` the `Mask`: causal within the row, only within
 a query's own segment (packed rows; id 0 is padding) or only to real keys (unpacked rows), and
-with `sliding_window` = W > 0 only to the last W keys (key index j with i - W < j <= i). Rows
+with `sliding_window` = W > 0 only to the last W keys (key index j with i - W < j <= i). With
+prefix ids (the learner's `shared_prefix` rows: a prompt once, then its completions) a query
+also sees the keys of the prefix segment its id names: its segment's own earlier keys and
+its shared prompt's, never another completion's. Rows
 keep a sequence's real tokens contiguous (the sampler left-pads prompts, the engine writes one
 cache column per token, the learner packs sequences end to end), so a window in indices is a
 window in positions.
@@ -53,10 +56,15 @@ class Mask(NamedTuple):
       segments_BT: without a cache, each token's segment id (packed rows; 0 on padding; for
         unpacked rows 1 on real tokens): what `splash` reads with its static causal or local
         mask. None with a cache.
+      prefixes_BT: with shared prefixes, each token's prefix id: the segment whose keys it
+        sees besides its own (a prefix's tokens carry their own id). None otherwise: an
+        implementation that reads only segment ids (`Implementation.prefix` False) cannot
+        express such a mask.
     """
 
     mask_BTS: Array
     segments_BT: Array | None = None
+    prefixes_BT: Array | None = None
 
 
 def _causal(T: int, window: int) -> Array:
@@ -67,16 +75,30 @@ def _causal(T: int, window: int) -> Array:
     return causal_TT
 
 
-def training_mask(mask_BT, segments_BT=None, window: int = 0) -> Mask:
+def training_mask(mask_BT, segments_BT=None, window: int = 0, prefixes_BT=None) -> Mask:
     """The mask of a call without a cache (queries are the keys): causal, and with
     `segments_BT` only within a query's segment and to keys with ids > 0 (`mask_BT` is then
-    ignored), else only to real keys (`mask_BT`); with `window` > 0 only the last `window`."""
+    ignored), else only to real keys (`mask_BT`); with `window` > 0 only the last `window`.
+
+    With `prefixes_BT` (and `segments_BT`) a query i also sees key j of segment
+    `prefixes_BT[i]`: visible(i, j) = j <= i and seg[j] > 0 and (seg[j] == seg[i] or
+    seg[j] == prefix[i]). A window counts indices, which a shared prefix's completions do not
+    keep contiguous: the two together are refused.
+    """
     if segments_BT is None:
         causal_TT = _causal(mask_BT.shape[1], window)
         return Mask(causal_TT[None] & mask_BT[:, None, :], mask_BT.astype(jnp.int32))
     causal_TT = _causal(segments_BT.shape[1], window)
     same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
-    return Mask(causal_TT[None] & same_BTT & (segments_BT > 0)[:, None, :], segments_BT)
+    if prefixes_BT is not None:
+        if window:
+            raise ValueError(
+                f"model.sliding_window={window} counts row indices, which "
+                "learner.shared_prefix rows do not keep contiguous per sequence"
+            )
+        same_BTT |= prefixes_BT[:, :, None] == segments_BT[:, None, :]
+    visible_BTT = causal_TT[None] & same_BTT & (segments_BT > 0)[:, None, :]
+    return Mask(visible_BTT, segments_BT, prefixes_BT)
 
 
 def cache_mask(valid_BS, slots_BT, window: int = 0) -> Mask:
@@ -159,7 +181,8 @@ class Implementation(NamedTuple):
     `fn(q_BTHE, k_BKET, v_BKTE, mask, *, scale, window, softcap) -> o_BTHE`; `platforms`
     where it compiles; `pallas`: a Pallas kernel, which also runs on any platform in
     `pallas_interpret()`; `softcap` whether it applies `attn_softcap`; `dtypes` the compute
-    dtypes it takes; `summary` its table row.
+    dtypes it takes; `summary` its table row; `prefix` whether it reads a whole mask and so
+    can express shared prefixes (`Mask.prefixes_BT`: `learner.shared_prefix`).
     """
 
     name: str
@@ -169,6 +192,7 @@ class Implementation(NamedTuple):
     softcap: bool
     dtypes: tuple[str, ...]
     summary: str
+    prefix: bool = True
 
 
 _REGISTRY: dict[str, Implementation] = {}
@@ -182,6 +206,7 @@ def register(
     softcap: bool = True,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     summary: str,
+    prefix: bool = True,
 ):
     """Registers an implementation under `name` (a decorator; returns the function)."""
     unknown = sorted(set(platforms) - set(PLATFORMS))
@@ -193,7 +218,7 @@ def register(
         if old is not None and old.fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"attention {name!r} is already registered ({old.fn})")
         _REGISTRY[name] = Implementation(
-            name, fn, tuple(platforms), pallas, softcap, tuple(dtypes), summary
+            name, fn, tuple(platforms), pallas, softcap, tuple(dtypes), summary, prefix
         )
         return fn
 
@@ -239,6 +264,25 @@ def problems(name, sliding_window, attn_softcap, dtype: str) -> list[str]:
         )
     if dtype not in impl.dtypes:
         out.append(f"attention={name!r} takes dtype {' or '.join(impl.dtypes)}, not {dtype!r}")
+    return out
+
+
+def prefix_problems(name: str, sliding_window: int = 0) -> list[str]:
+    """Why `learner.shared_prefix` cannot run with `model.attention=name` (an implementation
+    that reads only segment ids) or a sliding window (which counts indices), if so."""
+    out = []
+    impl = _REGISTRY.get(name)
+    if impl is not None and not impl.prefix:
+        able = ", ".join(n for n, i in _REGISTRY.items() if i.prefix)
+        out.append(
+            f"learner.shared_prefix=True needs an attention that reads a whole mask; "
+            f"model.attention={name!r} reads segment ids only (use one of: {able})"
+        )
+    if sliding_window:
+        out.append(
+            f"learner.shared_prefix=True with model.sliding_window={sliding_window}: a window "
+            "counts row indices, and a shared prefix's completions are not contiguous with it"
+        )
     return out
 
 
@@ -396,6 +440,7 @@ def _splash_kernel(T: int, H: int, window: int, softcap: float, interpret: bool)
     "splash",
     platforms=("tpu",),
     pallas=True,
+    prefix=False,  # Segment ids only: `SegmentIds` cannot say "also this other segment".
     summary="Pallas splash attention: block-sparse causal or local mask, segment ids, "
     "soft-cap in the kernel; rows padded to a multiple of 128",
 )
@@ -403,6 +448,8 @@ def _splash(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
     # The kernel does not scale: the queries are scaled first (as MaxText does). Rows are
     # padded to whole 128-lane blocks with segment id -1, which no real or padding token has:
     # the padding sees only itself and earlier padding, so no row is empty.
+    if mask.prefixes_BT is not None:  # `prefix_problems` refuses it at start-up.
+        raise ValueError(prefix_problems("splash")[0])
     B, T, H, E = q_BTHE.shape
     pad = -T % 128
     q_BHTE = jnp.transpose(q_BTHE * jnp.asarray(scale, q_BTHE.dtype), (0, 2, 1, 3))

@@ -398,13 +398,18 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         segments_BT=None,
         remat: str = "none",
+        prefixes_BT=None,
     ):
         """Final-norm hidden states [B, T, D], and the updated cache when one is given.
 
         `segments_BT` (no cache): packed rows, where a token attends only to the earlier
         tokens of its own segment (ids > 0; 0 is padding) and `mask_BT` is ignored.
+        `prefixes_BT` (with `segments_BT`): shared prefixes, where a token also attends to the
+        earlier tokens of the segment its prefix id names (`attention.training_mask`).
         `remat` (no cache): what each block's backward pass keeps (`REMAT_POLICIES`)."""
-        h, cache, _ = self.routed(tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat)
+        h, cache, _ = self.routed(
+            tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, prefixes_BT=prefixes_BT
+        )
         return h, cache
 
     def routed(
@@ -416,11 +421,12 @@ class Decoder(nnx.Module):
         segments_BT=None,
         remat: str = "none",
         expert_ids_lBTc=None,
+        prefixes_BT=None,
     ):
         """`hidden`, and the routers' `moe.Routing` over the sparse layers (None for a dense
         model). `expert_ids_lBTc` (int32 [l, B, T, c]: l sparse layers, c experts per token):
         router replay, each token's experts as given (weighted by the current router's
-        probabilities)."""
+        probabilities). `prefixes_BT`: as in `hidden`."""
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(cfg.compute_dtype)
         if cfg.embed_scale:
@@ -429,7 +435,9 @@ class Decoder(nnx.Module):
         slots_BT = None
         fills = cache is not None and cache.valid_BS.shape[1] == T
         if cache is None or fills:
-            mask = attention_lib.training_mask(mask_BT, segments_BT, cfg.sliding_window)
+            mask = attention_lib.training_mask(
+                mask_BT, segments_BT, cfg.sliding_window, prefixes_BT
+            )
             if fills:  # A prefill into a cache of its own size: written whole, no scatter.
                 valid_BS, index_B = mask_BT, jnp.full_like(cache.index_B, T)
         else:
@@ -495,6 +503,8 @@ class ForwardSpec(NamedTuple):
     pack_rows: int = 0  # Forward rows per batch shard in a micro-batch.
     chunk: int = 0  # Tokens per batch shard in each chunk of the vocabulary-sized terms.
     router_replay: bool = False  # A MoE's forward uses the batch's recorded expert ids.
+    # Rows hold a group's prompt once, then its completions (`batch_layout`, `shared_prefix`).
+    shared_prefix: bool = False
 
 
 def abstract_model(cfg: ModelConfig):
@@ -546,17 +556,26 @@ def routed_hidden(
     remat="none",
     expert_ids_lBTc=None,
     mesh=None,
+    prefixes_BT=None,
 ):
     """(hidden [B, T, D], cache, `moe.Routing` or None): `hidden` with what the routers chose
     (`Decoder.routed`). `mesh`: its `expert` axis, if any, runs the experts expert-parallel
-    (the mesh may also come from the caller's `jax.set_mesh`)."""
+    (the mesh may also come from the caller's `jax.set_mesh`). `prefixes_BT`: shared
+    prefixes (`Decoder.hidden`)."""
     decoder = nnx.merge(graphdef, params)
     context = contextlib.nullcontext()
     if mesh is not None and decoder.cfg.num_experts:  # Read by `moe.experts` at trace time.
         context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with context:
         return decoder.routed(
-            tokens_BT, positions_BT, mask_BT, cache, segments_BT, remat, expert_ids_lBTc
+            tokens_BT,
+            positions_BT,
+            mask_BT,
+            cache,
+            segments_BT,
+            remat,
+            expert_ids_lBTc,
+            prefixes_BT=prefixes_BT,
         )
 
 

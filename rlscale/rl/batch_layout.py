@@ -3,7 +3,9 @@ distillation teacher, decided on the host: the length its completions are trimme
 `learner.length_buckets`), and where each sequence goes in the packed forward rows (`pack`;
 the device builds them, `forward.packed_micro`). There is one layout: packing. With
 `learner.pack_length` = 0 each forward row holds one sequence and is the batch's P + M tokens
-long; otherwise sequences are packed first-fit into rows of `pack_length` tokens.
+long; otherwise sequences are packed first-fit into rows of `pack_length` tokens. With
+`learner.shared_prefix` a group's samples share their prompt: a row holds it once, then each
+sample's own tokens (`pack`; docs/learner.md#shared-prefix).
 
 Dimension letters: N rows, P padded prompt length, M completion length (the batch's bucket), L
 the tokens of a batch row as the device receives it (its prompt re-padded), O optimizer steps
@@ -26,6 +28,8 @@ class Layout(NamedTuple):
       minibatches: optimizer steps per epoch.
       max_len: the completion budget (`sampling.max_new_tokens`).
       length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
+      shared_prefix: a group's prompt once per packed row, before its samples' own tokens
+        (needs a `pack_length`).
     """
 
     pack_length: int
@@ -34,6 +38,7 @@ class Layout(NamedTuple):
     minibatches: int
     max_len: int
     length_buckets: int
+    shared_prefix: bool = False
 
     def rows(self, num_rows: int, prompt_len: int, M: int, shards: int) -> tuple[int, int]:
         """(T, c): tokens per forward row and forward rows per batch shard in a micro-batch,
@@ -90,6 +95,9 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
         experts = np.zeros((N, width + M, *ids.shape[2:]), ids.dtype)
         experts[:, width - keep :] = ids[:, P - keep : P + M]
     length_N = rollouts.attn_mask_NL[:, : P + M].astype(bool).sum(1)
+    prefix_N = None
+    if layout.shared_prefix:
+        prefix_N = shared_lengths(rollouts.tokens_NL[:, :P], rollouts.attn_mask_NL[:, :P], layout)
     place, count = pack(
         length_N,
         np.asarray(placed_N, bool),
@@ -99,10 +107,33 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
         shards=shards,
         group_size=layout.group_size,
         one_per_row=not layout.pack_length,
+        prefix_N=prefix_N,
     )
     run = int(count.sum()) * c * shards * T
-    placed = np.where(place["micro"] >= 0, length_N, 0).sum()
+    written_ON = np.broadcast_to(length_N, place["micro"].shape)
+    if prefix_N is not None:  # A sample that does not lead its row's prefix writes less.
+        led_ON = place["lead"] == np.arange(N)
+        written_ON = np.where(led_ON, written_ON, written_ON - place["shared"])
+    placed = np.where(place["micro"] >= 0, written_ON, 0).sum()
     return Plan(M, T, c, tokens, attn, place, count, 1.0 - placed / max(run, 1), experts)
+
+
+def shared_lengths(prompt_NP, attn_NP, layout: Layout) -> np.ndarray:
+    """[N] int: how many leading tokens each row shares with its group's other rows in a
+    packed row (`pack`'s `prefix_N`): its prompt but the last token, where every row of the
+    group holds the same prompt (else 0: the group is packed as without `shared_prefix`).
+
+    The prompt's last token stays each sample's own (a copy per sample): the position that
+    predicts a sample's first completion token is then its own, so every packed position has
+    one target and the gathers of the plain layout serve unchanged, for one token per sample.
+    """
+    G, N = layout.group_size, len(prompt_NP)
+    if N % G:  # Not whole groups (none of the learner's batches): nothing shared.
+        return np.zeros(N, np.int32)
+    prompt_BGP = np.where(attn_NP, prompt_NP, -1).reshape(-1, G, prompt_NP.shape[1])
+    same_B = (prompt_BGP == prompt_BGP[:, :1]).all(axis=(1, 2))
+    prompt_N = attn_NP.astype(bool).sum(1)
+    return np.where(np.repeat(same_B, G), np.maximum(prompt_N - 1, 0), 0).astype(np.int32)
 
 
 def length_bucket(length: int, max_len: int, buckets: int) -> int:
@@ -128,6 +159,7 @@ def pack(
     shards: int,
     group_size: int,
     one_per_row: bool = False,
+    prefix_N=None,
 ):
     """Where each placed sequence goes in the packed micro-batches of each optimizer step,
     on the host (`forward.packed_micro` builds the rows on the device).
@@ -140,6 +172,14 @@ def pack(
     aggregation over a prompt's samples needs. A step runs as many micro-batches as its
     sequences fill, from one compiled program.
 
+    Shared prefixes (`prefix_N`): a sample's first `prefix_N` tokens are its group's, written
+    once per packed row by the first of the group's samples there (its lead), the others
+    writing only their own tokens after them; a sample goes first into a row that already
+    holds its group's prefix, else first-fit into a row with room for its whole sequence,
+    where it leads. A group longer than a row is thus split over rows, its prompt once in
+    each: it falls back towards one sequence per prefix instead of being refused, so any
+    batch the plain layout packs packs here too (a row still needs room for one sequence).
+
     Args:
       length_N: [N] int, each row's sequence length (prompt and completion tokens).
       placed_N: [N] bool, the rows to place (the learner's: those with trained tokens).
@@ -148,11 +188,16 @@ def pack(
       shards: the batch's shard count (`sharding.batch_divisor`).
       group_size: samples per prompt (rows g * G ... g * G + G - 1 are group g).
       one_per_row: each sequence in a row of its own.
+      prefix_N: [N] int, the leading tokens each row shares with its group (`shared_lengths`);
+        None: none shared.
 
     Returns:
       (place, count): `place` holds [O, N] int32 arrays: `micro`, row r's micro-batch in step
       s (-1: not placed in it); `row`, its packed row within its shard's rows; `offset`, the
-      packed row's position of its first token. `count`: [O] int32, micro-batches per step.
+      packed row's position of its first own token; with `prefix_N`, also `prefix`, the
+      position of the first token of its group's prefix in that row, `lead`, the row (of the
+      batch) that writes that prefix, and `shared`, `prefix_N`. `count`: [O] int32,
+      micro-batches per step.
     """
     T, c, G = pack_length, pack_rows, group_size
     N, steps = len(length_N), len(step_rows)  # O optimizer steps.
@@ -162,10 +207,15 @@ def pack(
             f"learner.pack_length={T} is shorter than a trained sequence of the batch "
             f"({int(longest)} tokens: prompt and completion)"
         )
+    if one_per_row and prefix_N is not None:
+        raise ValueError("learner.shared_prefix=True needs learner.pack_length > 0")
     shard_N = np.arange(N) // (N // shards)
-    place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in PLACE}
+    keys = PLACE if prefix_N is None else PLACE + SHARED_PLACE
+    place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in keys}
+    if prefix_N is not None:  # Unplaced rows lead themselves and share nothing.
+        place["lead"][:] = np.arange(N)
     count = np.zeros(steps, np.int32)
-    fit = _Fit(length_N, shard_N, T, c, one_per_row)
+    fit = _Fit(length_N, shard_N, T, c, one_per_row, prefix_N)
     for s, rows in enumerate(step_rows):
         groups = [[r for r in rows[i : i + G] if placed_N[r]] for i in range(0, len(rows), G)]
         groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))
@@ -173,28 +223,34 @@ def pack(
         for group in groups:
             seqs = sorted(group, key=lambda r: -length_N[r])
             u, fits = fit.group(rooms, seqs, shards)
-            for r, (row, offset) in zip(seqs, fits):
-                place["micro"][s, r], place["row"][s, r], place["offset"][s, r] = u, row, offset
+            for r, spot in zip(seqs, fits):
+                place["micro"][s, r] = u
+                for k, v in zip(keys[1:], spot):
+                    place[k][s, r] = v
         count[s] = len(rooms)
     return place, count
 
 
 PLACE = ("micro", "row", "offset")
+SHARED_PLACE = ("prefix", "lead", "shared")  # With shared prefixes (`pack`'s `prefix_N`).
 
 
 class _Fit(NamedTuple):
     """First-fit of sequences (lengths `length_N`, on shards `shard_N`) into micro-batches of
-    `c` rows of T tokens per shard; with `one_per_row`, a row holds one sequence."""
+    `c` rows of T tokens per shard; with `one_per_row`, a row holds one sequence; with
+    `prefix_N`, a group's samples share their first `prefix_N` tokens within a row."""
 
     length_N: np.ndarray
     shard_N: np.ndarray
     T: int
     c: int
     one_per_row: bool
+    prefix_N: np.ndarray | None = None
 
     def group(self, rooms, seqs, shards):
-        """(micro-batch, each sequence's (row, offset)) for a group's sequences `seqs`: the
-        first micro-batch of `rooms` they all fit in, else a new one (appended to `rooms`)."""
+        """(micro-batch, each sequence's spot: (row, offset), and with `prefix_N` (prefix,
+        lead, shared)) for a group's sequences `seqs`: the first micro-batch of `rooms` they
+        all fit in, else a new one (appended to `rooms`)."""
         for u, micro in enumerate(rooms):
             fits = self.first_fit(micro, seqs)
             if fits is not None:
@@ -212,19 +268,35 @@ class _Fit(NamedTuple):
 
     def first_fit(self, rooms, seqs):
         """Places `seqs` first-fit into a micro-batch's packed rows (`rooms[shard]`: room left
-        per row; at most `c` rows per shard), updating `rooms`; their (row, offset), or None
-        (and `rooms` unchanged) if one does not fit."""
+        per row; at most `c` rows per shard), updating `rooms`; their spots, or None (and
+        `rooms` unchanged) if one does not fit."""
         trial = [list(r) for r in rooms]
+        heads = {}  # (shard, row) -> (prefix position, lead) of this group's prefix there.
         out = []
         for r in seqs:
-            shard, n = trial[self.shard_N[r]], self.length_N[r]
+            d, n = self.shard_N[r], self.length_N[r]
+            shard = trial[d]
+            shared = 0 if self.prefix_N is None else int(self.prefix_N[r])
+            own = (i for i, room in enumerate(shard) if (d, i) in heads and room >= n - shared)
+            row = next(own, None)  # Never without a prefix: `heads` stays empty.
+            if row is not None:  # Behind the group's prefix already in this row.
+                head, lead = heads[d, row]
+                out.append((row, self.T - shard[row], head, lead, shared))
+                shard[row] -= n - shared
+                continue
             row = next((i for i, room in enumerate(shard) if room >= n), None)
             if row is None:
                 if len(shard) == self.c:
                     return None
                 shard.append(self.T)
                 row = len(shard) - 1
-            out.append((row, self.T - shard[row]))
+            head = self.T - shard[row]
+            if self.prefix_N is None:
+                out.append((row, head))
+            else:  # It leads: the prefix (if any), then its own tokens.
+                if shared:
+                    heads[d, row] = (head, r)
+                out.append((row, head + shared, head, r, shared))
             shard[row] = 0 if self.one_per_row else shard[row] - n
         rooms[:] = trial
         return out

@@ -11,7 +11,7 @@ import jax
 
 from rlscale import objectives, sharding
 from rlscale import tokenizers as tokenizer_lib
-from rlscale.model import moe
+from rlscale.model import attention, moe
 from rlscale.objectives import preference as preference_losses
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib
@@ -430,6 +430,26 @@ def _batch_problems(config) -> list[str]:
             f"learner.pack_length={u.pack_length!r} must be 0 (one sequence per row) or more than "
             f"sampling.max_new_tokens={M}"
         )
+    return problems + _shared_prefix_problems(config)
+
+
+def _shared_prefix_problems(config) -> list[str]:
+    """`learner.shared_prefix`: a bool, with packed rows (`pack_length` > 0: one sequence per
+    row leaves no room to share), an attention that reads a whole mask and no sliding window
+    (`attention.prefix_problems`)."""
+    u = config.learner
+    if not isinstance(u.shared_prefix, bool):
+        return [f"learner.shared_prefix={u.shared_prefix!r} must be True or False"]
+    if not u.shared_prefix:
+        return []
+    problems = []
+    if u.pack_length == 0:
+        problems.append(
+            "learner.shared_prefix=True needs packed rows: learner.pack_length=0 puts one "
+            "sequence in each row, so no group's samples share one (set a pack_length)"
+        )
+    if config.model is not None:
+        problems += attention.prefix_problems(config.model.attention, config.model.sliding_window)
     return problems
 
 
@@ -437,7 +457,8 @@ def pack_problems(learner, batch, sampling, longest_prompt: int) -> list[str]:
     """What packing cannot hold, given the longest training prompt (in tokens): a sequence
     longer than `learner.pack_length`, or a group of full-length samples that
     `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups; with
-    `pack_length` 0, a row holds one sequence)."""
+    `pack_length` 0, a row holds one sequence; with `shared_prefix`, a row the prompt once
+    and each sample's last prompt token and completion)."""
     u, G, M = learner, batch.group_size, sampling.max_new_tokens
     longest = longest_prompt + M
     if not u.pack_length:
@@ -453,7 +474,10 @@ def pack_problems(learner, batch, sampling, longest_prompt: int) -> list[str]:
             f"learner.pack_length={u.pack_length} cannot hold the longest training sequence: "
             f"its prompt has {longest_prompt} tokens, plus sampling.max_new_tokens={M}"
         ]
-    need = -(-G // (u.pack_length // longest))
+    per_row = u.pack_length // longest
+    if u.shared_prefix is True:  # The prompt once per row (but its last token), then samples.
+        per_row = (u.pack_length - longest_prompt + 1) // (M + 1)
+    need = -(-G // per_row)
     if u.pack_rows and u.pack_rows < need:
         return [
             f"learner.pack_rows={u.pack_rows} rows of learner.pack_length={u.pack_length} "

@@ -47,6 +47,7 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
         remat=spec.remat,
         expert_ids_lBTc=recorded_lRTc if spec.router_replay else None,
         mesh=spec.mesh,
+        prefixes_BT=fwd.get("prefixes"),
     )
     R, T, _ = h_RTD.shape
     d = sharding.batch_divisor(spec.mesh, sharding.TRAIN_RULES)
@@ -129,7 +130,9 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
     index within row r's shard of the packed rows of the position predicting its completion
     token m; and `in_N`, the rows in the micro-batch. With the batch's recorded routing
     (`batch["experts"]`, [N, L, l, c]), `experts`: [l, d * pack_rows, pack_length, c], each
-    token's where the token goes.
+    token's where the token goes. With `spec.shared_prefix` (`place` from `pack` with
+    `prefix_N`), also `prefixes`: the prefix id each token sees besides its segment
+    (`_shared_rows`).
     """
     tokens_NL, attn_NL = batch["tokens"], batch["attn"]
     N, L = tokens_NL.shape
@@ -140,8 +143,15 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
     in_N = place["micro"] == u
     start_N = place["row"] * T + place["offset"]
     pos_NL = jnp.maximum(jnp.cumsum(attn_NL, axis=1) - 1, 0)
-    dest_NL = jnp.where(attn_NL & in_N[:, None], start_N[:, None] + pos_NL, c * T)
     prompt_N = jnp.sum(attn_NL[:, :P], axis=1)
+    segment_N = jnp.arange(N) % (N // d) + 1
+    if spec.shared_prefix:
+        dest_NL, segments_NL, prefixes_NL = _shared_rows(place, pos_NL, segment_N, N // d, T, c * T)
+        start_N = start_N - place["shared"]  # Where its prompt's first token would be.
+    else:
+        dest_NL = start_N[:, None] + pos_NL
+        segments_NL = jnp.broadcast_to(segment_N[:, None], (N, L))
+    dest_NL = jnp.where(attn_NL & in_N[:, None], dest_NL, c * T)
     gather_NM = jnp.minimum(start_N[:, None] + prompt_N[:, None] - 1 + jnp.arange(M), c * T - 1)
     into_NM = jnp.where(attn_NL[:, P:] & in_N[:, None], gather_NM, c * T)
 
@@ -153,17 +163,49 @@ def packed_micro(spec: ForwardSpec, batch, place, u):
         out = rows_sharded(rows(dest, values.astype(jnp.int32)), spec.mesh)
         return out.reshape(d * c, T, *rest)
 
-    segment_N = jnp.arange(N) % (N // d) + 1
     fwd = {
         "tokens": scatter(dest_NL, tokens_NL),
         "positions": scatter(dest_NL, pos_NL),
-        "segments": scatter(dest_NL, jnp.broadcast_to(segment_N[:, None], (N, L))),
+        "segments": scatter(dest_NL, segments_NL),
         "targets": scatter(into_NM, tokens_NL[:, P:]),  # At the position predicting each.
         "gather": gather_NM,
     }
+    if spec.shared_prefix:
+        fwd["prefixes"] = scatter(dest_NL, prefixes_NL)
     if "experts" in batch:  # A mixture of experts' recorded routing: [l, rows, T, c].
         fwd["experts"] = jnp.moveaxis(scatter(dest_NL, batch["experts"]), 2, 0)
     return fwd, in_N
+
+
+def _shared_rows(place, pos_NL, segment_N, rows: int, T: int, drop: int):
+    """Where the tokens of shared-prefix rows go (`packed_micro` with `spec.shared_prefix`),
+    before the micro-batch's and the padding's are dropped: (dest_NL, segments_NL,
+    prefixes_NL); `rows` per batch shard, T tokens per packed row, `drop` a destination the
+    scatter drops.
+
+    A row's first `place["shared"]` real tokens (its prompt but the last) are its group's
+    prefix: its lead (`place["lead"]`) writes them at `place["prefix"]`, the others nowhere;
+    its own tokens go from `place["offset"]` on, positions continuing the prompt's. The own
+    tokens are segment `segment_N` (the row within its shard, plus 1) and see prefix id
+    lead's row + `rows` + 1, the segment of the prefix tokens (which see only themselves):
+    a completion sees its prompt and its own earlier tokens, never another completion's.
+    Where nothing is shared the prefix id is the row's own segment (the plain mask).
+    """
+    N = segment_N.shape[0]
+    shared_N, lead_N = place["shared"][:, None], place["lead"]
+    own_NL = pos_NL >= shared_N
+    lead_NL = (lead_N == jnp.arange(N))[:, None]
+    head_N = place["row"] * T + place["prefix"]
+    start_N = place["row"] * T + place["offset"]
+    dest_NL = jnp.where(
+        own_NL,
+        start_N[:, None] + pos_NL - shared_N,
+        jnp.where(lead_NL, head_N[:, None] + pos_NL, drop),
+    )
+    prefix_N = lead_N % rows + rows + 1
+    segments_NL = jnp.where(own_NL, segment_N[:, None], prefix_N[:, None])
+    prefixes_NL = jnp.where(shared_N > 0, prefix_N[:, None], segment_N[:, None])
+    return dest_NL, segments_NL, jnp.broadcast_to(prefixes_NL, pos_NL.shape)
 
 
 def vocab_token_terms(

@@ -318,6 +318,7 @@ class Learner:
             chunk=self.logprob_chunk,
             remat=self.remat,
             router_replay=self.router_replay == "generator",
+            shared_prefix=self.layout.shared_prefix,
         )
         self.spec = Spec(
             forward=forward,

@@ -54,19 +54,18 @@ from rlscale.sampling.generator import Generator
 class LearnerConfig(sections.Section):
     """`config.learner` (docs/learner.md): `epochs` x `minibatches` optimizer steps per batch,
     each accumulating its micro-batches; completions trimmed to one of `length_buckets`
-    lengths; sequences packed into forward rows of `pack_length` tokens (0: one sequence per
-    row), `pack_rows` rows per batch shard a micro-batch (0: derived from the batch,
-    `batch_layout.Layout.rows`);
-    logprobs `logprob_chunk` tokens at a time; `remat` what each block's backward pass
-    recomputes; `offload_ref` keeps the KL reference in host memory; `router_replay` a
-    mixture of experts' routing in the learner (`learner.ROUTER_REPLAY`), `replay_probe` also
-    the logprob gap under the other routing."""
+    lengths; sequences packed into rows of `pack_length` tokens (0: one a row), `pack_rows`
+    rows per batch shard a micro-batch (0: `batch_layout.Layout.rows`), `shared_prefix` a
+    group's prompt once per row; logprobs `logprob_chunk` tokens at a time; `remat` what each
+    block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory;
+    `router_replay` a MoE's routing (`learner.ROUTER_REPLAY`), `replay_probe` the other's gap."""
 
     epochs: int = 1
     minibatches: int = 1
     length_buckets: int = 4
     pack_length: int = 0
     pack_rows: int = 0
+    shared_prefix: bool = False
     logprob_chunk: int = 1024
     remat: str = "none"
     offload_ref: bool = False
@@ -404,6 +403,7 @@ def learner_layout(config) -> batch_layout.Layout:
         minibatches=u.minibatches,
         max_len=config.sampling.max_new_tokens,
         length_buckets=u.length_buckets,
+        shared_prefix=u.shared_prefix,
     )
 
 

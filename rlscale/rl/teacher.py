@@ -67,6 +67,7 @@ class Teacher:
             pack_rows=0,
             chunk=logprob_chunk,
             remat="none",
+            shared_prefix=layout.shared_prefix,
         )
 
     def flops(self, rollouts: Rollouts, max_new_tokens: int) -> float:
