@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rounding
+from conftest import load_config, rounding
 
-from rlscale import model, sharding
+from rlscale import model, rl, sharding
 from rlscale.model import decoder, kv_pages
 from rlscale.sampling import SamplingConfig, paged
 from rlscale.sampling.generator import Generator, Request
@@ -149,6 +149,14 @@ def test_paged_engine_equals_the_dense_engine(name):
 
 
 def test_bad_paged_settings_name_the_key():
+    config = load_config("quickstart")
+    config.sampling.kv_block_size, config.sampling.kv_blocks = -1, -2
+    with pytest.raises(ValueError) as e:
+        rl.resolve(config)
+    assert "sampling.kv_block_size=-1 must be an integer >= 0" in str(e.value)
+    assert "sampling.kv_blocks=-2 must be an integer >= 0" in str(e.value)
+    config.sampling.kv_block_size, config.sampling.kv_blocks = 8, 0
+    assert rl.resolve(config).sampling.kv_block_size == 8
     cfg = model.get("tiny")
     graphdef = model.abstract_model(cfg)[0]
     with pytest.raises(ValueError, match=r"kv_block_size=-1 must be an integer >= 0"):
