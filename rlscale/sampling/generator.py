@@ -402,6 +402,8 @@ class Generator:
             self.state = self._run("engine_insert", engine.insert, args)
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
+            self.stats.prefills += 1
+            self.stats.prefill_rows += sum(row is not None for row in rows)
 
     def _blocks(self, r: Request) -> int:
         """The most blocks request `r` can hold (a paged cache)."""

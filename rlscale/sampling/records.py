@@ -94,7 +94,9 @@ class EngineStats:
     parking rows (a constant). The KV cache's use, sampled after each decode call and
     weighted by its steps: `live_tokens` the unfinished samples' tokens (prompt and
     completion), `kv_columns` the cache columns held (dense: every slot's row; paged: the
-    blocks taken); `kv_blocks_peak` the most blocks taken at once (paged)."""
+    blocks taken); `kv_blocks_peak` the most blocks taken at once (paged); `prefills` the
+    prefill calls and `prefill_rows` their rows that place samples (a request per shard it
+    reaches)."""
 
     steps: int = 0
     slot_steps: int = 0
@@ -111,6 +113,8 @@ class EngineStats:
     live_tokens: int = 0
     kv_columns: int = 0
     kv_blocks_peak: int = 0
+    prefills: int = 0
+    prefill_rows: int = 0
 
     @property
     def utilization(self) -> float:
