@@ -176,3 +176,39 @@ def test_bad_paged_settings_name_the_key():
         make(kv_block_size=4, kv_blocks=10)
     with pytest.raises(ValueError, match=r"kv_block_size=4: the paged cache's pool is not split"):
         make(sharding.make_mesh((2, 1, 1)), kv_block_size=4)
+
+
+@pytest.mark.slow
+def test_tpu_paged_attention_kernel_reads_the_pool_in_interpret_mode():
+    """Where a TPU kernel would plug in: `jax.experimental.pallas.ops.tpu.paged_attention`
+    run in Pallas interpret mode on the CPU, on this pool (transposed to its [K, NB, bs, E]
+    pages) and table, equals `kv_pages.view` + `attention.attention` over each row's first
+    `length` columns. The kernel reads keys and values in bfloat16, so the reference rounds
+    them so too; what is left is float32 rounding over the C columns and E dims."""
+    import jax.experimental.pallas.tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    from rlscale.model import attention
+
+    B, H, K, E, bs, NB, N = 2, 4, 2, 128, 16, 8, 4
+    rng = np.random.default_rng(0)
+    k_pool = jnp.asarray(rng.normal(size=(NB, K, E, bs)), jnp.float32)
+    v_pool = jnp.asarray(rng.normal(size=(NB, K, bs, E)), jnp.float32)
+    q_BHE = jnp.asarray(rng.normal(size=(B, H, E)) / E**0.5, jnp.float32)
+    table_BN = jnp.asarray([[3, 1, 6, 0], [2, 5, 7, 4]], jnp.int32)
+    length_B = jnp.asarray([37, 50], jnp.int32)
+    with pltpu.force_tpu_interpret_mode():
+        out = paged_attention(
+            q_BHE,
+            jnp.transpose(k_pool, (1, 0, 3, 2)),
+            jnp.transpose(v_pool, (1, 0, 2, 3)),
+            length_B,
+            table_BN,
+            pages_per_compute_block=2,
+        )
+    bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    k_BKES, v_BKSE = kv_pages.view((bf16(k_pool), bf16(v_pool), table_BN))
+    mask_BTS = (jnp.arange(N * bs)[None, :] < length_B[:, None])[:, None, :]
+    ref = attention.attention(q_BHE[:, None], k_BKES, v_BKSE, mask_BTS, 1.0)[:, 0]
+    tol = 4 * rounding(N * bs) * float(jnp.abs(v_pool).max()) + rounding(E)
+    assert float(jnp.abs(out - ref).max()) <= tol

@@ -238,7 +238,8 @@ class Generator:
         # Turns: stop once an eighth of the slots wait, so their environments start.
         waits = max(1, self.slots // 8) if self.cfg.action_stops else 0
         args = self._replicated(np.int32(max_steps), np.int32(wanted), np.int32(waits))
-        self._grow(dict.fromkeys(self.running, max_steps))
+        idle = set(self.where.values())  # Samples that wait decode nothing.
+        self._grow({s: max_steps for s in self.running if s not in idle})
         self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
         self.stats.decode_s += time.perf_counter() - t
