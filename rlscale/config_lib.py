@@ -161,6 +161,11 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         # The rollouts' generator's weights, activations and KV cache: "float32", "bfloat16"
         # or "float16"; "" keeps the learner's (`model.dtype`, `model.param_dtype`).
         generator_dtype="",
+        # The generator's KV cache in blocks of `kv_block_size` columns, a request's samples
+        # sharing its prompt's (docs/model_and_sampling.md#a-paged-kv-cache); 0: a dense row
+        # per slot. `kv_blocks`: the pool (0: as many blocks as the dense rows take).
+        kv_block_size=0,
+        kv_blocks=0,
     )
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (docs/learner.md): completions are trimmed to one of

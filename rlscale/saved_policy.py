@@ -28,7 +28,8 @@ class SamplingSettings(sections.Section):
     Forced interruption (ScaleRL): after `think_budget` tokens without `think_end` (one token),
     `interrupt_phrase` is written in and the model answers (0: off). `generator_dtype`: the
     rollouts' generator's weights, activations and KV cache in "float32", "bfloat16" or
-    "float16" ("": the learner's own; `sampling.precision`)."""
+    "float16" ("": the learner's own; `sampling.precision`). `kv_block_size`, `kv_blocks`: the
+    generator's paged KV cache (`SamplingConfig`; 0: dense rows)."""
 
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -39,9 +40,13 @@ class SamplingSettings(sections.Section):
     interrupt_phrase: str = " Answer:"
     think_end: str = " Answer"
     generator_dtype: str = ""
+    kv_block_size: int = 0
+    kv_blocks: int = 0
 
     def problems(self) -> list[str]:
         problems = sections.at_least("sampling.max_new_tokens", self.max_new_tokens, 1)
+        problems += sections.at_least("sampling.kv_block_size", self.kv_block_size, 0)
+        problems += sections.at_least("sampling.kv_blocks", self.kv_blocks, 0)
         problems += precision.problems(self.generator_dtype)
         t = self.temperature
         if not isinstance(t, (int, float)) or t < 0:
@@ -101,6 +106,8 @@ def sampling_settings(sampling: SamplingSettings, num_samples: int) -> dict:
         top_p=s.top_p,
         num_samples=num_samples,
         buckets=tuple(s.buckets),
+        kv_block_size=s.kv_block_size,
+        kv_blocks=s.kv_blocks,
     )
 
 

@@ -242,19 +242,22 @@ def _late_episodes(gen, swap=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [None, (2, 1, 1)])
-def test_parked_samples_go_on_where_they_stopped(policy, static, shape):
+@pytest.mark.parametrize("shape, block", [(None, 0), ((2, 1, 1), 0), (None, 4)])
+def test_parked_samples_go_on_where_they_stopped(policy, static, shape, block):
     """With parking rows, samples that wait while requests are queued leave their slots to
     them and come back (to whichever slot is free) once their replies are given: more
     samples are in flight than there are slots, and each completion is the one the engine
     gives without parking, token for token, every policy token's logprob that of the whole
     trajectory. A sample parked under older weights has its last token run again under the
     new ones when it comes back, as the slots' were at the swap. On one device and on a
-    2-way batch split (a sample may come back on the other shard)."""
+    2-way batch split (a sample may come back on the other shard), and with a paged cache
+    (`block`: its replies written into the slots' blocks, a parked sample keeping its
+    blocks)."""
     tokens, scfg = static
     plain, most = _late_episodes(_generator(policy, scfg, slots=4, shape=None))
     assert most == 4
-    gen = _generator(policy, scfg, slots=4, shape=shape, parked=4)
+    paged = dataclasses.replace(scfg, kv_block_size=block)
+    gen = _generator(policy, paged, slots=4, shape=shape, parked=4)
     ran, run = [], gen._run
     gen._run = lambda name, fn, extra: ran.append(name) or run(name, fn, extra)
     done, most = _late_episodes(gen, swap=True)
@@ -266,6 +269,8 @@ def test_parked_samples_go_on_where_they_stopped(policy, static, shape):
     versions = np.concatenate([c.versions_GM[c.mask_GM & ~c.env_GM] for c in done])
     assert set(versions.tolist()) == {0, 1}
     _check_trajectory_logprobs(policy, done, scfg)
+    if block:
+        assert gen.pages.taken == 0 and not gen.pages.refs.any()
 
 
 def test_bad_replies_name_the_problem(policy, static):

@@ -16,8 +16,10 @@ then times:
   * generator: continuous batching (`generator.Generator`, --slots slots, `step(--steps_per_call)`)
     against static batching (`Sampler` on batches of --slots requests in the same order) on
     --requests requests whose completion lengths are long-tailed (see `completion_lengths`;
-    no stop tokens, so each request's budget is its length). A static batch decodes until its
-    longest row is done (max_new_tokens = that row's length), so both sides produce the same
+    no stop tokens, so each request's budget is its length; --gen_samples samples each, and
+    with --kv_block_size a paged engine too: KV bytes per live token, prefill rows per group).
+    A static batch decodes until its longest row is done (max_new_tokens = that row's
+    length), so both sides produce the same
     useful tokens. Utilization = useful tokens / slot-steps; tokens/s over wall time, prefill
     included, compilation excluded (every program is compiled by an untimed first pass). The
     bound is the utilization of an ideal engine (a slot refilled the step it frees, no host
@@ -75,6 +77,13 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_integer("gen_tokens", 192, "generator: longest completion", flag_values=fv)
     flags.DEFINE_integer("steps_per_call", 4, "generator: Generator.step(k)", flag_values=fv)
     flags.DEFINE_integer("gen_prompt_len", 16, "generator: longest prompt", flag_values=fv)
+    flags.DEFINE_integer("gen_samples", 1, "generator: samples per request", flag_values=fv)
+    flags.DEFINE_integer(
+        "kv_block_size",
+        0,
+        "generator: also a paged engine (sampling.kv_block_size)",
+        flag_values=fv,
+    )
     flags.DEFINE_integer("ep_slots", 8, "episodes: engine slots", flag_values=fv)
     # 16 requests per slot: with fewer, the drain at the end (the last episodes' turns and
     # tool calls, with fewer samples ready than slots) weighs more than the run.
@@ -122,6 +131,7 @@ def run_sections(args, parts, cfg, params, graphdef, results):
         "generator": lambda: generator.bench_generator(
             cfg, params, graphdef, args.slots, args.requests, args.gen_prompt_len,
             args.gen_tokens, args.steps_per_call, args.repeats,
+            samples=args.gen_samples, kv_block_size=args.kv_block_size,
         ),
         "episodes": lambda: episodes.bench_episodes(
             cfg, params, graphdef, args.ep_slots, args.ep_requests, args.gen_prompt_len,

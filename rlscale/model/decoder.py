@@ -28,6 +28,7 @@ from flax import nnx
 
 from rlscale import sharding
 from rlscale.model import attention as attention_lib
+from rlscale.model import kv_pages
 from rlscale.model import moe as moe_lib
 from rlscale.model.attention import attention, causal_attention  # noqa: F401 (re-exported)
 from rlscale.model.config import ModelConfig
@@ -239,7 +240,8 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_BTD, positions_BT, mask, kv=None, slots_BT=None):
-        """`mask`: the call's `attention.Mask`."""
+        """`mask`: the call's `attention.Mask`; `kv`: the layer's cache, (k, v) or a paged
+        cache's (k pool, v pool, table) (`kv_pages`)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q = project(x_BTD, self.q[...].astype(dt))
         k = project(x_BTD, self.k[...].astype(dt))
@@ -258,6 +260,9 @@ class Attention(nnx.Module):
         if kv is not None and slots_BT is None:  # The call fills the cache.
             kv = (k_BKET.astype(kv[0].dtype), v_BKTE.astype(kv[1].dtype))
             k_BKET, v_BKTE = kv
+        elif kv is not None and len(kv) == 3:  # A paged cache: (k pool, v pool, table).
+            kv = kv_pages.write(kv, k_BKET, v_BKTE, slots_BT)
+            k_BKET, v_BKTE = kv_pages.view(kv)
         elif kv is not None:
             # Each row's T tokens at its own slots `slots_BT`: inside the sampler's while_loop
             # XLA aliases the buffers, so the write is in place.
@@ -455,8 +460,9 @@ class Decoder(nnx.Module):
             )
             return self.final_norm(x), None, moe_lib.stack(routings) if routings else None
         new_k, new_v, routings = [], [], []
+        paged = (cache.table_BN,) if isinstance(cache, kv_pages.PagedKVCache) else ()
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
+            kv = None if cache is None else (cache.k[i], cache.v[i], *paged)
             ids = None
             if layer.sparse and expert_ids_lBTc is not None:
                 ids = expert_ids_lBTc[len(routings)]
@@ -468,7 +474,9 @@ class Decoder(nnx.Module):
                 new_v.append(kv[1])
         h = self.final_norm(x)
         if cache is not None:
-            cache = KVCache(tuple(new_k), tuple(new_v), valid_BS, index_B)
+            cache = cache._replace(
+                k=tuple(new_k), v=tuple(new_v), valid_BS=valid_BS, index_B=index_B
+            )
         return h, cache, moe_lib.stack(routings) if routings else None
 
     def logits(self, h_BTD):

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlscale import sharding
-from rlscale.model import decoder
+from rlscale.model import decoder, kv_pages
 from rlscale.model.config import ModelConfig
+from rlscale.sampling import paged
 from rlscale.sampling.sampler import (
     SamplingConfig,
     _constrain,
@@ -87,17 +88,33 @@ def action_stopped(tokens_SM, length_S, turn_S, action_stops):
     return jnp.any(jnp.all(hit | (table < 0), axis=-1), axis=-1)
 
 
+def _cache_axes(model_cfg: ModelConfig, cache):
+    if isinstance(cache, kv_pages.PagedKVCache):
+        return kv_pages.logical_axes(model_cfg)
+    return decoder.cache_logical_axes(model_cfg)
+
+
 def _state_axes(model_cfg: ModelConfig, state: EngineState):
     batch = lambda x: ("batch",) + (None,) * (x.ndim - 1)  # noqa: E731
     axes = jax.tree.map(batch, state._replace(cache=None, version=None))
-    return axes._replace(cache=decoder.cache_logical_axes(model_cfg), version=())
+    return axes._replace(cache=_cache_axes(model_cfg, state.cache), version=())
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "cfg", "slots", "columns", "layout"))
-def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layout):
-    S, M = slots, cfg.max_new_tokens
+@functools.partial(
+    jax.jit, static_argnames=("model_cfg", "cfg", "slots", "columns", "layout", "blocks")
+)
+def init_state(*, model_cfg, cfg: SamplingConfig, slots: int, columns: int, layout, blocks=None):
+    """An engine of `slots` empty slots of `columns` cache columns: a dense cache row each,
+    or with `cfg.kv_block_size` a pool of `blocks` blocks (None: as many as dense rows
+    take) and a block table each (`kv_pages`)."""
+    S, M, bs = slots, cfg.max_new_tokens, cfg.kv_block_size
+    if bs:
+        blocks = S * columns // bs if blocks is None else blocks
+        cache = kv_pages.init(model_cfg, S, columns, bs, blocks)
+    else:
+        cache = decoder.init_cache(model_cfg, S, columns)
     state = EngineState(
-        cache=decoder.init_cache(model_cfg, S, columns),
+        cache=cache,
         logits_SV=jnp.zeros((S, model_cfg.vocab_size), jnp.float32),
         pos_S=jnp.zeros((S,), jnp.int32),
         key_S=jax.random.split(jax.random.key(0), S),
@@ -223,14 +240,17 @@ def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot)
         return x.at[slot_N].set(update, mode="drop")
 
     # The prompt's columns [0, P) of the new slots.
-    k = tuple(
-        buf.at[slot_N, :, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
-        for buf, part in zip(state.cache.k, new["k"])
-    )
-    v = tuple(
-        buf.at[slot_N, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
-        for buf, part in zip(state.cache.v, new["v"])
-    )
+    if isinstance(state.cache, kv_pages.PagedKVCache):  # Through their block tables.
+        k, v = paged.place_prompt(state.cache, new["k"], new["v"], slot_N, G)
+    else:
+        k = tuple(
+            buf.at[slot_N, :, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+            for buf, part in zip(state.cache.k, new["k"])
+        )
+        v = tuple(
+            buf.at[slot_N, :, :P].set(tile(part).astype(buf.dtype), mode="drop")
+            for buf, part in zip(state.cache.v, new["v"])
+        )
     valid_NC = jnp.zeros((R * G, C), bool).at[:, :P].set(tile(new["mask_RP"]))
     keys_N = jax.vmap(jax.random.fold_in)(tile(new["key_R"]), jnp.tile(jnp.arange(G), R))
     fresh = empty_rows(R * G, cfg.max_new_tokens, cfg.pad_id)
@@ -379,7 +399,7 @@ def extend(params, state, tokens_RT, mask_RT, slot_R, end_R, *, graphdef, model_
     n_R = jnp.where(end_R, 0, jnp.minimum(jnp.sum(mask_RT, axis=1), rows["room_R"]))
     mask_RT = jnp.arange(T) < n_R[:, None]
     positions_RT = rows["pos_R"][:, None] + jnp.arange(T)
-    cache = _constrain(rows["cache"], decoder.cache_logical_axes(model_cfg), layout)
+    cache = _constrain(rows["cache"], _cache_axes(model_cfg, rows["cache"]), layout)
     h, cache, routing = decoder.routed_hidden(
         graphdef, params, tokens_RT, positions_RT, mask_RT, cache
     )
@@ -419,8 +439,12 @@ def _gather_rows(state: EngineState, slot_R, *, first_slot) -> dict:
     ok_R = (local_R >= 0) & (local_R < state.limit_S.shape[0])
     at_R = jnp.where(ok_R, local_R, 0)
     length_R = state.rows["length_N"][at_R]
+    if isinstance(state.cache, kv_pages.PagedKVCache):
+        cache = paged.gather_rows(state.cache, at_R, ok_R)
+    else:
+        cache = jax.tree.map(lambda x: x[at_R], state.cache)
     return {
-        "cache": jax.tree.map(lambda x: x[at_R], state.cache),
+        "cache": cache,
         "length_R": length_R,
         "room_R": jnp.where(ok_R, state.limit_S[at_R] - length_R, 0),
         "pos_R": state.pos_S[at_R],
@@ -457,8 +481,12 @@ def _put_rows(state: EngineState, new: dict, slot_R, *, cfg, first_slot) -> Engi
         at_RT = jnp.where(jnp.arange(T) < n_R[:, None], start_R[:, None] + jnp.arange(T), C)
         ids = state.experts_SClc.at[w_R[:, None], at_RT].set(new["experts_RTlc"], mode="drop")
         state = state._replace(experts_SClc=ids)
+    if isinstance(state.cache, kv_pages.PagedKVCache):
+        cache = paged.put_rows(state.cache, new["cache"], put)
+    else:
+        cache = jax.tree.map(put, state.cache, new["cache"])
     return state._replace(
-        cache=jax.tree.map(put, state.cache, new["cache"]),
+        cache=cache,
         logits_SV=put(state.logits_SV, new["logits_RV"]),
         pos_S=put(state.pos_S, new["pos_R"] + n_R),
         last_S=put(state.last_S, new["last_R"]),
@@ -481,7 +509,10 @@ def move(dst, src, dst_R, src_R, *, model_cfg, layout):
     def put(d, s):
         return d.at[dst_R].set(s[at_R], mode="drop")
 
-    out = jax.tree.map(put, dst._replace(version=None), src._replace(version=None))
+    if isinstance(dst.cache, kv_pages.PagedKVCache):  # The tables move; the blocks stay.
+        out = paged.move_rows(dst, src, put)
+    else:
+        out = jax.tree.map(put, dst._replace(version=None), src._replace(version=None))
     out = out._replace(version=dst.version)
     return _constrain(out, _state_axes(model_cfg, out), layout)
 

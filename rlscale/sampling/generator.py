@@ -9,11 +9,9 @@ or environment replies), P their padded prompt length, T their padded reply leng
 samples per request.
 """
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,105 +20,15 @@ from jax.sharding import Mesh
 
 from rlscale import sharding
 from rlscale.model.config import ModelConfig
-from rlscale.sampling import engine
+from rlscale.sampling import engine, paged
+from rlscale.sampling.records import (  # The engine's interface, imported from here too.
+    Completed,
+    EngineStats,
+    Request,
+    Stepped,
+    Turn,
+)
 from rlscale.sampling.sampler import SamplingConfig, _Layout
-
-
-@dataclasses.dataclass
-class Request:
-    """A prompt to sample `SamplingConfig.num_samples` completions of.
-
-    Attributes:
-      id: the caller's handle, returned with the completions.
-      prompt: token ids.
-      key: a PRNG key; sample g draws with fold_in(key, g).
-      max_new_tokens: this request's budget (0: the config's).
-    """
-
-    id: Any
-    prompt: Sequence[int]
-    key: jax.Array
-    max_new_tokens: int = 0
-
-
-class Completed(NamedTuple):
-    """A request's G completions (host arrays, [G, M]); see `sampler.SampleOutput` for the
-    fields they share. `versions_GM` is the policy version that sampled each token (-1 for
-    environment tokens). In a multi-turn episode the completion holds the policy's turns and
-    the environment's replies between them, each token as it was sampled or replied:
-    `env_GM` is True on the replies' tokens (inside `mask_GM`, logprob 0: a learner leaves
-    them out of the loss), and `truncated_G` is False for an episode the environment
-    ended. `experts_GLlc` (a mixture of experts only, else None): the experts each token of
-    the row went to, its prompt left-padded to its bucket P then its M completion columns
-    (L = P + M; `sampler.SampleOutput.experts`)."""
-
-    request: Request
-    tokens_GM: np.ndarray
-    mask_GM: np.ndarray
-    logprobs_GM: np.ndarray
-    versions_GM: np.ndarray
-    forced_GM: np.ndarray
-    lengths_G: np.ndarray
-    truncated_G: np.ndarray
-    interrupted_G: np.ndarray
-    env_GM: np.ndarray
-    experts_GLlc: np.ndarray | None = None
-
-
-class Turn(NamedTuple):
-    """A sample stopped at an action stop (`SamplingConfig.action_stops`): it waits for the
-    environment's reply and decodes nothing meanwhile, in its slot or, when a queued request
-    or a replied sample needs the slot, in a parking row (`Generator(parked=...)`).
-
-    Attributes:
-      handle: names the turn to `Generator.reply` (unique among the turns that wait).
-      request: the request the sample belongs to.
-      sample: which of the request's G samples (g).
-      tokens: the turn's tokens as sampled, from the end of the previous reply (or the start
-        of the completion) to the action stop, included.
-      room: tokens left in the sample's budget: a longer reply is cut to this many, and the
-        sample then finishes (truncated).
-    """
-
-    handle: int
-    request: Request
-    sample: int
-    tokens: np.ndarray
-    room: int
-
-
-class Stepped(NamedTuple):
-    """What `Generator.step` returns: the requests whose samples are all done, and the
-    samples that stopped at an action in this step."""
-
-    completed: list[Completed]
-    waiting: list[Turn]
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since the engine started: decode steps run, slot-steps (steps x slots),
-    tokens generated (the useful slot-steps), environment tokens appended, samples parked
-    and brought back, seconds decoding, prefilling, appending replies, moving parked samples
-    and swapping weights (device busy time: each call is waited on); and the engine's
-    parking rows (a constant)."""
-
-    steps: int = 0
-    slot_steps: int = 0
-    tokens: int = 0
-    env_tokens: int = 0
-    parked: int = 0
-    unparked: int = 0
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    reply_s: float = 0.0
-    move_s: float = 0.0
-    swap_s: float = 0.0
-    parking_rows: int = 0
-
-    @property
-    def utilization(self) -> float:
-        return self.tokens / max(self.slot_steps, 1)
 
 
 class Generator:
@@ -150,6 +58,7 @@ class Generator:
       programs: a `programs.Programs` recording the compiled engine programs.
       parked: parking rows for waiting samples (each a cache row: `parked` / `slots` more
         cache memory), a multiple of the mesh's batch split; 0: samples wait in their slots.
+        With a paged cache (`cfg.kv_block_size`) a parked sample keeps its blocks.
     """
 
     def __init__(
@@ -192,6 +101,12 @@ class Generator:
         bad = sorted({t for seq in cfg.action_stops for t in seq if t >= V})
         if bad:
             problems.append(f"action_stops has token id(s) {bad[:5]} outside [0, {V})")
+        C = bucket + cfg.max_new_tokens if bucket else 0
+        blocks = cfg.kv_blocks or (slots * C // cfg.kv_block_size if cfg.kv_block_size else 0)
+        if cfg.kv_block_size and bucket and not problems:
+            problems += paged.problems(
+                cfg.kv_block_size, cfg.kv_blocks, C, slots, G, bucket, cfg.max_new_tokens, div
+            )
         if problems:
             raise ValueError("Invalid generator: " + "; ".join(problems))
         self.cfg, self.slots, self.max_prompt_len = cfg, slots, max_prompt_len
@@ -200,11 +115,13 @@ class Generator:
         self.layout = None if mesh is None else _Layout(mesh, rules)
         self.static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=cfg, layout=self.layout)
         self.programs = programs
-        rows = dict(model_cfg=model_cfg, cfg=cfg, columns=bucket + cfg.max_new_tokens)
-        self.state = engine.init_state(slots=slots, layout=self.layout, **rows)
+        rows = dict(model_cfg=model_cfg, cfg=cfg, columns=C)
+        self.state = engine.init_state(slots=slots, layout=self.layout, blocks=blocks, **rows)
         self.pool = None  # The parking rows: an engine state of `parked` rows.
-        if parked:
-            self.pool = engine.init_state(slots=parked, layout=self.layout, **rows)
+        if parked:  # A paged cache's parking rows name the slots' pool's blocks.
+            self.pool = engine.init_state(slots=parked, layout=self.layout, blocks=0, **rows)
+        # The paged cache's block manager (rows: the slots, then the parking rows).
+        self.pages = paged.Pages(slots + parked, C, cfg.kv_block_size, blocks) if blocks else None
         self.params, self.version, self._stale = None, 0, False
         self.queue: list[tuple[Request, np.ndarray]] = []  # With each request's key data.
         self.free = list(range(slots))
@@ -321,13 +238,15 @@ class Generator:
         # Turns: stop once an eighth of the slots wait, so their environments start.
         waits = max(1, self.slots // 8) if self.cfg.action_stops else 0
         args = self._replicated(np.int32(max_steps), np.int32(wanted), np.int32(waits))
+        idle = set(self.where.values())  # Samples that wait decode nothing.
+        self._grow({s: max_steps for s in self.running if s not in idle})
         self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
         self.stats.decode_s += time.perf_counter() - t
         self.stats.steps += steps
         self.stats.slot_steps += steps * self.slots
         self.stats.tokens += tokens
-        return self._harvest()
+        return self._harvest(steps)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -347,6 +266,25 @@ class Generator:
         if self.programs is not None:
             return self.programs.run(name, fn, args, self.static)
         return fn(*args, **self.static)
+
+    def _limit(self, slot: int) -> int:
+        return self.running[slot][0].max_new_tokens or self.cfg.max_new_tokens
+
+    def _grow(self, extra: dict) -> None:
+        """A paged cache: slot s's blocks cover its next `extra[s]` tokens (within its
+        budget), and the device's block tables are the host's."""
+        if self.pages is None:
+            return
+        if extra:
+            lengths = sharding.fetch(self.state.rows["length_N"])
+        for s, n in extra.items():
+            P = self.cfg.bucket(len(self.running[s][0].prompt))
+            self.pages.grow(s, P + min(int(lengths[s]) + n, self._limit(s)))
+        if self.pages.dirty:
+            old = self.state.cache.table_BN
+            table = jax.device_put(self.pages.table[: self.slots], old.sharding)
+            self.state = self.state._replace(cache=self.state.cache._replace(table_BN=table))
+            self.pages.dirty = False
 
     def _refresh(self):
         if not self._stale:
@@ -391,6 +329,8 @@ class Generator:
             for h, s, p in zip(park, slots, rows):
                 r, g = self.running.pop(s)
                 self.parked[p], self.where[h] = (r, g, self.version), S + p
+                if self.pages is not None:
+                    self.pages.move(S + p, s)
             self.free = sorted(self.free + slots)
             self.pool = self._moved(self.pool, self.state, rows, slots)
             self.stats.parked += len(park)
@@ -400,6 +340,8 @@ class Generator:
             for h, s, p in zip(back, slots, rows):
                 r, g, version = self.parked.pop(p)
                 self.running[s], self.where[h] = (r, g), s
+                if self.pages is not None:
+                    self.pages.move(s, S + p)
                 self._stale |= version != self.version
             self.park_free = sorted(self.park_free + rows)
             self.state = self._moved(self.state, self.pool, slots, rows)
@@ -423,6 +365,9 @@ class Generator:
     def _admit(self):
         G = self.cfg.num_samples
         fits = min(len(self.free) // G, len(self.queue))
+        if self.pages is not None:  # As many as the pool can hold at their longest.
+            need = [self._blocks(r) for r, _ in self.queue[:fits]]
+            fits = int(np.searchsorted(np.cumsum(need), self.pages.available, side="right"))
         if not fits:
             return
         taken, self.queue = self.queue[:fits], self.queue[fits:]
@@ -434,6 +379,9 @@ class Generator:
             for (r, _), own in zip(reqs, owned):
                 for g, s in enumerate(own):
                     self.running[s] = (r, g)
+                if self.pages is not None:
+                    self.pages.admit(own, P, [self._limit(own[0])] * G)
+            self._grow({})
             rows = engine.prefill_rows(owned, self.slots, self.shards)
             R = len(rows)
             tokens = np.full((R, P), self.cfg.pad_id, np.int32)
@@ -455,6 +403,13 @@ class Generator:
             self.state = self._run("engine_insert", engine.insert, args)
             jax.block_until_ready(self.state)
             self.stats.prefill_s += time.perf_counter() - t
+            self.stats.prefills += 1
+            self.stats.prefill_rows += sum(row is not None for row in rows)
+
+    def _blocks(self, r: Request) -> int:
+        """The most blocks request `r` can hold (a paged cache)."""
+        P, M = self.cfg.bucket(len(r.prompt)), r.max_new_tokens or self.cfg.max_new_tokens
+        return paged.request_blocks(P, M, self.cfg.num_samples, self.cfg.kv_block_size)
 
     def _apply_replies(self):
         """The queued replies to samples in slots, each appended by its own `engine.extend`
@@ -500,12 +455,16 @@ class Generator:
                     tokens[i, : len(pieces[s])] = pieces[s]
                     mask[i, : len(pieces[s])] = True
                     self.stats.env_tokens += len(pieces[s])
+        self._grow({s: len(x) for s, x in pieces.items() if x is not None})
         args = self._rows(tokens, mask, slot_R, end_R)
         self.state = self._run("engine_extend", engine.extend, args)
 
-    def _harvest(self) -> Stepped:
-        finished_S, waiting_S = sharding.fetch((engine.finished(self.state), self.state.waiting_S))
+    def _harvest(self, steps: int) -> Stepped:
+        finished_S, waiting_S, length_S = sharding.fetch(
+            (engine.finished(self.state), self.state.waiting_S, self.state.rows["length_N"])
+        )
         done = [s for s in self.running if finished_S[s]]
+        self._count_kv(steps, done, length_S)
         held = set(self.where.values())  # Waits reported already.
         waits = sorted(s for s in self.running if waiting_S[s] and s not in held)
         if not done and not waits:
@@ -537,6 +496,8 @@ class Generator:
         for s in sorted(done):
             r, g = self.running.pop(s)
             self.free.append(s)
+            if self.pages is not None:
+                self.pages.release(s)
             got = self.partial.setdefault(id(r), {})
             got[g] = {k: np.asarray(v[s]) for k, v in host.items()}
             if experts:
@@ -546,6 +507,19 @@ class Generator:
                 completed.append(self._completed(r, [got[g] for g in range(G)]))
         self.free.sort()
         return Stepped(completed, turns)
+
+    def _count_kv(self, steps: int, done: list[int], length_S) -> None:
+        """`stats`' KV cache use after a decode call of `steps` steps (`EngineStats`)."""
+        live = [s for s in self.running if s not in set(done)]
+        self.stats.live_tokens += steps * sum(
+            len(self.running[s][0].prompt) + int(length_S[s]) for s in live
+        )
+        if self.pages is None:
+            self.stats.kv_columns += steps * self.state.cache.valid_BS.size
+            return
+        held = set(np.unique(self.pages.table[live]).tolist()) - {self.pages.blocks}
+        self.stats.kv_columns += steps * len(held) * self.pages.bs
+        self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.pages.taken_peak)
 
     def _experts(self, slots: list[int]) -> dict:
         """A mixture of experts' recorded routing of `slots` (slot -> [C, l, c], fetched

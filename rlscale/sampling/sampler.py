@@ -61,6 +61,9 @@ def action_stop_problems(action_stops) -> list[str]:
     return problems
 
 
+PAGED_OFF = {"kv_block_size": "a dense cache row per slot", "kv_blocks": "derived"}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Static sampling settings (a change recompiles; values inside them do not vary per call).
@@ -90,6 +93,10 @@ class SamplingConfig:
         multi-turn episode in the generator engine: a sample whose tokens of the current turn
         end with one (its last token sampled, not forced) stops and waits for the
         environment's reply (`generator.Generator.step`). The static sampler ignores them.
+      kv_block_size: the generator engine's KV cache in blocks of this many columns, shared
+        by a request's samples where they hold its prompt (`sampling.paged`); 0: a dense row
+        per slot. The static sampler ignores it (and `kv_blocks`).
+      kv_blocks: the paged cache's pool of blocks (0: as many as dense rows would take).
     """
 
     max_new_tokens: int = 64
@@ -105,9 +112,15 @@ class SamplingConfig:
     interrupt_ids: tuple[int, ...] = ()
     think_end_tokens: tuple[int, ...] = ()
     action_stops: tuple[tuple[int, ...], ...] = ()
+    kv_block_size: int = 0
+    kv_blocks: int = 0
 
     def __post_init__(self):
         problems = action_stop_problems(self.action_stops)
+        for name in ("kv_block_size", "kv_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                problems.append(f"{name}={value!r} must be an integer >= 0 (0: {PAGED_OFF[name]})")
         if self.think_budget < 0:
             problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
         if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):

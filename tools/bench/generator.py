@@ -5,7 +5,14 @@ each request's budget is its length). A static batch decodes until its longest r
 so both sides produce the same useful tokens. Utilization = useful tokens / slot-steps;
 tokens/s over wall time, prefill included, compilation excluded (an untimed first pass
 compiles every program). The bound is the utilization of an ideal engine on the same
-workload (`ideal_utilization`)."""
+workload (`ideal_utilization`).
+
+With `samples` = G > 1 each request is a group of G samples (G slots, the static side left
+out); with `kv_block_size` > 0 the engine also runs with a paged KV cache (`sampling.paged`)
+on the same requests, and both engines report their KV cache bytes held per live token (the
+cache columns held, sampled after each decode call and weighted by its steps, over the
+unfinished samples' prompt and completion tokens), their prefill rows per group and the
+prompt KV columns a group writes."""
 
 import heapq
 import statistics
@@ -15,7 +22,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlscale.sampling import generator
+from rlscale.sampling import generator, paged
 from rlscale.sampling import sampler as sampling
 from rlscale.scaling.compute import matmul_params
 
@@ -73,17 +80,21 @@ def generator_workload(cfg, slots, requests, prompt_len, longest, seed=0):
     return GeneratorWorkload(lengths, prompts, batches, batch_keys, reqs)
 
 
-def sampling_config(prompt_len, max_new_tokens):
+def sampling_config(prompt_len, max_new_tokens, samples=1, kv_block_size=0):
     """Both sides' sampling settings: temperature 1, one prompt bucket, no stop tokens."""
     return sampling.SamplingConfig(
-        max_new_tokens=max_new_tokens, temperature=1.0, buckets=(prompt_len,)
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        buckets=(prompt_len,),
+        num_samples=samples,
+        kv_block_size=kv_block_size,
     )
 
 
-def run_engine(cfg, params, graphdef, work, slots, prompt_len, k):
+def run_engine(cfg, params, graphdef, work, slots, prompt_len, k, samples=1, kv_block_size=0):
     """The workload through a new `Generator` of `slots` slots, `step(k)` until it is idle:
     (wall seconds, `EngineStats`, step calls, the `Completed` requests)."""
-    scfg = sampling_config(prompt_len, int(work.lengths.max()))
+    scfg = sampling_config(prompt_len, int(work.lengths.max()), samples, kv_block_size)
     gen = generator.Generator(graphdef, cfg, scfg, slots, prompt_len)
     gen.set_params(params, 0)
     t = time.perf_counter()
@@ -108,19 +119,24 @@ def run_static(params, sampler, work, prompt_len):
 
 
 def bench_generator(
-    cfg, params, graphdef, slots, requests, prompt_len, longest, k, repeats, seed=0, static=True
-):
-    """The section (module docstring) on `requests` requests: the engine with `slots` slots
-    and `step(k)`, the best of `repeats` timed runs; without `static`, the engine alone.
-    Returns its figures (the static side's, and the tokens both sides drew alike, with
-    `static`)."""
+    cfg, params, graphdef, slots, requests, prompt_len, longest, k, repeats, seed=0, static=True,
+    samples=1, kv_block_size=0,
+):  # fmt: skip
+    """The section (module docstring) on `requests` requests of `samples` samples: the engine
+    with `slots` slots and `step(k)`, the best of `repeats` timed runs; without `static` (or
+    with groups), the engine alone; with `kv_block_size`, a paged engine too. Returns its
+    figures (the static side's, and the tokens both sides drew alike, with `static`)."""
     work = generator_workload(cfg, slots, requests, prompt_len, longest, seed)
     lengths = work.lengths
-    useful = int(lengths.sum())
-    engine = lambda: run_engine(cfg, params, graphdef, work, slots, prompt_len, k)
+    useful = samples * int(lengths.sum())
+    engine = lambda bs: run_engine(  # noqa: E731
+        cfg, params, graphdef, work, slots, prompt_len, k, samples, bs
+    )
     sampler = sampling.Sampler(graphdef, cfg)
-    sides = {"engine": engine}
-    if static:
+    sides = {"engine": lambda: engine(0)}
+    if kv_block_size:
+        sides["paged"] = lambda: engine(kv_block_size)
+    if static and samples == 1:
         sides["static"] = lambda: run_static(params, sampler, work, prompt_len)
     # Untimed first passes compile every program: the engine's prefill sizes (its admissions
     # repeat exactly) and decode loop, and one static program per distinct batch max. Timed
@@ -143,7 +159,8 @@ def bench_generator(
         "length_p90": float(np.percentile(lengths, 90)),
         "length_max": int(lengths.max()),
         "useful_tokens": useful,
-        "ideal_utilization": ideal_utilization(lengths, slots),
+        "ideal_utilization": ideal_utilization(lengths, slots // samples),
+        "samples": samples,
         "engine_s": engine_s,
         "engine_decode_s": stats.decode_s,
         "engine_prefill_s": stats.prefill_s,
@@ -152,10 +169,37 @@ def bench_generator(
         "engine_slot_steps": stats.slot_steps,
         "engine_tokens_per_s": useful / engine_s,
         "engine_utilization": stats.utilization,
+        **kv_figures(cfg, "engine", stats, requests, samples, prompt_len, 0),
     }
-    if static:
+    if kv_block_size:
+        paged_s, paged, _, paged_done = min(runs["paged"], key=lambda r: r[0])
+        assert paged.tokens == useful, (paged.tokens, useful)
+        out.update(kv_figures(cfg, "paged", paged, requests, samples, prompt_len, kv_block_size))
+        out["paged_s"], out["paged_kv_blocks_peak"] = paged_s, paged.kv_blocks_peak
+        out["paged_kv_blocks_dense"] = slots * (prompt_len + longest) // kv_block_size
+        out["kv_block_size"] = kv_block_size
+        same = [np.array_equal(a.tokens_GM, b.tokens_GM) for a, b in zip(done, paged_done)]
+        out["paged_same_requests_fraction"] = float(np.mean(same))
+    if "static" in runs:
         out.update(static_figures(work, slots, done, min(runs["static"], key=lambda r: r[0])))
     return out
+
+
+def kv_figures(cfg, side, stats, requests, samples, prompt_len, block_size):
+    """An engine's KV cache figures (module docstring): bytes held per live token, prefill
+    rows per group, and the prompt KV columns a group writes (dense: one prompt per sample;
+    paged: its shared blocks once and one block per sample, `sampling.paged`)."""
+    column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    column *= np.dtype(cfg.compute_dtype).itemsize
+    written = samples * prompt_len
+    if block_size:
+        written = (paged.own_from(prompt_len, block_size) + samples) * block_size
+    return {
+        f"{side}_kv_bytes_per_live_token": stats.kv_columns * column / stats.live_tokens,
+        f"{side}_prefill_rows_per_group": stats.prefill_rows / requests,
+        f"{side}_prefills": stats.prefills,
+        f"{side}_prompt_kv_columns_per_group": written,
+    }
 
 
 def static_figures(work, slots, done, static_run):
@@ -248,7 +292,8 @@ def print_generator(g):
     """The section's table: wall time, slot-steps, tokens/s and utilization of each side,
     their ratios, and where the engine's time went."""
     print(
-        f"generator S={g['slots']} requests={g['requests']} P<={g['prompt_len']} "
+        f"generator S={g['slots']} requests={g['requests']} G={g['samples']} "
+        f"P<={g['prompt_len']} "
         f"k={g['steps_per_call']}  completion lengths: median {g['length_median']:.0f} "
         f"p90 {g['length_p90']:.0f} max {g['length_max']}  ({g['useful_tokens']} tokens)"
     )
@@ -265,10 +310,31 @@ def print_generator(g):
         util_ratio = g["engine_utilization"] / g["static_utilization"]
         print(f"{'engine/static':<16}{'':>20}{ratio:>9.2f}x{util_ratio:>7.2f}x")
         same = f"same tokens as static {g['same_tokens_fraction']:.1%}; "
+    if "paged_s" in g:
+        print_paged(g)
     host = g["engine_s"] - g["engine_decode_s"] - g["engine_prefill_s"]
     print(
         f"engine: {g['engine_steps']} steps in {g['engine_step_calls']} calls, decode "
         f"{g['engine_decode_s']:.1f} s, prefill {g['engine_prefill_s']:.1f} s, host "
         f"{host:.1f} s; ideal utilization (drain only) {g['ideal_utilization']:.1%}; "
         f"{same}section {g['section_s']:.0f} s"
+    )
+
+
+def print_paged(g):
+    """The dense and the paged engine's KV cache figures, and their ratios."""
+    print(f"{'':<16}{'KV B/live token':>16}{'prefill rows/group':>20}{'prompt KV cols/group':>22}")
+    for side in ("engine", "paged"):
+        print(
+            f"{side:<16}{g[side + '_kv_bytes_per_live_token']:>16.0f}"
+            f"{g[side + '_prefill_rows_per_group']:>20.2f}"
+            f"{g[side + '_prompt_kv_columns_per_group']:>22}"
+        )
+    kv = g["engine_kv_bytes_per_live_token"] / g["paged_kv_bytes_per_live_token"]
+    cols = g["engine_prompt_kv_columns_per_group"] / g["paged_prompt_kv_columns_per_group"]
+    print(
+        f"{'dense/paged':<16}{kv:>15.2f}x{'':>20}{cols:>21.2f}x   paged: block "
+        f"{g['kv_block_size']}, peak {g['paged_kv_blocks_peak']} of the dense "
+        f"{g['paged_kv_blocks_dense']} blocks, wall {g['paged_s']:.1f} s, "
+        f"same tokens as dense in {g['paged_same_requests_fraction']:.0%} of the requests"
     )
