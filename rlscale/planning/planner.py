@@ -443,6 +443,7 @@ def plan_run(
             "prefill_rows": R,
             "train_mesh": dict(train_mesh.shape),
             "generator_mesh": dict(gen_mesh.shape),
+            "generator_heads": generator_heads(gen_cfg, gen_mesh),
             "shared_devices": shared,
             "param_dtype": model_cfg.param_dtype,
             "dtype": model_cfg.dtype,
@@ -451,9 +452,29 @@ def plan_run(
             "num_layers": model_cfg.num_layers,
             "experts": experts_info(model_cfg, train_mesh),
             "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "settings": advice_settings(config, model_cfg, train_mesh, P),
+            "settings": {
+                **advice_settings(config, model_cfg, train_mesh, P),
+                **generator_settings(config, model_cfg, shared),
+            },
         },
     )
+
+
+def generator_heads(model_cfg, mesh) -> dict:
+    """The generator mesh's tensor axis, the query and kv heads, and those per device (a
+    count the axis does not divide is replicated: `sharding.logical_to_spec`)."""
+    t, H, K = int(mesh.shape["tensor"]), model_cfg.num_heads, model_cfg.num_kv_heads
+    per = {"heads_per_device": H // t if H % t == 0 else H}
+    per["kv_heads_per_device"] = K // t if K % t == 0 else K
+    return {"tensor": t, "heads": H, "kv_heads": K, **per}
+
+
+def generator_settings(config, model_cfg, shared: bool) -> dict:
+    """The generator's tensor axis and its next value for `report.advice`: twice it where that
+    divides its own devices and the query heads (`rl.checks`), else (or shared) 0."""
+    g, t = config.pipeline.generator_devices, config.pipeline.generator_tensor
+    ok = not shared and g % (2 * t) == 0 and model_cfg.num_heads % (2 * t) == 0
+    return {"generator_devices": g, "generator_tensor": t, "next_generator_tensor": 2 * t * ok}
 
 
 def experts_info(model_cfg, mesh) -> dict | None:
