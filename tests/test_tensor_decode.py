@@ -61,7 +61,9 @@ def _generate(policy, mesh):
         (4, (1, 2, 4)),  # Sync mode: the trainer's mesh, its own tensor axis.
     ],
 )
-def test_tensor_parallel_decode_samples_what_one_device_per_replica_samples(policy, tensor, shape):
+def test_tensor_parallel_decode_samples_what_one_device_per_replica_samples(
+    policy, unsplit, tensor, shape
+):
     """The same request keys on a generator mesh of 4 devices, data parallel only (4, 1, 1),
     and split `tensor` ways: the same tokens, and logprobs within float32 rounding. Tensor
     parallelism changes only the order of the sums: each device adds its heads', MLP
