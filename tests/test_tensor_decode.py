@@ -10,9 +10,10 @@ from conftest import golden_config, random_decoder_params, rounding
 from test_determinism import REDUCTIONS, TERMS
 
 from rlscale import model, programs, rl, sections, sharding
-from rlscale.planning import planner
+from rlscale.planning import inputs, planner, report
 from rlscale.sampling import SamplingConfig
 from rlscale.sampling.generator import Generator, Request
+from rlscale.sampling.sampler import _Layout
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20]]
 SCFG = SamplingConfig(max_new_tokens=10, num_samples=2, temperature=1.0, buckets=(8,))
@@ -201,3 +202,63 @@ def test_bad_generator_tensor_fails_at_start_up_naming_the_key():
         "heads): tensor-parallel decode splits the query heads (kv heads are replicated "
         "where they do not divide); use one of [2, 4] (or 1)"
     ]
+
+
+def test_plan_devices_count_the_generators_own():
+    """The planner's target: `--mesh` is the trainer's; the devices planned are its product
+    plus `pipeline.generator_devices`, and a `--devices` that differs names both."""
+    flags = dict(
+        model="tiny",
+        mesh="1,4,1",
+        devices=None,
+        platform="cpu",
+        accelerator=None,
+        hbm_gib=None,
+        prompt_len=None,
+        config_mesh=(1, 1, 1),
+        buckets=(16, 64),
+        generator_devices=4,
+    )
+    problems, target = inputs.check_target(**flags)
+    assert problems == [] and target.devices == 8
+    problems, _ = inputs.check_target(**{**flags, "devices": 4})
+    assert problems == [
+        "--mesh=1,4,1 has 8 devices (data x fsdp x tensor, plus "
+        "pipeline.generator_devices=4) but --devices=4; they must be equal"
+    ]
+
+
+@pytest.mark.slow
+def test_plan_of_a_tensor_parallel_generator():
+    """A plan with the generator on its own 4 devices, 2 ways tensor parallel: its column
+    holds half of every weight matrix (the tiny model's 4 query, 2 kv heads, MLP and
+    vocabulary all split; the norms whole) and the engine state of its (2, 1, 2) mesh, the
+    table says how the heads split, and the advice for its weights names the next
+    `pipeline.generator_tensor`."""
+    config = golden_config("quickstart")
+    config.mesh.shape = (1, 4, 1)
+    config.batch.prompts = 8
+    config.pipeline.update(mode="pipeline", generator_devices=4, generator_tensor=2)
+    run = rl.resolve(config)
+    train, gen = sharding.role_meshes((1, 4, 1), 4, 2)
+    cfg = planner.model_config(run, "tiny")
+    p = planner.plan_run(run, cfg, train, gen, 16)
+    norms = (2 * cfg.num_layers + 1) * cfg.d_model
+    b = p.roles["generator"]
+    itemsize = 4  # float32 params.
+    assert b["generator_params"] == ((cfg.num_params() - norms) // 2 + norms) * itemsize
+    scfg = planner.sampling_config(run)
+    layout = _Layout(gen, sharding.SAMPLE_RULES)
+    state = planner.abstract_engine_state(cfg, scfg, run.pipeline.slots, 16, layout)
+    assert b["kv_cache"] == planner.device_bytes(state)
+    k = state.cache.k[0]
+    assert k.sharding.shard_shape(k.shape)[1] == cfg.num_kv_heads // 2
+    text = report.table(p, report.ACCELERATORS["h100"], 80e9, "here", "tiny", "quickstart")
+    assert (
+        "  generator tensor axis 2: 2 of 4 query heads and 1 of 2 kv heads per device; params "
+        f"{report.size(b['generator_params'])} + KV cache {report.size(b['kv_cache'])} per "
+        "device"
+    ) in text.splitlines()
+    assert report.advice("generator_params", p.info["settings"]).startswith(
+        "pipeline.generator_tensor=4 (now 2"
+    )

@@ -420,7 +420,6 @@ def plan_run(
         roles = {"trainer": _with_total(trainer), "generator": _with_total(generator)}
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
     table = work_per_step(config, entries, admitted)
-    slots = config.pipeline.slots
     useful = model_flops(config, model_cfg, P)
     return Plan(
         per_device_bytes=max(roles.values(), key=lambda r: r["total"]),
@@ -438,7 +437,7 @@ def plan_run(
             "prompt_bucket": P,
             "max_new_tokens": config.sampling.max_new_tokens,
             "rows": B * G,
-            "slots": slots,
+            "slots": config.pipeline.slots,
             "prefill_requests": admitted,
             "prefill_rows": R,
             "train_mesh": dict(train_mesh.shape),
@@ -452,10 +451,7 @@ def plan_run(
             "num_layers": model_cfg.num_layers,
             "experts": experts_info(model_cfg, train_mesh),
             "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "settings": {
-                **advice_settings(config, model_cfg, train_mesh, P),
-                **generator_settings(config, model_cfg, shared),
-            },
+            "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
         },
     )
 
@@ -551,10 +547,11 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
     return table
 
 
-def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
+def advice_settings(config, model_cfg, mesh, prompt_bucket: int, shared: bool = True) -> dict:
     """The run's values of the knobs `report.advice` names, and the next values of
-    those the run's checks constrain, on the trainer `mesh`."""
+    those the run's checks constrain, on the trainer `mesh` (`shared`: the generator's too)."""
     return {
+        **generator_settings(config, model_cfg, shared),
         "mesh": tuple(config.mesh.shape),
         "param_dtype": model_cfg.param_dtype,
         "pack_rows": _pack_rows(config, mesh, prompt_bucket)[1],
