@@ -262,3 +262,11 @@ def test_plan_of_a_tensor_parallel_generator():
     assert report.advice("generator_params", p.info["settings"]).startswith(
         "pipeline.generator_tensor=4 (now 2"
     )
+
+
+def test_plan_models_the_configured_attention():
+    """The planned model computes with the run's `model.attention` (the update it compiles
+    is the run's), not the architecture's default."""
+    config = golden_config("quickstart")
+    config.model.attention = "dot_product"
+    assert planner.model_config(rl.resolve(config), "tiny").attention == "dot_product"

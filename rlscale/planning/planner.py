@@ -196,13 +196,16 @@ class Compiler(programs.Programs):
 
 def model_config(config, name: str, **overrides):
     """The architecture `name` (with `overrides` of its fields, such as `num_layers`) with the
-    numerics and expert dispatch the run would give it. A run from a Hugging Face checkpoint
+    numerics, attention implementation (`model.attention`) and expert dispatch the run would
+    give it. A run from a Hugging Face checkpoint
     (`init.hf_checkpoint`; every task but the synthetic ones, which train a warm start) holds
     its params in `model.dtype` and computes in it, as `hf.load_hf` loads them; one from the
     warm start uses `config.model`'s dtypes."""
     m = config.model
     dispatch = dict(
-        expert_dispatch=m.expert_dispatch, expert_capacity_factor=m.expert_capacity_factor
+        attention=m.attention,
+        expert_dispatch=m.expert_dispatch,
+        expert_capacity_factor=m.expert_capacity_factor,
     )
     if config.init.hf_checkpoint or config.task.name not in tasks.TASKS:
         numerics = dict(dtype=m.dtype, param_dtype=m.dtype)
