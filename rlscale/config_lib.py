@@ -201,9 +201,17 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # "async_ppo" generates each batch with one policy version. No token is trained more than
     # `max_staleness` optimizer updates after the version that sampled it (admission control).
     # The generator gets the first `generator_devices` devices (0: it time-slices the
-    # trainer's), `slots` decode slots (0: batch.prompts x group_size) and runs
-    # `decode_chunk` tokens per call between weight and admission checks.
-    c.pipeline = dict(mode="sync", max_staleness=0, generator_devices=0, slots=0, decode_chunk=8)
+    # trainer's), `generator_tensor` of them per tensor-parallel group, `slots` decode slots
+    # (0: batch.prompts x group_size) and runs `decode_chunk` tokens per call between weight
+    # and admission checks.
+    c.pipeline = dict(
+        mode="sync",
+        max_staleness=0,
+        generator_devices=0,
+        generator_tensor=1,
+        slots=0,
+        decode_chunk=8,
+    )
     c.optim = dict(
         lr=1e-4,
         warmup_steps=5,

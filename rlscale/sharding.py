@@ -101,10 +101,15 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
     return jax.make_mesh(tuple(shape), axes, auto, devices=list(devices.flat))
 
 
-def role_meshes(shape: Sequence[int], generator_devices: int) -> tuple[Mesh, Mesh]:
+def role_meshes(
+    shape: Sequence[int], generator_devices: int, generator_tensor: int = 1
+) -> tuple[Mesh, Mesh]:
     """(trainer mesh, generator mesh). The generator takes the first `generator_devices`
-    devices, data parallel over its decode slots; the trainer the rest, in `shape`. With 0,
-    both roles share one mesh of every device (they time-slice it)."""
+    devices as a (generator_devices / generator_tensor, 1, generator_tensor) mesh: data
+    parallel over its decode slots, tensor parallel (`SAMPLE_RULES`: heads, kv heads where
+    they divide, MLP, vocabulary) within each group of `generator_tensor` devices; the
+    trainer the rest, in `shape`. With 0, both roles share one mesh of every device (they
+    time-slice it; the generator then splits over the trainer's own tensor axis)."""
     if not generator_devices:
         mesh = make_mesh(shape)
         return mesh, mesh
@@ -113,7 +118,13 @@ def role_meshes(shape: Sequence[int], generator_devices: int) -> tuple[Mesh, Mes
         raise ValueError(
             f"{generator_devices} generator devices leave no trainer devices of {len(devices)}"
         )
-    gen = make_mesh((generator_devices, 1, 1), devices[:generator_devices])
+    if generator_tensor < 1 or generator_devices % generator_tensor:
+        raise ValueError(
+            f"a generator tensor axis of {generator_tensor} does not divide its "
+            f"{generator_devices} devices"
+        )
+    data = generator_devices // generator_tensor
+    gen = make_mesh((data, 1, generator_tensor), devices[:generator_devices])
     return make_mesh(shape, devices[generator_devices:]), gen
 
 

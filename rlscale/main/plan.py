@@ -36,18 +36,20 @@ def _flag(argv, name):
 
 
 def _device_count(argv) -> int:
-    """How many devices to plan for: `--devices`, else the product of `--mesh`, else the
-    chips of `--topology` (0 when none is a number: reported with the other flag problems,
-    once absl has parsed them)."""
+    """How many devices to plan for: `--devices`, else the product of `--mesh` plus
+    `--config.pipeline.generator_devices`, else the chips of `--topology` (0 when none is a
+    number: reported with the other flag problems, once absl has parsed them). A config that
+    sets `pipeline.generator_devices` itself needs `--devices`."""
     try:
         if _flag(argv, "devices") is not None:
             return int(_flag(argv, "devices"))
         if _flag(argv, "mesh") is None and _flag(argv, "topology") is not None:
             return topology.parse(_flag(argv, "topology")).chips
         sizes = [int(s) for s in (_flag(argv, "mesh") or "").split(",")]
+        generator = int(_flag(argv, "config.pipeline.generator_devices") or 0)
     except ValueError:
         return 0
-    return math.prod(sizes) if len(sizes) in (3, 4) else 0
+    return math.prod(sizes) + generator if len(sizes) in (3, 4) else 0
 
 
 def _set_up_devices(argv):
@@ -105,7 +107,10 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
         flag_values=fv,
     )
     flags.DEFINE_integer(
-        "devices", None, "Devices to plan for (default: the mesh's).", flag_values=fv
+        "devices",
+        None,
+        "Devices to plan for (default: the mesh's, plus pipeline.generator_devices).",
+        flag_values=fv,
     )
     flags.DEFINE_enum(
         "platform", "cpu", ("cpu", "gpu", "tpu"), "Where to compile (see above).", flag_values=fv
@@ -174,7 +179,10 @@ def main(fv: flags.FlagValues) -> None:
     else:
         where = _compiled_on(fv.platform, target.devices)
     acc = report.ACCELERATORS[target.accelerator]
-    train_mesh, gen_mesh = sharding.role_meshes(target.mesh, config.pipeline.generator_devices)
+    pipe = config.pipeline
+    train_mesh, gen_mesh = sharding.role_meshes(
+        target.mesh, pipe.generator_devices, pipe.generator_tensor
+    )
     p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, target.prompt_len, targets)
     fits, line = report.verdict(p, target.hbm_bytes)
     print(report.table(p, acc, target.hbm_bytes, where, fv.model, config.recipe), flush=True)

@@ -56,9 +56,12 @@ def check_target(
     config_mesh: tuple,
     buckets: tuple,
     topology_name: str | None = None,
+    generator_devices: int = 0,
 ) -> tuple[list[str], Target]:
     """Every problem with the plan command's flag values at once, each naming its flag; and
-    the target they give. `mesh` defaults to `config_mesh`, `devices` to the mesh's product,
+    the target they give. `mesh` (the trainer's) defaults to `config_mesh`, `devices` to the
+    mesh's product plus the generator's own devices (`generator_devices`, the config's
+    `pipeline.generator_devices`),
     `accelerator` to the TPU slice's (`tpu_slice`) or else the platform's usual one, `hbm_gib`
     to its HBM and `prompt_len` to the largest of the config's prompt `buckets`."""
     problems = []
@@ -74,9 +77,11 @@ def check_target(
         )
         sizes = None
     if sizes is not None:
-        product = math.prod(sizes)
+        product = math.prod(sizes) + generator_devices
         devices = product if devices is None else devices
         axes = " x ".join(sharding.EXPERT_MESH_AXES[: len(sizes)])
+        if generator_devices:
+            axes += f", plus pipeline.generator_devices={generator_devices}"
         if devices != product:
             problems.append(
                 f"--mesh={mesh_text} has {product} devices ({axes}) but "
@@ -90,7 +95,9 @@ def check_target(
     if topology_name is not None and platform != "tpu":
         problems.append(f"--topology={topology_name} names a TPU slice: it needs --platform=tpu")
     elif platform == "tpu":
-        tpu, slice_problems = tpu_slice(topology_name, accelerator, devices, mesh_text)
+        tpu, slice_problems = tpu_slice(
+            topology_name, accelerator, devices, mesh_text, generator_devices
+        )
         problems += slice_problems
     accelerator = accelerator or (tpu.accelerator if tpu else "h100")
     hbm = None
@@ -114,10 +121,15 @@ def check_target(
 
 
 def tpu_slice(
-    name: str | None, accelerator: str | None, devices: int | None, mesh_text: str
+    name: str | None,
+    accelerator: str | None,
+    devices: int | None,
+    mesh_text: str,
+    generator_devices: int = 0,
 ) -> tuple[topology.Slice | None, list[str]]:
     """(the TPU slice `--topology` names, or else the `accelerator`'s (default `tpu_v5p`)
-    slice of `devices` chips; the problems with them, each naming its flag)."""
+    slice of `devices` chips, `generator_devices` of them the generator's; the problems with
+    them, each naming its flag)."""
     if name is not None:
         try:
             tpu = topology.parse(name)
@@ -141,7 +153,12 @@ def tpu_slice(
     if devices is not None and devices != tpu.chips:
         problems.append(
             f"--mesh={mesh_text} plans {devices} devices but {flag} has {tpu.chips} chips "
-            f"(a device each); they must be equal, e.g. --mesh=1,{tpu.chips},1"
+            f"(a device each); they must be equal, e.g. --mesh=1,{tpu.chips - generator_devices},1"
+            + (
+                f" beside pipeline.generator_devices={generator_devices}"
+                if generator_devices
+                else ""
+            )
         )
     return tpu, problems
 
@@ -208,10 +225,12 @@ def resolve(config, model: str, num_layers: int | None = None, **flag_values):
       with problems) at the target's mesh (1,1,1 when a flag is bad, so that its own checks
       still run), `model_cfg` None when `model` is unknown or the prompt length bad.
     """
+    g = config.pipeline.get("generator_devices", 0)
     problems, target = check_target(
         model=model,
         config_mesh=tuple(config.mesh.shape),
         buckets=tuple(config.sampling.buckets),
+        generator_devices=g if isinstance(g, int) and g > 0 else 0,  # Else the config's problem.
         **flag_values,
     )
     problems += missing_libtpu(flag_values["platform"])

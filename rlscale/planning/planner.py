@@ -196,13 +196,16 @@ class Compiler(programs.Programs):
 
 def model_config(config, name: str, **overrides):
     """The architecture `name` (with `overrides` of its fields, such as `num_layers`) with the
-    numerics and expert dispatch the run would give it. A run from a Hugging Face checkpoint
+    numerics, attention implementation (`model.attention`) and expert dispatch the run would
+    give it. A run from a Hugging Face checkpoint
     (`init.hf_checkpoint`; every task but the synthetic ones, which train a warm start) holds
     its params in `model.dtype` and computes in it, as `hf.load_hf` loads them; one from the
     warm start uses `config.model`'s dtypes."""
     m = config.model
     dispatch = dict(
-        expert_dispatch=m.expert_dispatch, expert_capacity_factor=m.expert_capacity_factor
+        attention=m.attention,
+        expert_dispatch=m.expert_dispatch,
+        expert_capacity_factor=m.expert_capacity_factor,
     )
     if config.init.hf_checkpoint or config.task.name not in tasks.TASKS:
         numerics = dict(dtype=m.dtype, param_dtype=m.dtype)
@@ -420,7 +423,6 @@ def plan_run(
         roles = {"trainer": _with_total(trainer), "generator": _with_total(generator)}
     entries = {"update_step": update, "engine_insert": insert, "engine_decode": decode}
     table = work_per_step(config, entries, admitted)
-    slots = config.pipeline.slots
     useful = model_flops(config, model_cfg, P)
     return Plan(
         per_device_bytes=max(roles.values(), key=lambda r: r["total"]),
@@ -438,11 +440,12 @@ def plan_run(
             "prompt_bucket": P,
             "max_new_tokens": config.sampling.max_new_tokens,
             "rows": B * G,
-            "slots": slots,
+            "slots": config.pipeline.slots,
             "prefill_requests": admitted,
             "prefill_rows": R,
             "train_mesh": dict(train_mesh.shape),
             "generator_mesh": dict(gen_mesh.shape),
+            "generator_heads": generator_heads(gen_cfg, gen_mesh),
             "shared_devices": shared,
             "param_dtype": model_cfg.param_dtype,
             "dtype": model_cfg.dtype,
@@ -451,9 +454,26 @@ def plan_run(
             "num_layers": model_cfg.num_layers,
             "experts": experts_info(model_cfg, train_mesh),
             "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "settings": advice_settings(config, model_cfg, train_mesh, P),
+            "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
         },
     )
+
+
+def generator_heads(model_cfg, mesh) -> dict:
+    """The generator mesh's tensor axis, the query and kv heads, and those per device (a
+    count the axis does not divide is replicated: `sharding.logical_to_spec`)."""
+    t, H, K = int(mesh.shape["tensor"]), model_cfg.num_heads, model_cfg.num_kv_heads
+    per = {"heads_per_device": H // t if H % t == 0 else H}
+    per["kv_heads_per_device"] = K // t if K % t == 0 else K
+    return {"tensor": t, "heads": H, "kv_heads": K, **per}
+
+
+def generator_settings(config, model_cfg, shared: bool) -> dict:
+    """The generator's tensor axis and its next value for `report.advice`: twice it where that
+    divides its own devices and the query heads (`rl.checks`), else (or shared) 0."""
+    g, t = config.pipeline.generator_devices, config.pipeline.generator_tensor
+    ok = not shared and g % (2 * t) == 0 and model_cfg.num_heads % (2 * t) == 0
+    return {"generator_devices": g, "generator_tensor": t, "next_generator_tensor": 2 * t * ok}
 
 
 def experts_info(model_cfg, mesh) -> dict | None:
@@ -530,10 +550,11 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
     return table
 
 
-def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
+def advice_settings(config, model_cfg, mesh, prompt_bucket: int, shared: bool = True) -> dict:
     """The run's values of the knobs `report.advice` names, and the next values of
-    those the run's checks constrain, on the trainer `mesh`."""
+    those the run's checks constrain, on the trainer `mesh` (`shared`: the generator's too)."""
     return {
+        **generator_settings(config, model_cfg, shared),
         "mesh": tuple(config.mesh.shape),
         "param_dtype": model_cfg.param_dtype,
         "pack_rows": _pack_rows(config, mesh, prompt_bucket)[1],

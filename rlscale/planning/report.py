@@ -86,6 +86,7 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
         f"  compiled {where}",
         f"  trainer mesh {info['train_mesh']}, generator mesh {info['generator_mesh']}"
         + ("" if info["shared_devices"] else " (its own devices)"),
+        *_generator_lines(p),
         f"  {info['rows']} rows, prompt bucket {info['prompt_bucket']} (prompts up to "
         f"{info['prompt_len']} tokens), completions of {info['max_new_tokens']} tokens, "
         f"{info['slots']} decode slots",
@@ -117,6 +118,22 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
         f"decode {s['decode']:.3g} s at 100% of peak FLOP/s and HBM bandwidth",
     ]
     return "\n".join(lines + _collective_lines(p))
+
+
+def _generator_lines(p: planner.Plan) -> list[str]:
+    """The generator's split over its tensor axis and its params + KV cache per device."""
+    heads = p.info.get("generator_heads")
+    if heads is None:
+        return []
+    role = p.roles.get("generator", p.roles.get("shared"))
+    whole = heads["tensor"] > 1 and heads["kv_heads_per_device"] == heads["kv_heads"]
+    kv = ", replicated" if whole else ""
+    return [
+        f"  generator tensor axis {heads['tensor']}: {heads['heads_per_device']} of "
+        f"{heads['heads']} query heads and {heads['kv_heads_per_device']} of "
+        f"{heads['kv_heads']} kv heads per device{kv}; params "
+        f"{size(role['generator_params'])} + KV cache {size(role['kv_cache'])} per device"
+    ]
 
 
 def _model_lines(info: dict) -> list[str]:
@@ -180,15 +197,25 @@ def advice(term: str, s: dict) -> str:
     if term == "ref_params":
         return "learner.offload_ref=True (the reference waits in host memory), or " + fsdp
     if term == "generator_params":
+        if s.get("next_generator_tensor"):  # The generator's own devices: its tensor axis.
+            return (
+                f"pipeline.generator_tensor={s['next_generator_tensor']} (now "
+                f"{s['generator_tensor']}: the sampling layout splits matrices only over the "
+                "generator's tensor axis)"
+            )
         return (
             f"tensor parallelism (--mesh={mesh}: the sampling layout keeps whole matrices on "
             "each data x fsdp replica and splits them only over tensor)"
         )
     if term == "kv_cache":
+        more = ""
+        if s.get("next_generator_tensor"):
+            t = s["next_generator_tensor"]
+            more = f", pipeline.generator_tensor={t} (its kv heads, where {t} divides them)"
         return (
             f"fewer decode slots (pipeline.slots={s['slots']}), shorter completions "
             f"(sampling.max_new_tokens={s['max_new_tokens']}), or more data x fsdp devices "
-            f"(--mesh={mesh}: they split the slots)"
+            f"(--mesh={mesh}: they split the slots){more}"
         )
     if term == "temp":
         return ", ".join([*_temp_knobs(s), f"more data x fsdp devices (--mesh={mesh})"])

@@ -46,14 +46,18 @@ def _mesh_problems(config) -> list[str]:
             f"pipeline.generator_devices={g} leaves no device to train on: there are "
             f"{jax.device_count()} devices (use 0 to time-slice them)"
         ]
+    t = config.pipeline.generator_tensor
+    if not isinstance(t, int) or t < 1 or (g and g % t):
+        return []  # The pipeline section's own problem.
     try:  # The mesh builder's own rules (fill, device count, processes).
-        train, gen = sharding.role_meshes(tuple(config.mesh.shape), g)
+        train, gen = sharding.role_meshes(tuple(config.mesh.shape), g, t)
     except ValueError as e:
         left = f" (left by pipeline.generator_devices={g})" if g else ""
         n = jax.device_count() - g
         return [f"mesh.shape={tuple(config.mesh.shape)} does not fit {n} devices{left}: {e}"]
     mesh = tuple(train.shape.values())
     problems = _pipeline_problems(config, sharding.batch_divisor(gen, sharding.SAMPLE_RULES))
+    problems += _generator_tensor_problems(config, t)
     if config.model is not None:  # A mixture of experts' expert axis (`model.moe`).
         problems += moe.mesh_problems(config.model, dict(train.shape))
     div = sharding.batch_divisor(train, sharding.TRAIN_RULES)  # data x fsdp (x expert).
@@ -61,6 +65,38 @@ def _mesh_problems(config) -> list[str]:
     if config.batch.prompts % div:
         problems.append(f"batch.prompts={config.batch.prompts} is not divisible by {where}")
     return problems
+
+
+def _policy_heads(config) -> tuple[int, int] | None:
+    """(query heads, kv heads) of the policy: `init.hf_checkpoint`'s config.json where there
+    is one, else the config's model (None when neither is known)."""
+    path = os.path.join(config.init.hf_checkpoint, "config.json")
+    if config.init.hf_checkpoint and os.path.isfile(path):
+        with open(path) as f:
+            hf = json.load(f)
+        H = hf.get("num_attention_heads")
+        return None if H is None else (H, hf.get("num_key_value_heads", H))
+    if config.model is None:
+        return None
+    return config.model.num_heads, config.model.num_kv_heads
+
+
+def _generator_tensor_problems(config, t: int) -> list[str]:
+    """`pipeline.generator_tensor` = t > 1 against the policy's heads: the query heads must
+    split t ways (each device attends with its own heads; a tensor axis that splits no
+    head would hold every attention weight and compute every head on each device). KV heads
+    split where t divides them and are replicated where it does not (each device then
+    holds every kv head its query heads read)."""
+    heads = _policy_heads(config)
+    if t == 1 or heads is None or heads[0] % t == 0:
+        return []
+    H, K = heads
+    splits = [d for d in range(2, H + 1) if H % d == 0]
+    return [
+        f"pipeline.generator_tensor={t} does not divide the policy's {H} query heads "
+        f"({K} kv heads): tensor-parallel decode splits the query heads (kv heads are "
+        f"replicated where they do not divide); use one of {splits} (or 1)"
+    ]
 
 
 def _pipeline_problems(config, gen_div: int) -> list[str]:

@@ -23,7 +23,9 @@ class PipelineConfig(sections.Section):
     it; "pipeline" generates continuously with in-flight weight updates; "async_ppo"
     generates each batch with one policy version. No token is trained more than
     `max_staleness` updates after the version that sampled it. The generator gets the first
-    `generator_devices` devices (0: it time-slices the trainer's), `slots` decode slots
+    `generator_devices` devices (0: it time-slices the trainer's), split `generator_tensor`
+    ways tensor parallel (the rest data parallel over its slots; 1 with shared devices: the
+    generator then splits over the trainer's own tensor axis), `slots` decode slots
     (resolved: 0 becomes batch.prompts x the completions per prompt) and runs `decode_chunk`
     tokens per call between weight and admission checks."""
 
@@ -31,6 +33,7 @@ class PipelineConfig(sections.Section):
     mode: str = "sync"
     max_staleness: int = 0
     generator_devices: int = 0
+    generator_tensor: int = 1
     slots: int = 0
     decode_chunk: int = 8
 
@@ -48,7 +51,28 @@ class PipelineConfig(sections.Section):
         g = self.generator_devices
         if not isinstance(g, int) or g < 0:
             problems.append(f"pipeline.generator_devices={g!r} must be an integer >= 0 (0: share)")
-        return problems
+        return problems + self._tensor_problems()
+
+    def _tensor_problems(self) -> list[str]:
+        """`generator_tensor` against `generator_devices` (the heads it splits: `rl.checks`)."""
+        g, t = self.generator_devices, self.generator_tensor
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            return [f"pipeline.generator_tensor={t!r} must be an integer >= 1 (1: no tensor axis)"]
+        if not isinstance(g, int) or g < 0 or t == 1:
+            return []
+        if g == 0:
+            return [
+                f"pipeline.generator_tensor={t} needs the generator's own devices "
+                "(pipeline.generator_devices > 0); on shared devices it decodes on the "
+                "trainer's mesh, split over its tensor axis (mesh.shape[2]): leave it 1"
+            ]
+        if g % t:
+            return [
+                f"pipeline.generator_tensor={t} does not divide pipeline.generator_devices={g}: "
+                "the generator's mesh is (generator_devices / generator_tensor, 1, "
+                "generator_tensor)"
+            ]
+        return []
 
 
 class Feed(threading.Thread):

@@ -6,10 +6,10 @@ pool, and a preference run's pair file.
 
 The learner keeps params in the training layout (`sharding.TRAIN_RULES`: FSDP over `fsdp`,
 tensor parallel over `tensor`) on the trainer's mesh. The generator receives them resharded
-to the sampling layout (`sharding.SAMPLE_RULES`: whole weights on each data replica) on its
-own mesh: the first `pipeline.generator_devices` devices, or the trainer's mesh when that is
-0. Evaluation samples on the trainer's mesh. A teacher (`config.teacher`) lives on the
-trainer's mesh in the training layout, as the reference does.
+to the sampling layout (`sharding.SAMPLE_RULES`: split only over `tensor`) on its own mesh
+(the first `pipeline.generator_devices`, `pipeline.generator_tensor` ways tensor parallel)
+or the trainer's (when that is 0). Evaluation samples on the trainer's mesh; a teacher
+(`config.teacher`) lives there in the training layout, as the reference does.
 
 Everything here reads the resolved run (`rl.resolve.RunConfig`); the sections this module
 owns are those of what it builds: the learner, the policy's start, its tokenizer, the
@@ -531,8 +531,8 @@ def _reference(config, learn, params, workdir: str) -> tuple[Any, dict | None]:
 
 def build(config, workdir: str) -> Setup:
     """Every part of the run, from the resolved run (`rl.resolve.resolve`)."""
-    pipe = config.pipeline
-    mesh, gen_mesh = sharding.role_meshes(config.mesh.shape, pipe.generator_devices)
+    p = config.pipeline
+    mesh, gmesh = sharding.role_meshes(config.mesh.shape, p.generator_devices, p.generator_tensor)
     settings = stage_settings(config)  # Before the prompt pool is filled.
     warm_start.reuse(config.sft, settings[stage_cache.WARM_START], workdir)
     task, splits = data_load.load_task(config.task, workdir)
@@ -556,7 +556,7 @@ def build(config, workdir: str) -> Setup:
         config, workdir, mesh, tokenizer, task, splits, settings[stage_cache.WARM_START]
     )
     sampler = Sampler(graphdef, model_cfg, mesh, sharding.SAMPLE_RULES, programs=progs)
-    generator = _generator(config, graphdef, model_cfg, scfg, longest, gen_mesh, progs)
+    generator = _generator(config, graphdef, model_cfg, scfg, longest, gmesh, progs)
     learn = make_learner(config, graphdef, params, mesh, progs)
     ref, base_identity = _reference(config, learn, params, workdir)
     teacher = None
@@ -565,7 +565,7 @@ def build(config, workdir: str) -> Setup:
     return Setup(
         config=config,
         mesh=mesh,
-        generator_mesh=gen_mesh,
+        generator_mesh=gmesh,
         tokenizer=tokenizer,
         task=task,
         train_problems=splits["train"],
@@ -587,7 +587,7 @@ def build(config, workdir: str) -> Setup:
         eval_episodes=_eval_episodes(
             config, env_factory, tokenizer, generator, splits["test"], longest, sampler, progs
         ),
-        generator_shardings=sharding.param_shardings(params, gen_mesh, sharding.SAMPLE_RULES),
+        generator_shardings=sharding.param_shardings(params, gmesh, sharding.SAMPLE_RULES),
         learner=learn,
         pool=pool,
         train_scorer=scoring.Scorer(reward_fn, pool, config.reward.timeout),
