@@ -4,6 +4,7 @@ float32 master weights under low-precision params, and optionally parts of the p
 """
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -75,7 +76,20 @@ def make_optimizer(c, params=None, frozen: tuple[str, ...] = ()) -> optax.Gradie
     """AdamW with warmup, a constant or cosine schedule and global-norm clipping (`c`: an
     `OptimConfig`, or anything with its fields). With low-precision `params` (bfloat16), it
     keeps float32 master weights and float32 moments (`master_weights`). Params under a key
-    named in `frozen` (e.g. "lm_head") get no update and no optimizer state."""
+    named in `frozen` (e.g. "lm_head") get no update and no optimizer state.
+
+    A hashable `c` (an `OptimConfig`) gives one optimizer per settings: the learner's update
+    is compiled for its optimizer (a static argument), so runs in one process with the same
+    settings share their compiled programs."""
+    low = any(jnp.dtype(x.dtype) != jnp.float32 for x in jax.tree.leaves(params))
+    try:
+        return _optimizer(c, low, tuple(frozen))
+    except TypeError:  # Unhashable settings: built each time.
+        return _optimizer.__wrapped__(c, low, tuple(frozen))
+
+
+@functools.cache
+def _optimizer(c, low_precision: bool, frozen: tuple[str, ...]) -> optax.GradientTransformation:
     warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
     if c.schedule == "cosine":
         main = optax.cosine_decay_schedule(c.lr, max(c.decay_steps, 1), alpha=c.final_lr_frac)
@@ -88,8 +102,7 @@ def make_optimizer(c, params=None, frozen: tuple[str, ...] = ()) -> optax.Gradie
         optax.clip_by_global_norm(c.grad_clip),
         optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
     )
-    low = [x for x in jax.tree.leaves(params) if jnp.dtype(x.dtype) != jnp.float32]
-    optimizer = master_weights(optimizer) if low else optimizer
+    optimizer = master_weights(optimizer) if low_precision else optimizer
     if not frozen:
         return optimizer
     return optax.multi_transform(

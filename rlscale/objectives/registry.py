@@ -5,6 +5,7 @@ the README's `table`. Chain syntax and stages: docs/objectives.md.
 
 import ast
 import difflib
+import functools
 import inspect
 import types
 import typing
@@ -310,10 +311,13 @@ def resolve(spec: str, *, group_size: int, max_len: int) -> list[tuple[Entry, di
     return out
 
 
+@functools.cache
 def build(spec: str, *, group_size: int, max_len: int) -> Objective:
     """The objective a chain string names: its batch and loss transforms, and the model
     terms it requires, as its transforms' arguments choose them (`value` implies
-    `old_value`, which the value loss clips against).
+    `old_value`, which the value loss clips against). Built once per arguments: the learner's
+    update is compiled for its objective (a static argument), so runs in one process with
+    the same chain share their compiled programs instead of tracing them again.
 
     Raises:
       ValueError: "Invalid objective:" and every problem `check` finds.
