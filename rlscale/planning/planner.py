@@ -63,6 +63,7 @@ from rlscale.data import tasks
 from rlscale.model import decoder, lora, moe
 from rlscale.planning import hlo, topology
 from rlscale.planning.flops import loop_factor, model_flops
+from rlscale.rl import checks
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine, precision
@@ -577,18 +578,15 @@ def _pack_rows(config, mesh, prompt_bucket: int) -> tuple[int, int]:
 
 
 def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
-    """Half the forward rows per micro-batch (`learner.pack_rows`), if that still holds a
-    group whose samples all run the full length on one batch shard; else 0."""
-    b = config.batch
-    T, rows = _pack_rows(config, mesh, prompt_bucket)
-    per_row = 1  # With pack_length 0, a row holds one sequence.
-    if config.learner.pack_length:
-        per_row = max(1, T // (prompt_bucket + config.sampling.max_new_tokens))
-    on_shard = min(
-        b.group_size, b.prompts * b.group_size // sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
-    )
+    """Half the forward rows per micro-batch (`learner.pack_rows`), down to 1 (below a group,
+    a micro-batch holds part of one: `batch_layout.Layout.split_groups`), while the run's
+    checks accept it (`checks.split_problems`); else 0."""
+    _, rows = _pack_rows(config, mesh, prompt_bucket)
     half = rows // 2
-    return half if half >= -(-on_shard // per_row) else 0
+    if half < 1:
+        return 0
+    halved = dataclasses.replace(config.learner, pack_rows=half)
+    return 0 if checks.split_problems(dataclasses.replace(config, learner=halved)) else half
 
 
 def _with_total(terms: dict) -> dict:
