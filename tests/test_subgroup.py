@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from conftest import load_config, rounding
 
-from rlscale import objectives, rl
+from rlscale import model, objectives, rl
 from rlscale.objectives.aggregate import MODES, group_terms
-from rlscale.rl import batch_layout
+from rlscale.planning import flops
+from rlscale.rl import batch_layout, report
+from rlscale.rl import rollouts as rollouts_lib
+from rlscale.scaling import compute
 
 G, B, M = 4, 6, 10  # Samples per group, groups, completion tokens.
 
@@ -136,3 +139,50 @@ def test_start_up_refuses_a_mask_narrowed_before_a_split_prompt_mean():
     config.learner.pack_rows = 1
     config.objective.chain = config.objective.chain.replace("prompt_mean", "token_mean")
     assert rl.resolve(config).learner.pack_rows == 1
+
+
+def test_flops_count_a_shared_prompt_once():
+    """`compute/flops` (`report.Compute`) and the planner's useful work (`flops.model_flops`)
+    with `learner.shared_prefix`, against a hand count: 2 groups of 3 samples, prompts of 5
+    and 4 real tokens in a 6-token bucket, completions of 2 to 7 tokens. A group's prompt
+    runs once (its last token once per sample): 3 x 5 + 3 x 4 + 27 completion tokens, less
+    (3 - 1) x 4 and (3 - 1) x 3 shared tokens, = 40; each group fits one row of 32 tokens,
+    which the learner's layout fills with exactly those tokens."""
+    P, Gs, comp_N = 6, 3, np.array([2, 7, 4, 3, 5, 6])
+    prompt_N = np.repeat([5, 4], Gs)
+    attn = np.concatenate(
+        [np.arange(P) >= P - prompt_N[:, None], np.arange(8) < comp_N[:, None]], axis=1
+    )
+    tokens = np.where(attn, 1 + np.arange(P + 8) % 7, 0).astype(np.int32)
+    tokens[:, P:] += np.arange(6)[:, None]  # Completions differ; a group's prompts do not.
+    roll = rollouts_lib.Rollouts(
+        tokens_NL=tokens,
+        attn_mask_NL=attn,
+        mask_NM=attn[:, P:],
+        sampler_logp_NM=np.zeros((6, 8), np.float32),
+        reward_N=np.zeros(6, np.float32),
+        correct_N=np.zeros(6, bool),
+        row_weight_N=np.ones(6, np.float32),
+        version_NM=np.zeros((6, 8), np.int32),
+        prompt_len=P,
+    )
+    hand = 3 * 5 + 3 * 4 + int(comp_N.sum()) - 2 * 4 - 2 * 3
+    assert hand == 40
+    layout = batch_layout.Layout(32, 1, Gs, 1, 8, 1, shared_prefix=True)
+    assert batch_layout.forward_tokens(roll, layout) == hand
+    assert batch_layout.forward_tokens(roll, layout._replace(shared_prefix=False)) == 27 + 27
+    plan = batch_layout.plan(roll, np.arange(6)[None], layout, shards=1, placed_N=np.ones(6, bool))
+    assert round((1 - plan.padding_frac) * plan.T * plan.pack_rows * int(plan.count.sum())) == hand
+    cfg = model.get("tiny")
+    counter = report.Compute(max_new_tokens=8, epochs=2, layout=layout)
+    counter.add_training(cfg, roll, passes=1)
+    want = compute.forward_flops(cfg, hand, P + 4) + 2 * compute.train_flops(cfg, hand, P + 4)
+    assert counter.counters["compute/train_flops"] == pytest.approx(want, rel=1e-12)
+    # The planner's worst case: 2 prompts of a full 6-token bucket, 3 samples of 8 tokens.
+    config = load_config("quickstart")
+    config.batch.prompts, config.batch.group_size, config.sampling.max_new_tokens = 2, Gs, 8
+    config.learner.shared_prefix = True
+    full = rollouts_lib.full_length(6, P, 8)
+    useful = flops.model_flops(config, cfg, P)["update"]
+    assert batch_layout.forward_tokens(full, layout) == 2 * (P - 1) + 6 * (1 + 8)
+    assert useful == pytest.approx(compute.train_flops(cfg, 2 * 5 + 6 * 9, P + 4), rel=1e-12)

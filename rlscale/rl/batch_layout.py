@@ -148,6 +148,21 @@ def shared_lengths(prompt_NP, attn_NP, layout: Layout) -> np.ndarray:
     return np.where(np.repeat(same_B, G), np.maximum(prompt_N - 1, 0), 0).astype(np.int32)
 
 
+def forward_tokens(rollouts, layout: Layout) -> int:
+    """The tokens of a batch's sequences as the learner's forward rows hold them (what its
+    FLOPs count: `report.Compute`): every row's prompt and completion tokens, less, with
+    `shared_prefix`, the prefix each group's later samples share with its first
+    (`shared_lengths`): a group's prompt once, as a row that holds the whole group holds it
+    (a group split over rows writes it once per row)."""
+    P = rollouts.prompt_len
+    total = int(rollouts.attn_mask_NL.sum())
+    if not layout.shared_prefix:
+        return total
+    prefix_N = shared_lengths(rollouts.tokens_NL[:, :P], rollouts.attn_mask_NL[:, :P], layout)
+    later_N = np.arange(len(prefix_N)) % layout.group_size > 0
+    return total - int(prefix_N[later_N].sum())
+
+
 def length_bucket(length: int, max_len: int, buckets: int) -> int:
     """The smallest of `buckets` evenly spaced lengths (max_len / buckets, ..., max_len)
     that holds `length`: what a batch's completions are trimmed to."""
