@@ -1,7 +1,8 @@
 """Micro-batches smaller than a group (`learner.pack_rows` < `batch.group_size`:
 `batch_layout.Layout.split_groups`): where `pack` puts a split group's sequences, that every
 aggregation sums over a split group to what it gives over the whole one (prompt_mean through
-`aggregate.group_terms`, counted before the micro-batch loop), and the start-up rule. The
+`aggregate.group_terms`, counted before the micro-batch loop), the start-up rule, the FLOPs
+of a shared prefix and the planner's fused-attention stand-in. The
 update through a tiny model, split against a plain loop over whole groups, is
 tests/test_learner.py's `split_*` oracle cases."""
 
@@ -12,8 +13,9 @@ import pytest
 from conftest import load_config, rounding
 
 from rlscale import model, objectives, rl
+from rlscale.model import attention
 from rlscale.objectives.aggregate import MODES, group_terms
-from rlscale.planning import flops
+from rlscale.planning import flops, fused
 from rlscale.rl import batch_layout, report
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.scaling import compute
@@ -186,3 +188,40 @@ def test_flops_count_a_shared_prompt_once():
     useful = flops.model_flops(config, cfg, P)["update"]
     assert batch_layout.forward_tokens(full, layout) == 2 * (P - 1) + 6 * (1 + 8)
     assert useful == pytest.approx(compute.train_flops(cfg, 2 * 5 + 6 * 9, P + 4), rel=1e-12)
+
+
+def test_fused_standin_is_the_reference_attention_in_a_block_of_memory():
+    """`planning.fused.chunked_attention` (what `--fused_attention` plans) gives the reference
+    attention's output and gradients over a packed row (3 segments and padding, grouped
+    heads), within float32 rounding of its sums over T keys; its compiled gradient holds
+    `STANDIN_COPIES` query blocks' [H, 128, T] float32 arrays where the reference holds
+    whole [H, T, T] scores: at T = 1,024, 8 blocks, under a quarter."""
+    B, T, H, K, E = 1, 1024, 4, 2, 16
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, K, E, T)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, T, E)), jnp.float32)
+    seg = jnp.asarray(np.repeat([1, 2, 3, 0], T // 4)[None])
+    mask = attention.training_mask(seg > 0, seg)
+    w = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    ref = loss(lambda q, k, v: attention.attention(q, k, v, mask.mask_BTS, 0.25))
+    std = loss(
+        lambda q, k, v: fused.chunked_attention(q, k, v, mask, scale=0.25, window=0, softcap=0.0)
+    )
+    grads = []
+    for f in (ref, std):
+        g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+        grads.append(g(q, k, v))
+        temp = g.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+        grads[-1] = (*grads[-1], temp)
+    (l_r, g_r, temp_r), (l_s, g_s, temp_s) = grads
+    tol = 2 * rounding(T)
+    assert abs(float(l_r - l_s)) <= tol * float(jnp.sum(jnp.abs(w)) * jnp.abs(v).max())
+    for a, b in zip(g_r, g_s):
+        assert float(jnp.abs(a - b).max()) <= tol * T * float(jnp.abs(a).max())
+    assert temp_s < temp_r / 4
+    assert temp_s >= fused.standin_excess_bytes(B, H, T) * 3 // 4
