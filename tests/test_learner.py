@@ -111,13 +111,14 @@ def _update(learn, params, value_params, roll, ref_params=None):
     return jax.tree.map(np.asarray, (state.params, mets))
 
 
-def _oracle(learn, params, roll, ref_params=None):
+def _oracle(learn, params, roll, ref_params=None, mode="prompt_mean"):
     """The update as a plain loop over full-length rows, one row per sequence and no packing:
     `ref_logp` from the reference's full-length forward pass where the chain reads it, the
     batch stage on the whole batch, then per optimizer step (`Learner.step_rows`) one
     `jax.grad` of its rows' loss sum, divided by its denominator, and an SGD step. Returns the
     params, each step's loss sum and how far another computation of it may round
-    (`_loss_rounding`), and how far each parameter may (`_param_rounding`)."""
+    (`_loss_rounding`), and how far each parameter may (`_param_rounding`). `mode`: the
+    chain's aggregation."""
     objective = learn.objective
     tokens, attn = jnp.asarray(roll.tokens_NL), jnp.asarray(roll.attn_mask_NL)
     host = {
@@ -133,7 +134,7 @@ def _oracle(learn, params, roll, ref_params=None):
     terms.pop("metrics", None)
     terms = jax.tree.map(jnp.asarray, terms)
     loss_state = objective.loss.init()
-    aggregate = objectives.aggregate("prompt_mean", group_size=G)
+    aggregate = objectives.aggregate(mode, group_size=G, max_len=M)
 
     def coefficients(mask):  # d loss_sum / d per-token loss: the aggregation's weights.
         return jax.grad(lambda x: aggregate.update({"loss": x, "mask": mask}, None)[0]["loss_sum"])(
@@ -235,6 +236,27 @@ ORACLE_CASES = {
     # A chain reading the reference's ref_logp, 4 rows of 24 tokens per shard, one minibatch
     # in two epochs.
     "ref_logp": (KL_CHAIN, 1, 24, 4, 1, 2, [1, 1]),
+    # Micro-batches smaller than a group (`Layout.split_groups`): one row per shard, so each
+    # group of 2 on a shard runs over 2 micro-batches; prompt_mean normalizes by the step's
+    # group token counts (`aggregate.group_terms`). One sequence per row, then packed rows of
+    # 24 tokens for each other aggregation (a row holds 1 to 3 sequences of a group).
+    **{
+        f"split_{mode}": (
+            CHAIN.replace("prompt_mean", mode),
+            4,
+            0 if mode == "prompt_mean" else 24,
+            1,
+            2,
+            1,
+            micro,
+        )
+        for mode, micro in (
+            ("prompt_mean", [4, 4]),
+            ("token_mean", [3, 2]),
+            ("seq_mean_token_mean", [3, 2]),
+            ("seq_sum", [3, 2]),
+        )
+    },
 }
 
 
@@ -259,10 +281,18 @@ def test_packed_update_equals_the_plain_loop(setup, case):
         epochs=epochs,
     )
     ref = jax.tree.map(lambda x: x + 0.01, params)  # Not the policy: the KL term is nonzero.
-    (expected, bound), losses, bounds = _oracle(learn, params, roll, ref)
+    mode = chain.rsplit("mode=", 1)[1].rstrip(")")
+    (expected, bound), losses, bounds = _oracle(learn, params, roll, ref, mode)
     ref_params = learn.reference(sharding.replicate(ref, mesh)) if learn.spec.ref else None
     got, mets = _update(learn, params, value_params, roll, ref_params)
     assert mets["train/micro_ran"].sum(1).tolist() == micro
+    if learn.layout.split_groups:  # Some group's samples did run in different micro-batches.
+        placed = roll.mask_NM.any(1)
+        plan = batch_layout.plan(
+            roll, learn.step_rows(N, 1), learn.layout, shards=2, placed_N=placed
+        )
+        micro_OBG = plan.place["micro"].reshape(len(micro), -1, G)
+        assert np.any(placed.reshape(-1, G).all(1) & (micro_OBG[..., 0] != micro_OBG[..., 1]))
     if learn.spec.ref:
         assert float(np.abs(mets["train/kl"]).max()) > 1e-4
     loss_sum = mets["train/loss_sum"].sum(1)  # Per step: its micro-batches hold other rows.

@@ -223,11 +223,14 @@ def test_start_up_refuses_what_cannot_share():
     run = run_config.resolve(c)
     assert run.learner.shared_prefix is True
     # Once the data is read: rows of 96 tokens hold a 20-token prompt and 2 samples of 1 + 32
-    # tokens each (shared), or one 52-token sequence (plain).
+    # tokens each (shared), or one 52-token sequence (plain); fewer rows than a group needs
+    # split it over micro-batches (`Layout.split_groups`), but a 70-token prompt and 32
+    # completion tokens fit no row.
     G, M = run.batch.group_size, run.sampling.max_new_tokens
     assert M == 32 and G % 2 == 0
     learner = dataclasses.replace(run.learner, pack_rows=G // 2)
-    assert checks.pack_problems(learner, run.batch, run.sampling, 20) == []
     plain = dataclasses.replace(learner, shared_prefix=False)
-    (problem,) = checks.pack_problems(plain, run.batch, run.sampling, 20)
-    assert f"learner.pack_rows={G // 2} rows" in problem and f"it needs {G}" in problem
+    for u in (learner, plain):
+        assert checks.pack_problems(u, run.batch, run.sampling, 20) == []
+        (problem,) = checks.pack_problems(u, run.batch, run.sampling, 70)
+        assert "learner.pack_length=96 cannot hold" in problem and "70 tokens" in problem

@@ -138,6 +138,13 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
         "Longest prompt in tokens (default: the largest sampling bucket).",
         flag_values=fv,
     )
+    flags.DEFINE_bool(
+        "fused_attention",
+        False,
+        "Plan model.attention's calls as a fused kernel's memory (rlscale.planning.fused): "
+        "XLA:CPU fuses no attention.",
+        flag_values=fv,
+    )
     flags.DEFINE_string("out", None, "Write the plan as JSON here.", flag_values=fv)
     flags.mark_flag_as_required("model", flag_values=fv)
 
@@ -183,7 +190,9 @@ def main(fv: flags.FlagValues) -> None:
     train_mesh, gen_mesh = sharding.role_meshes(
         target.mesh, pipe.generator_devices, pipe.generator_tensor
     )
-    p = planner.plan_run(config, model_cfg, train_mesh, gen_mesh, target.prompt_len, targets)
+    p = planner.plan_run(
+        config, model_cfg, train_mesh, gen_mesh, target.prompt_len, targets, fv.fused_attention
+    )
     fits, line = report.verdict(p, target.hbm_bytes)
     print(report.table(p, acc, target.hbm_bytes, where, fv.model, config.recipe), flush=True)
     if fits:

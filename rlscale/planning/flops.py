@@ -57,11 +57,16 @@ def model_flops(config, model_cfg, prompt_bucket: int) -> dict:
     `max_new_tokens` long), as the run's own `compute/*` counters count them (`rl.report`):
     "update", a training pass (forward and backward) over the batch's rows x (prompt bucket
     + completion) tokens, and "generate", a forward pass over the prompts (once each) and
-    the completions, at the mean context of prompt bucket + half the completion."""
+    the completions, at the mean context of prompt bucket + half the completion. With
+    `learner.shared_prefix` the update runs a group's prompt once, but its last token, which
+    each sample keeps (`batch_layout.forward_tokens`)."""
     B, G = config.batch.prompts, config.batch.group_size
-    M = config.sampling.max_new_tokens
-    ctx = prompt_bucket + M / 2
+    M, P = config.sampling.max_new_tokens, prompt_bucket
+    ctx = P + M / 2
+    trained = B * G * (P + M)
+    if config.learner.shared_prefix:
+        trained -= B * (G - 1) * (P - 1)
     return {
-        "update": compute.train_flops(model_cfg, B * G * (prompt_bucket + M), ctx),
+        "update": compute.train_flops(model_cfg, trained, ctx),
         "generate": compute.forward_flops(model_cfg, B * prompt_bucket + B * G * M, ctx),
     }

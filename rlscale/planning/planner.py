@@ -6,48 +6,25 @@ materializing a single parameter.
 abstract arrays (`jax.ShapeDtypeStruct`s carrying the shardings of `sharding`'s rule
 tables), then lowers and compiles the learner's `update_step` (through `Learner.update`, on
 a worst-case batch: every completion `sampling.max_new_tokens` long) and the engine's
-`insert` (prefill) and `decode` programs. Per device it accounts
+`insert` (prefill) and `decode` programs. Per device it accounts the `TERMS` (the trained
+params, optimizer state, reference, the generator's copy of the policy, its KV cache, the
+update's gradient accumulators and other temporaries, the engine's temporaries) and their
+`total`, the state every phase keeps plus the larger of the update's and the generator's
+working memory (`_with_total`); docs/pods_and_planning.md#plan-a-run says what each holds.
 
-  params            the policy (training layout) and the value head, from the shard shape
-                    of every leaf;
-  opt_state         the optimizer's state (float32 master weights and moments with
-                    bfloat16 params), likewise;
-  ref_params        the frozen reference, where the chain reads `ref_logp` (0 on the device
-                    with `learner.offload_ref`: it is then in host memory between updates);
-  generator_params  the sampling-layout copy of the policy the generator decodes with, in
-                    its dtype (`sampling.generator_dtype`; 0 where that layout and dtype are
-                    the training ones and the roles share devices; with LoRA at least the
-                    adapted weights, which the merge makes anew at each weight swap);
-  kv_cache          the engine's state: its KV cache (in the generator's dtype) over
-                    `slots` x (prompt bucket + max_new_tokens) columns, and the per-slot
-                    next-token logits and rows;
-  grads             the update's float32 gradient accumulators;
-  temp              the update's other temporaries (activations, logits, the reference
-                    brought in from host): the compiled program's `memory_analysis()` temp
-                    size, less the accumulators it includes;
-  generator_temp    the engine programs' temporaries (the largest of insert, decode and,
-                    with LoRA, the merge);
-  total             params + opt_state + ref_params + generator_params + kv_cache
-                    + max(grads + temp, generator_temp): the state every phase keeps, plus
-                    the larger of the update's and the generator's working memory.
-
-FLOPs per step come from the compiled programs' cost analysis (`programs.cost`). XLA counts
-the body of a loop once; the planner scales each program's count by its loops' trip counts,
-read from the program's jaxpr (`loop_factor`: the ratio of its matmul FLOPs with every
-`scan` at its length to those with every loop body once). A decode call's `while_loop` has
-a data-dependent trip count, so its count is one decode step's, multiplied by the steps of a
-worst-case batch (every completion `max_new_tokens` long); an update's micro-batch
-loops (also `while_loop`s) count as many trips as that batch fills micro-batches. Beside
-them, `model_flops_per_device` is `scaling.compute`'s count of the step's useful work (a
-mixture of experts' active parameters only: XLA:CPU lowers the grouped expert matmul to a
-dense one over every expert). Each program's collectives (count and bytes sent per device,
-in all and in the experts' dispatch) are read from its HLO text (`hlo`).
+FLOPs per step come from the compiled programs' cost analysis (`programs.cost`), each scaled
+by its loops' trip counts (`loop_factor`; a decode call per decode step of a worst-case
+batch, an update's micro-batch loop at the micro-batches that batch fills), beside
+`scaling.compute`'s count of the step's useful work (`model_flops`), and each program's
+collectives (`hlo`): docs/pods_and_planning.md#plan-a-run. With `fused_attention`,
+attention is planned as a fused kernel's memory (`fused`).
 
 What a plan says against an accelerator (the table, the verdict on a memory budget, the
 knobs to turn, the step-time bound) is `report`'s; the checks of what a plan is asked for
 are `inputs`'.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -61,8 +38,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlscale import model, programs, saved_policy, sharding
 from rlscale.data import tasks
 from rlscale.model import decoder, lora, moe
-from rlscale.planning import hlo, topology
+from rlscale.planning import fused, hlo, topology
 from rlscale.planning.flops import loop_factor, model_flops
+from rlscale.rl import checks
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl import setup as rl_setup
 from rlscale.sampling import SamplingConfig, engine, precision
@@ -251,6 +229,7 @@ def abstract_engine_state(model_cfg, scfg, slots: int, prompt_bucket: int, layou
         slots=slots,
         columns=prompt_bucket + scfg.max_new_tokens,
         layout=layout,
+        blocks=scfg.kv_blocks or None,  # A paged cache's pool (None: as dense rows take).
     )
     shardings = jax.jit(init).lower().compile().output_shardings
     return jax.tree.map(_abstract, jax.eval_shape(init), shardings)
@@ -378,7 +357,13 @@ def compile_update(config, model_cfg, mesh, prompt_bucket: int, targets: list | 
 
 
 def plan_run(
-    config, model_cfg, train_mesh, gen_mesh, prompt_len: int, targets: list | None = None
+    config,
+    model_cfg,
+    train_mesh,
+    gen_mesh,
+    prompt_len: int,
+    targets: list | None = None,
+    fused_attention: bool = False,
 ) -> Plan:
     """Compiles a run's learner update and generator programs for `train_mesh` and
     `gen_mesh` (the same mesh when the roles share devices) from abstract arrays, and
@@ -391,21 +376,32 @@ def plan_run(
       prompt_len: the longest prompt, in tokens (the prompt bucket that holds it is planned).
       targets: a TPU slice's devices (`topology.devices`), one per device of the meshes, to
         compile for instead of the meshes' own (`Compiler`).
+      fused_attention: plan `model.attention`'s calls without a cache as a fused kernel's
+        memory (`fused.as_fused`: XLA:CPU fuses none); `info["fused_attention"]` then says
+        what its stand-in holds beyond a fused kernel.
     """
     B, G = config.batch.prompts, config.batch.group_size
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
     shared = gen_mesh is train_mesh
-    graphdef, params, state, ref, update = compile_update(config, model_cfg, train_mesh, P, targets)
+
+    def fused_ctx():
+        return fused.as_fused(model_cfg.attention) if fused_attention else contextlib.nullcontext()
+
+    with fused_ctx():
+        graphdef, params, state, ref, update = compile_update(
+            config, model_cfg, train_mesh, P, targets
+        )
 
     # The generator: its params in the sampling layout and its dtype
     # (`sampling.generator_dtype`: its KV cache follows), its state, its programs.
     gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
     gen_graphdef, gen_params = abstract_params(gen_cfg, gen_mesh, sharding.SAMPLE_RULES)
     gen_progs = Compiler(gen_mesh, targets)
-    engine_state, admitted, R = engine_programs(
-        config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
-    )
+    with fused_ctx():
+        engine_state, admitted, R = engine_programs(
+            config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
+        )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
     gen_entries = [insert, decode]
     adapted = None
@@ -455,6 +451,9 @@ def plan_run(
             "experts": experts_info(model_cfg, train_mesh),
             "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
             "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
+            "fused_attention": fused.info(model_cfg, train_mesh, *_pack_rows(config, train_mesh, P))
+            if fused_attention
+            else None,
         },
     )
 
@@ -577,18 +576,15 @@ def _pack_rows(config, mesh, prompt_bucket: int) -> tuple[int, int]:
 
 
 def next_pack_rows(config, mesh, prompt_bucket: int) -> int:
-    """Half the forward rows per micro-batch (`learner.pack_rows`), if that still holds a
-    group whose samples all run the full length on one batch shard; else 0."""
-    b = config.batch
-    T, rows = _pack_rows(config, mesh, prompt_bucket)
-    per_row = 1  # With pack_length 0, a row holds one sequence.
-    if config.learner.pack_length:
-        per_row = max(1, T // (prompt_bucket + config.sampling.max_new_tokens))
-    on_shard = min(
-        b.group_size, b.prompts * b.group_size // sharding.batch_divisor(mesh, sharding.TRAIN_RULES)
-    )
+    """Half the forward rows per micro-batch (`learner.pack_rows`), down to 1 (below a group,
+    a micro-batch holds part of one: `batch_layout.Layout.split_groups`), while the run's
+    checks accept it (`checks.split_problems`); else 0."""
+    _, rows = _pack_rows(config, mesh, prompt_bucket)
     half = rows // 2
-    return half if half >= -(-on_shard // per_row) else 0
+    if half < 1:
+        return 0
+    halved = dataclasses.replace(config.learner, pack_rows=half)
+    return 0 if checks.split_problems(dataclasses.replace(config, learner=halved)) else half
 
 
 def _with_total(terms: dict) -> dict:

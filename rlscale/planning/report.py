@@ -91,6 +91,7 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
         f"{info['prompt_len']} tokens), completions of {info['max_new_tokens']} tokens, "
         f"{info['slots']} decode slots",
         *_model_lines(info),
+        *_fused_lines(info),
         "",
         "per device" + "".join(f"{role:>18}" for role in p.roles),
     ]
@@ -118,6 +119,18 @@ def table(p: planner.Plan, acc: Accelerator, hbm: float, where: str, model: str,
         f"decode {s['decode']:.3g} s at 100% of peak FLOP/s and HBM bandwidth",
     ]
     return "\n".join(lines + _collective_lines(p))
+
+
+def _fused_lines(info: dict) -> list[str]:
+    """With `--fused_attention`: which attention is planned as fused, and the stand-in's
+    excess over a fused kernel (counted in the update's temp)."""
+    f = info.get("fused_attention")
+    if not f:
+        return []
+    return [
+        f"  attention {f['attention']!r} planned as a fused kernel (planning.fused: its "
+        f"stand-in holds {size(f['excess_bytes'])} more, in temp)"
+    ]
 
 
 def _generator_lines(p: planner.Plan) -> list[str]:

@@ -23,8 +23,9 @@ class Layout(NamedTuple):
     Attributes:
       pack_length: tokens per forward row (0: the batch's P + M, one sequence per row).
       pack_rows: forward rows per batch shard in a micro-batch (0: `group_size` rows with a
-        `pack_length`; else a minibatch's rows per batch shard, at least a group's).
-      group_size: samples per prompt (a micro-batch holds whole groups).
+        `pack_length`; else a minibatch's rows per batch shard, at least a group's). Below
+        `group_size` a micro-batch may hold part of a group (`split_groups`).
+      group_size: samples per prompt.
       minibatches: optimizer steps per epoch.
       max_len: the completion budget (`sampling.max_new_tokens`).
       length_buckets: how many lengths completions are trimmed to (1: always `max_len`).
@@ -39,6 +40,16 @@ class Layout(NamedTuple):
     max_len: int
     length_buckets: int
     shared_prefix: bool = False
+
+    @property
+    def split_groups(self) -> bool:
+        """Whether a micro-batch may hold part of a group: `pack_rows` is set below
+        `group_size`, so a group of full-length samples need not fit one. At or above it (or
+        derived) a group's samples always fit a micro-batch's rows, and each micro-batch holds
+        whole groups; below it `pack` splits a group that fits none, and the learner gives
+        the aggregation each row's group token count over the optimizer step
+        (`group_terms`), which keeps `prompt_mean` additive over any split."""
+        return 0 < self.pack_rows < self.group_size
 
     def rows(self, num_rows: int, prompt_len: int, M: int, shards: int) -> tuple[int, int]:
         """(T, c): tokens per forward row and forward rows per batch shard in a micro-batch,
@@ -108,6 +119,7 @@ def plan(rollouts, step_rows, layout: Layout, *, shards: int, placed_N) -> Plan:
         group_size=layout.group_size,
         one_per_row=not layout.pack_length,
         prefix_N=prefix_N,
+        split=layout.split_groups,
     )
     run = int(count.sum()) * c * shards * T
     written_ON = np.broadcast_to(length_N, place["micro"].shape)
@@ -136,6 +148,21 @@ def shared_lengths(prompt_NP, attn_NP, layout: Layout) -> np.ndarray:
     return np.where(np.repeat(same_B, G), np.maximum(prompt_N - 1, 0), 0).astype(np.int32)
 
 
+def forward_tokens(rollouts, layout: Layout) -> int:
+    """The tokens of a batch's sequences as the learner's forward rows hold them (what its
+    FLOPs count: `report.Compute`): every row's prompt and completion tokens, less, with
+    `shared_prefix`, the prefix each group's later samples share with its first
+    (`shared_lengths`): a group's prompt once, as a row that holds the whole group holds it
+    (a group split over rows writes it once per row)."""
+    P = rollouts.prompt_len
+    total = int(rollouts.attn_mask_NL.sum())
+    if not layout.shared_prefix:
+        return total
+    prefix_N = shared_lengths(rollouts.tokens_NL[:, :P], rollouts.attn_mask_NL[:, :P], layout)
+    later_N = np.arange(len(prefix_N)) % layout.group_size > 0
+    return total - int(prefix_N[later_N].sum())
+
+
 def length_bucket(length: int, max_len: int, buckets: int) -> int:
     """The smallest of `buckets` evenly spaced lengths (max_len / buckets, ..., max_len)
     that holds `length`: what a batch's completions are trimmed to."""
@@ -160,6 +187,7 @@ def pack(
     group_size: int,
     one_per_row: bool = False,
     prefix_N=None,
+    split: bool = False,
 ):
     """Where each placed sequence goes in the packed micro-batches of each optimizer step,
     on the host (`forward.packed_micro` builds the rows on the device).
@@ -169,8 +197,10 @@ def pack(
     `pack_length` tokens in its micro-batch (with `one_per_row`, into a row of its own). Each
     step's groups with placed sequences are taken largest first, each into the first
     micro-batch with room for all its sequences: a group's samples share a micro-batch, as an
-    aggregation over a prompt's samples needs. A step runs as many micro-batches as its
-    sequences fill, from one compiled program.
+    aggregation over a prompt's samples needs. With `split`, a group that fits no micro-batch,
+    not even an empty one, is split: its sequences go (longest first) into the first
+    micro-batches with room for them, as many into each as fit, new ones last. A step runs as
+    many micro-batches as its sequences fill, from one compiled program.
 
     Shared prefixes (`prefix_N`): a sample's first `prefix_N` tokens are its group's, written
     once per packed row by the first of the group's samples there (its lead), the others
@@ -190,6 +220,8 @@ def pack(
       one_per_row: each sequence in a row of its own.
       prefix_N: [N] int, the leading tokens each row shares with its group (`shared_lengths`);
         None: none shared.
+      split: split a group that no micro-batch can hold (`Layout.split_groups`); else that
+        is an error.
 
     Returns:
       (place, count): `place` holds [O, N] int32 arrays: `micro`, row r's micro-batch in step
@@ -215,15 +247,14 @@ def pack(
     if prefix_N is not None:  # Unplaced rows lead themselves and share nothing.
         place["lead"][:] = np.arange(N)
     count = np.zeros(steps, np.int32)
-    fit = _Fit(length_N, shard_N, T, c, one_per_row, prefix_N)
+    fit = _Fit(length_N, shard_N, T, c, one_per_row, prefix_N, split)
     for s, rows in enumerate(step_rows):
         groups = [[r for r in rows[i : i + G] if placed_N[r]] for i in range(0, len(rows), G)]
         groups = sorted((g for g in groups if g), key=lambda g: -sum(length_N[g]))
         rooms = []  # Per micro-batch, per shard: the room left in each of its packed rows.
         for group in groups:
             seqs = sorted(group, key=lambda r: -length_N[r])
-            u, fits = fit.group(rooms, seqs, shards)
-            for r, spot in zip(seqs, fits):
+            for u, r, spot in fit.group(rooms, seqs, shards):
                 place["micro"][s, r] = u
                 for k, v in zip(keys[1:], spot):
                     place[k][s, r] = v
@@ -238,7 +269,8 @@ SHARED_PLACE = ("prefix", "lead", "shared")  # With shared prefixes (`pack`'s `p
 class _Fit(NamedTuple):
     """First-fit of sequences (lengths `length_N`, on shards `shard_N`) into micro-batches of
     `c` rows of T tokens per shard; with `one_per_row`, a row holds one sequence; with
-    `prefix_N`, a group's samples share their first `prefix_N` tokens within a row."""
+    `prefix_N`, a group's samples share their first `prefix_N` tokens within a row; with
+    `split`, a group no micro-batch holds is split over several."""
 
     length_N: np.ndarray
     shard_N: np.ndarray
@@ -246,30 +278,44 @@ class _Fit(NamedTuple):
     c: int
     one_per_row: bool
     prefix_N: np.ndarray | None = None
+    split: bool = False
 
     def group(self, rooms, seqs, shards):
-        """(micro-batch, each sequence's spot: (row, offset), and with `prefix_N` (prefix,
-        lead, shared)) for a group's sequences `seqs`: the first micro-batch of `rooms` they
-        all fit in, else a new one (appended to `rooms`)."""
+        """[(micro-batch, sequence, its spot: (row, offset), and with `prefix_N` (prefix,
+        lead, shared))] for a group's sequences `seqs`: the first micro-batch of `rooms` they
+        all fit in, else a new one (appended to `rooms`); with `split`, a group that fits
+        not even an empty one goes, as many sequences at a time as fit, into the first
+        micro-batches with room, then new ones."""
         for u, micro in enumerate(rooms):
             fits = self.first_fit(micro, seqs)
             if fits is not None:
-                return u, fits
+                return [(u, r, spot) for r, spot in zip(seqs, fits)]
         micro = [[] for _ in range(shards)]
         fits = self.first_fit(micro, seqs)
-        if fits is None:
+        if fits is not None:
+            rooms.append(micro)
+            return [(len(rooms) - 1, r, spot) for r, spot in zip(seqs, fits)]
+        if not self.split:
             raise ValueError(
                 f"learner.pack_rows={self.c} rows of {self.T} tokens per batch shard cannot "
                 f"hold one group's sequences (lengths {[int(self.length_N[r]) for r in seqs]}): "
                 "raise learner.pack_rows"
             )
-        rooms.append(micro)
-        return len(rooms) - 1, fits
+        out, left, u = [], list(seqs), 0
+        while left:  # Each new micro-batch takes at least one: a sequence fits an empty row.
+            if u == len(rooms):
+                rooms.append([[] for _ in range(shards)])
+            fits = self.first_fit(rooms[u], left, some=True)
+            out += [(u, r, spot) for r, spot in zip(left, fits) if spot is not None]
+            left = [r for r, spot in zip(left, fits) if spot is None]
+            u += 1
+        return out
 
-    def first_fit(self, rooms, seqs):
+    def first_fit(self, rooms, seqs, some: bool = False):
         """Places `seqs` first-fit into a micro-batch's packed rows (`rooms[shard]`: room left
         per row; at most `c` rows per shard), updating `rooms`; their spots, or None (and
-        `rooms` unchanged) if one does not fit."""
+        `rooms` unchanged) if one does not fit. With `some`, those that fit are placed and
+        the others' spots are None."""
         trial = [list(r) for r in rooms]
         heads = {}  # (shard, row) -> (prefix position, lead) of this group's prefix there.
         out = []
@@ -286,8 +332,11 @@ class _Fit(NamedTuple):
                 continue
             row = next((i for i, room in enumerate(shard) if room >= n), None)
             if row is None:
-                if len(shard) == self.c:
+                if len(shard) == self.c and not some:
                     return None
+                if len(shard) == self.c:
+                    out.append(None)
+                    continue
                 shard.append(self.T)
                 row = len(shard) - 1
             head = self.T - shard[row]

@@ -466,7 +466,7 @@ def _batch_problems(config) -> list[str]:
             f"learner.pack_length={u.pack_length!r} must be 0 (one sequence per row) or more than "
             f"sampling.max_new_tokens={M}"
         )
-    return problems + _shared_prefix_problems(config)
+    return problems + _shared_prefix_problems(config) + split_problems(config)
 
 
 def _shared_prefix_problems(config) -> list[str]:
@@ -489,36 +489,43 @@ def _shared_prefix_problems(config) -> list[str]:
     return problems
 
 
+def split_problems(config) -> list[str]:
+    """`learner.pack_rows` below `batch.group_size` lets a micro-batch hold part of a group
+    (`batch_layout.Layout.split_groups`): `aggregate(mode=prompt_mean)` then divides by each
+    group's token count over the optimizer step, counted before the loss stage, so a
+    loss-stage transform that narrows the mask (its kept tokens would be the count) cannot
+    precede it."""
+    u, b = config.learner, config.batch
+    if not (isinstance(u.pack_rows, int) and 0 < u.pack_rows < b.group_size):
+        return []
+    try:
+        chain = objectives.resolve(
+            config.objective.chain, group_size=b.group_size, max_len=config.sampling.max_new_tokens
+        )
+    except ValueError:  # `_objective_problems` reports the chain's own problems.
+        return []
+    narrowing = [e.name for e, _ in chain if e.stage == "loss" and "mask" in e.provides]
+    prompt_mean = any(e.name == "aggregate" and k.get("mode") == "prompt_mean" for e, k in chain)
+    if not (narrowing and prompt_mean):
+        return []
+    return [
+        f"learner.pack_rows={u.pack_rows} below batch.group_size={b.group_size} splits groups "
+        "over micro-batches, where aggregate(mode=prompt_mean) counts each group's tokens "
+        f"before the loss stage, but {', '.join(narrowing)} narrows the mask in it; set "
+        f"learner.pack_rows to 0 or at least {b.group_size}"
+    ]
+
+
 def pack_problems(learner, batch, sampling, longest_prompt: int) -> list[str]:
     """What packing cannot hold, given the longest training prompt (in tokens): a sequence
-    longer than `learner.pack_length`, or a group of full-length samples that
-    `learner.pack_rows` rows cannot hold (a micro-batch holds whole groups; with
-    `pack_length` 0, a row holds one sequence; with `shared_prefix`, a row the prompt once
-    and each sample's last prompt token and completion)."""
-    u, G, M = learner, batch.group_size, sampling.max_new_tokens
+    longer than `learner.pack_length`. Any `learner.pack_rows` holds the data: a row holds
+    at least one sequence, and below what a group needs a micro-batch holds part of one
+    (`batch_layout.Layout.split_groups`; `split_problems`)."""
+    u, M = learner, sampling.max_new_tokens
     longest = longest_prompt + M
-    if not u.pack_length:
-        if u.pack_rows and u.pack_rows < G:
-            return [
-                f"learner.pack_rows={u.pack_rows} rows of one sequence each "
-                f"(learner.pack_length=0) cannot hold a group of batch.group_size={G} "
-                f"samples: it needs {G} (or 0: a minibatch's rows)"
-            ]
-        return []
-    if u.pack_length < longest:
+    if u.pack_length and u.pack_length < longest:
         return [
             f"learner.pack_length={u.pack_length} cannot hold the longest training sequence: "
             f"its prompt has {longest_prompt} tokens, plus sampling.max_new_tokens={M}"
-        ]
-    per_row = u.pack_length // longest
-    if u.shared_prefix is True:  # The prompt once per row (but its last token), then samples.
-        per_row = (u.pack_length - longest_prompt + 1) // (M + 1)
-    need = -(-G // per_row)
-    if u.pack_rows and u.pack_rows < need:
-        return [
-            f"learner.pack_rows={u.pack_rows} rows of learner.pack_length={u.pack_length} "
-            f"tokens cannot hold a group of batch.group_size={G} samples of the longest "
-            f"training prompt ({longest_prompt} tokens) and sampling.max_new_tokens={M}: it "
-            f"needs {need} (or 0: batch.group_size)"
         ]
     return []

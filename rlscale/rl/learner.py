@@ -19,6 +19,7 @@ from flax import nnx
 from rlscale import faults, sharding
 from rlscale.model import lora as lora_lib
 from rlscale.model.decoder import ForwardSpec
+from rlscale.objectives.aggregate import group_terms
 from rlscale.rl import batch_layout
 from rlscale.rl import rollouts as rollouts_lib
 from rlscale.rl.forward import no_grad_terms, packed_micro, token_terms
@@ -54,13 +55,18 @@ class Spec(NamedTuple):
     train_terms: tuple[str, ...]  # Computed with gradients.
     old_terms: tuple[str, ...]  # The trainer's terms before the update (`old_logp`, ...).
     ref: bool  # The chain reads `ref_logp`.
-    max_micro: int  # The most packed micro-batches an optimizer step can need (its groups).
+    # The most packed micro-batches an optimizer step can need: its groups, or its rows where
+    # a micro-batch may hold part of a group (`split_group_size`).
+    max_micro: int
     minibatches: int
     offload_ref: bool  # The reference's params arrive in host memory.
     replay_probe: bool = False  # Also the logprob gap under the other routing (`_probe`).
     # LoRA (`lora_lib.LoraConfig`; None: full fine-tuning): the trained params are adapters
     # and the reference's params the frozen base, which the policy's forward merges them into.
     lora: Any = None
+    # The group size where a micro-batch may hold part of a group (`Layout.split_groups`):
+    # the aggregation then reads each row's group terms over the step (`group_terms`); else 0.
+    split_group_size: int = 0
 
 
 def _policy(spec: Spec, params, ref_params):
@@ -205,7 +211,8 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
     1. Where the chain reads them, the trainer's old terms (`old_logp`, `old_value`) and the
        reference's `ref_logp`, with the params the update starts from, over the first epoch's
        micro-batches (which hold every trained row once).
-    2. The batch-stage transforms (advantages) on the whole batch.
+    2. The batch-stage transforms (advantages) on the whole batch; where a micro-batch may
+       hold part of a group, each row's group terms (`group_terms`).
     3. O optimizer steps (`lax.scan`), each accumulating the gradient sums of its
        micro-batches (a `fori_loop` over as many as it fills) and dividing once by their
        summed denominator.
@@ -245,6 +252,8 @@ def update_step(state: TrainState, ref_params, batch, place, count, *, spec: Spe
         ) / jnp.maximum(jnp.sum(mask_f), 1.0)
     terms, batch_state = spec.objective.batch.update(terms, state.batch_state)
     metrics["batch"] = terms.pop("metrics", {})  # The batch-stage transforms' own.
+    if spec.split_group_size:  # Each group's count over its step, whatever micro-batches hold.
+        terms.update(group_terms(terms["mask"], spec.split_group_size))
 
     optimizer_step = functools.partial(_optimizer_step, spec, batch, terms, ref_params)
     state, per_step = jax.lax.scan(
@@ -332,6 +341,7 @@ class Learner:
             offload_ref=self.offload_ref,
             lora=self.lora,
             replay_probe=self.replay_probe,
+            split_group_size=self.layout.group_size if self.layout.split_groups else 0,
         )
         # No-gradient forward passes per batch: the trainer's old terms, reference logprobs,
         # and the replay probe's over the first of the `epochs` x `minibatches` steps.
@@ -460,8 +470,10 @@ class Learner:
             host["step_reward"] = rollouts.step_reward_NM[:, :M].astype(np.float32)
             host["step_mask"] = rollouts.step_mask_NM[:, :M].astype(bool)
         forward = self.spec.forward._replace(pack_length=plan.T, pack_rows=plan.pack_rows)
-        # At most one micro-batch per group of a step.
-        max_micro = step_rows.shape[1] // self.layout.group_size
+        # At most one micro-batch per group of a step (per row where groups split).
+        max_micro = step_rows.shape[1] // (
+            1 if self.layout.split_groups else self.layout.group_size
+        )
         spec = self.spec._replace(forward=forward, max_micro=max_micro)
         shape = {
             "train/length_bucket": M,

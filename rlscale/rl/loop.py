@@ -35,6 +35,7 @@ class Loop:
             self.run.counters,
             max_new_tokens=config.sampling.max_new_tokens,
             epochs=config.learner.epochs,
+            layout=s.learner.layout,
         )
         self.source = s.rollout_source(self.run.stream, self.run.history)
         if config.reward.model == learned_rewards.TRAIN_AT_SETUP:  # From the warm start.

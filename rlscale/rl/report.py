@@ -14,7 +14,7 @@ import numpy as np
 from rlscale import checkpoint, optim
 from rlscale.envs import episodes as env_episodes
 from rlscale.model import hf, lora
-from rlscale.rl import learned_rewards, logp_match
+from rlscale.rl import batch_layout, learned_rewards, logp_match
 from rlscale.scaling import compute
 
 
@@ -23,9 +23,11 @@ class Compute:
 
     KEYS = ("compute/sample_flops", "compute/train_flops", "compute/device_seconds")
 
-    def __init__(self, counters: dict | None = None, *, max_new_tokens=0, epochs=1):
+    def __init__(self, counters: dict | None = None, *, max_new_tokens=0, epochs=1, layout=None):
+        """`layout`: the learner's (`batch_layout.Layout`), whose `shared_prefix` runs a
+        group's prompt once (None: every row's tokens)."""
         self.counters = counters if counters is not None else dict.fromkeys(self.KEYS, 0.0)
-        self.max_new_tokens, self.epochs = max_new_tokens, epochs
+        self.max_new_tokens, self.epochs, self.layout = max_new_tokens, epochs, layout
 
     def add_step(self, model_cfg, stats, rollouts, passes):
         """One step's FLOPs: sampling (prompts + generated tokens + an environment's reply
@@ -46,9 +48,12 @@ class Compute:
 
     def add_training(self, model_cfg, rollouts, passes):
         """The learner's FLOPs on a batch: `passes` no-grad forward passes (the trainer's old
-        terms, the reference's) and `epochs` training passes over its sequences' tokens."""
+        terms, the reference's) and `epochs` training passes over its sequences' tokens (with
+        a shared prefix, a group's prompt once: `batch_layout.forward_tokens`)."""
         ctx = rollouts.prompt_len + self.max_new_tokens / 2
         seq_tokens = float(rollouts.attn_mask_NL.sum())
+        if self.layout is not None:
+            seq_tokens = float(batch_layout.forward_tokens(rollouts, self.layout))
         self.counters["compute/train_flops"] += (
             compute.forward_flops(model_cfg, seq_tokens, ctx) * passes
             + compute.train_flops(model_cfg, seq_tokens, ctx) * self.epochs

@@ -55,10 +55,10 @@ class LearnerConfig(sections.Section):
     """`config.learner` (docs/learner.md): `epochs` x `minibatches` optimizer steps per batch,
     each accumulating its micro-batches; completions trimmed to one of `length_buckets`
     lengths; sequences packed into rows of `pack_length` tokens (0: one a row), `pack_rows`
-    rows per batch shard a micro-batch (0: `batch_layout.Layout.rows`), `shared_prefix` a
-    group's prompt once per row; logprobs `logprob_chunk` tokens at a time; `remat` what each
-    block's backward pass recomputes; `offload_ref` keeps the KL reference in host memory;
-    `router_replay` a MoE's routing (`learner.ROUTER_REPLAY`), `replay_probe` the other's gap."""
+    rows per batch shard a micro-batch (0: `Layout.rows`; below `batch.group_size` part of a
+    group: `Layout.split_groups`), `shared_prefix` a group's prompt once per row; logprobs
+    `logprob_chunk` tokens at a time; `remat` what each block's backward pass recomputes;
+    `offload_ref` the KL reference in host memory; `router_replay` a MoE's routing."""
 
     epochs: int = 1
     minibatches: int = 1
