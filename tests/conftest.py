@@ -350,15 +350,16 @@ SLOW_FIXTURES = {"warm", "golden_runs", "recipe_runs"}
 
 def pytest_collection_modifyitems(items):
     """Marks the tests that use a whole run's fixture `slow`, then orders the files heaviest
-    first (a slow test weighs as 15 others), each file's tests in their own order. The
-    workers take whole files (`--dist loadfile`, pyproject.toml): a file's tests share their
-    compiled programs and module fixtures in one process, and with the heaviest files handed
-    out first no worker is left with a long file at the end."""
+    first (a slow test weighs as 50 others: 10-30 CPU-s against a fraction of one), each
+    file's tests in their own order. The workers take whole files (`--dist loadfile`,
+    pyproject.toml): a file's tests share their compiled programs and module fixtures in one
+    process, and with the heaviest files handed out first no worker is left with a long file
+    at the end."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     weight = {}
     for item in items:
         slow = item.get_closest_marker("slow") is not None
-        weight[item.path] = weight.get(item.path, 0) + (15 if slow else 1)
+        weight[item.path] = weight.get(item.path, 0) + (50 if slow else 1)
     items.sort(key=lambda item: -weight[item.path])  # Stable: each file keeps its order.

@@ -121,7 +121,8 @@ def _equal(got, want):
                 np.testing.assert_array_equal(x, y, err_msg=field)
 
 
-@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny_moe", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
 def test_paged_engine_equals_the_dense_engine(name):
     """Every completion field, the mixture of experts' recorded routing included, equals the
     dense engine's (the logprobs to float32 rounding), with a weight swap mid-way (a pool of

@@ -112,6 +112,7 @@ def runs():
     return params, out
 
 
+@pytest.mark.slow
 def test_engine_records_what_the_static_sampler_records(runs):
     """The engine records what the static sampler records for the same request keys (same
     tokens, same experts for every prompt and completion token: both run the same decode

@@ -95,9 +95,13 @@ def chunked_attention(q_BTHE, k_BKET, v_BKTE, mask: attention.Mask, *, scale, wi
 
 
 @contextlib.contextmanager
-def as_fused(name: str):
+def as_fused(name: str, on: bool = True):
     """Within it, calls of attention implementation `name` without a cache run
-    `chunked_attention` (the programs traced inside it plan a fused kernel's memory)."""
+    `chunked_attention` (the programs traced inside it plan a fused kernel's memory); with
+    `on` False, as they are."""
+    if not on:
+        yield
+        return
     impl = attention.get(name)
     attention._REGISTRY[name] = impl._replace(fn=chunked_attention)  # Restored on exit.
     try:

@@ -24,7 +24,6 @@ knobs to turn, the step-time bound) is `report`'s; the checks of what a plan is 
 are `inputs`'.
 """
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -380,15 +379,10 @@ def plan_run(
         memory (`fused.as_fused`: XLA:CPU fuses none); `info["fused_attention"]` then says
         what its stand-in holds beyond a fused kernel.
     """
-    B, G = config.batch.prompts, config.batch.group_size
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
     shared = gen_mesh is train_mesh
-
-    def fused_ctx():
-        return fused.as_fused(model_cfg.attention) if fused_attention else contextlib.nullcontext()
-
-    with fused_ctx():
+    with fused.as_fused(model_cfg.attention, fused_attention):
         graphdef, params, state, ref, update = compile_update(
             config, model_cfg, train_mesh, P, targets
         )
@@ -398,7 +392,7 @@ def plan_run(
     gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
     gen_graphdef, gen_params = abstract_params(gen_cfg, gen_mesh, sharding.SAMPLE_RULES)
     gen_progs = Compiler(gen_mesh, targets)
-    with fused_ctx():
+    with fused.as_fused(model_cfg.attention, fused_attention):
         engine_state, admitted, R = engine_programs(
             config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
         )
@@ -431,31 +425,41 @@ def plan_run(
         },
         programs=table,
         decode_bytes=device_bytes(gen_params) + generator["kv_cache"],
-        info={
-            "prompt_len": prompt_len,
-            "prompt_bucket": P,
-            "max_new_tokens": config.sampling.max_new_tokens,
-            "rows": B * G,
-            "slots": config.pipeline.slots,
-            "prefill_requests": admitted,
-            "prefill_rows": R,
-            "train_mesh": dict(train_mesh.shape),
-            "generator_mesh": dict(gen_mesh.shape),
-            "generator_heads": generator_heads(gen_cfg, gen_mesh),
-            "shared_devices": shared,
-            "param_dtype": model_cfg.param_dtype,
-            "dtype": model_cfg.dtype,
-            "generator_dtype": gen_cfg.dtype,
-            "num_params": model_cfg.num_params(),
-            "num_layers": model_cfg.num_layers,
-            "experts": experts_info(model_cfg, train_mesh),
-            "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
-            "fused_attention": fused.info(model_cfg, train_mesh, *_pack_rows(config, train_mesh, P))
-            if fused_attention
-            else None,
-        },
+        info=_plan_info(config, model_cfg, gen_cfg, (train_mesh, gen_mesh), state, P)
+        | {"prompt_len": prompt_len, "prefill_requests": admitted, "prefill_rows": R}
+        | {"fused_attention": _fused_info(config, model_cfg, train_mesh, P, fused_attention)},
     )
+
+
+def _plan_info(config, model_cfg, gen_cfg, meshes, state, P: int) -> dict:
+    """`Plan.info`'s settings, meshes and model figures (`plan_run`'s; `meshes`: the trainer's
+    and the generator's)."""
+    train_mesh, gen_mesh = meshes
+    B, G = config.batch.prompts, config.batch.group_size
+    shared = gen_mesh is train_mesh
+    return {
+        "prompt_bucket": P,
+        "max_new_tokens": config.sampling.max_new_tokens,
+        "rows": B * G,
+        "slots": config.pipeline.slots,
+        "train_mesh": dict(train_mesh.shape),
+        "generator_mesh": dict(gen_mesh.shape),
+        "generator_heads": generator_heads(gen_cfg, gen_mesh),
+        "shared_devices": shared,
+        "param_dtype": model_cfg.param_dtype,
+        "dtype": model_cfg.dtype,
+        "generator_dtype": gen_cfg.dtype,
+        "num_params": model_cfg.num_params(),
+        "num_layers": model_cfg.num_layers,
+        "experts": experts_info(model_cfg, train_mesh),
+        "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
+        "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
+    }
+
+
+def _fused_info(config, model_cfg, train_mesh, P: int, on: bool):
+    """With `fused_attention`, what its stand-in holds beyond a fused kernel; else None."""
+    return fused.info(model_cfg, train_mesh, *_pack_rows(config, train_mesh, P)) if on else None
 
 
 def generator_heads(model_cfg, mesh) -> dict:

@@ -233,14 +233,7 @@ def pack(
     """
     T, c, G = pack_length, pack_rows, group_size
     N, steps = len(length_N), len(step_rows)  # O optimizer steps.
-    longest = length_N[placed_N].max(initial=0)
-    if longest > T:
-        raise ValueError(
-            f"learner.pack_length={T} is shorter than a trained sequence of the batch "
-            f"({int(longest)} tokens: prompt and completion)"
-        )
-    if one_per_row and prefix_N is not None:
-        raise ValueError("learner.shared_prefix=True needs learner.pack_length > 0")
+    _check_pack(length_N[placed_N], T, one_per_row and prefix_N is not None)
     shard_N = np.arange(N) // (N // shards)
     keys = PLACE if prefix_N is None else PLACE + SHARED_PLACE
     place = {k: np.full((steps, N), -1 if k == "micro" else 0, np.int32) for k in keys}
@@ -260,6 +253,19 @@ def pack(
                     place[k][s, r] = v
         count[s] = len(rooms)
     return place, count
+
+
+def _check_pack(lengths, T: int, shared_one_per_row: bool):
+    """ValueError naming the key: a trained sequence (of `lengths`) longer than the rows, or
+    shared prefixes without packed rows."""
+    longest = lengths.max(initial=0)
+    if longest > T:
+        raise ValueError(
+            f"learner.pack_length={T} is shorter than a trained sequence of the batch "
+            f"({int(longest)} tokens: prompt and completion)"
+        )
+    if shared_one_per_row:
+        raise ValueError("learner.shared_prefix=True needs learner.pack_length > 0")
 
 
 PLACE = ("micro", "row", "offset")
