@@ -234,8 +234,8 @@ def _made_once(root, name, make):
 def shared_workdir(tmp_path_factory, worker_id):
     """`shared_workdir(name, make)`: a workdir made once in the session (`make(workdir)`) and
     read by every test and xdist worker that asks for it, so an expensive run that tests in
-    several files (so several workers) read runs once, not once per worker. Its makers must be
-    deterministic in `name` and only read it after."""
+    several workers read (a module fixture's run, under `--dist worksteal`) runs once, not once
+    per worker. Its makers must be deterministic in `name` and only read it after."""
     root = _shared_root(tmp_path_factory, worker_id)
     return lambda name, make: _made_once(root, name, make)
 
@@ -349,17 +349,6 @@ SLOW_FIXTURES = {"warm", "golden_runs", "recipe_runs"}
 
 
 def pytest_collection_modifyitems(items):
-    """Marks the tests that use a whole run's fixture `slow`, then orders the files heaviest
-    first (a slow test weighs as 50 others: 10-30 CPU-s against a fraction of one), each
-    file's tests in their own order. The workers take whole files (`--dist loadfile`,
-    pyproject.toml): a file's tests share their compiled programs and module fixtures in one
-    process, and with the heaviest files handed out first no worker is left with a long file
-    at the end."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    weight = {}
-    for item in items:
-        slow = item.get_closest_marker("slow") is not None
-        weight[item.path] = weight.get(item.path, 0) + (50 if slow else 1)
-    items.sort(key=lambda item: -weight[item.path])  # Stable: each file keeps its order.
