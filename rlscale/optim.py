@@ -83,9 +83,10 @@ def make_optimizer(c, params=None, frozen: tuple[str, ...] = ()) -> optax.Gradie
     settings share their compiled programs."""
     low = any(jnp.dtype(x.dtype) != jnp.float32 for x in jax.tree.leaves(params))
     try:
-        return _optimizer(c, low, tuple(frozen))
-    except TypeError:  # Unhashable settings: built each time.
+        hash(c)
+    except TypeError:  # Unhashable settings (a namespace of the fields): built each time.
         return _optimizer.__wrapped__(c, low, tuple(frozen))
+    return _optimizer(c, low, tuple(frozen))
 
 
 @functools.cache

@@ -219,11 +219,7 @@ def load_problems(task_cfg, workdir: str, split: str, n: int):
 
 
 def verifier_pool(reward: isolation.RewardConfig, *verifiers):
-    """The reward section's verifier pool (`reward.workers` worker processes) as a context
-    manager, or None in-process when `reward.workers` is 0. The workers start with the
-    `verifiers`' modules imported: a module first imported by a call (unpickling its verifier)
-    would spend that call's `reward.timeout` on imports."""
-    if not reward.workers:
-        return contextlib.nullcontext()
-    modules = sorted({v.__module__ for v in verifiers})  # A function's, or a class's.
-    return isolation.verifier_pool(reward.workers, preload=modules)
+    """`isolation.reward_pool(reward, *verifiers)` as a context manager (a null one when
+    `reward.workers` is 0: in-process)."""
+    pool = isolation.reward_pool(reward, *verifiers)
+    return contextlib.nullcontext() if pool is None else pool

@@ -111,6 +111,16 @@ def verifier_pool(
     )
 
 
+def reward_pool(reward: RewardConfig, *verifiers) -> sandbox.WorkerPool | None:
+    """The reward section's verifier pool (`reward.workers` processes), or None (0: verify
+    in-process). Its workers start with the `verifiers`' modules imported (a function's, or
+    a callable object's class's): a module first imported by a call (unpickling its verifier)
+    would spend that call's `reward.timeout` on imports."""
+    if not reward.workers:
+        return None
+    return verifier_pool(reward.workers, preload=sorted({v.__module__ for v in verifiers}))
+
+
 def _as_reward(value) -> tuple[float, str | None, str | None]:
     """(reward, failure kind or None, message) for a verifier's return value."""
     try:

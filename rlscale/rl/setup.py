@@ -450,15 +450,6 @@ def _check_with_data(config, tokenizer, tokenizer_source: str, scfg, longest: in
     return preference_pairs
 
 
-def _verifier_pool(reward: isolation.RewardConfig, reward_fn, task):
-    """The run's one verifier pool (`reward.workers` processes), or None (in-process)."""
-    if not reward.workers:
-        return None
-    # Workers start with the verifiers' modules already imported.
-    modules = sorted({reward_fn.__module__, task.verify.__module__})
-    return isolation.verifier_pool(reward.workers, preload=modules)
-
-
 def stage_settings(config) -> dict:
     """What each stage of the run's cache (`stage_cache.STAGES`) is made with, from the
     resolved run's sections as configured (before set-up fills `batch.prompt_pool`)."""
@@ -551,7 +542,7 @@ def build(config, workdir: str) -> Setup:
     preference_pairs = _check_with_data(config, tokenizer, tokenizer_source, scfg, longest)
     progs = programs.Programs(mesh)
     reward_fn = isolation.import_function(config.reward.fn) if config.reward.fn else task.verify
-    pool = _verifier_pool(config.reward, reward_fn, task)
+    pool = isolation.reward_pool(config.reward, reward_fn, task.verify)
     model_cfg, graphdef, params, summary = _policy(
         config, workdir, mesh, tokenizer, task, splits, settings[stage_cache.WARM_START]
     )
