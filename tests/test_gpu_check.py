@@ -106,7 +106,7 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     s = r["sections"]
-    expected = ["machine", "ceilings", "train/tiny", "decode/tiny", "engine"]
+    expected = ["machine", "ceilings", "train/tiny", "decode/tiny", "engine", "paged"]
     expected += [f"attention/{name}" for name in _tool().attention_names()]
     assert list(s) == expected and all(s[k]["status"] == "ok" for k in s), s
     bad = [(k, v) for k, v in _numbers(r) if not math.isfinite(v)]
@@ -122,10 +122,13 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
     assert e["engine_utilization"] == pytest.approx(
         e["useful_tokens"] / e["engine_slot_steps"], rel=REL
     )
+    p = s["paged"]  # Both engines drew the same tokens; the paged one holds less KV.
+    assert p["paged_same_requests_fraction"] == 1.0, p
+    assert p["paged_kv_bytes_per_live_token"] < p["engine_kv_bytes_per_live_token"], p
     _check_attention(s["attention/xla"], cfg, peak)
     rows = [line for line in md.read_text().splitlines() if line.startswith("| ")]
-    # Header, rule; train, decode, engine, one per attention implementation.
-    assert len(rows) == 2 + 3 + len(_tool().attention_names()), rows
+    # Header, rule; train, decode, engine, paged, one per attention implementation.
+    assert len(rows) == 2 + 4 + len(_tool().attention_names()), rows
     assert "proves the command runs" in md.read_text()
 
 

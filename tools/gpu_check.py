@@ -23,6 +23,9 @@ on a rare GPU loses no other's figures:
               the whole KV cache) / step time against the table's HBM bandwidth
   engine      the engine on 256 long-tailed requests (`bench.generator.bench_generator`,
               the engine side): tokens/s and slot utilization against the ideal engine's
+  paged       the engine on long-tailed groups of 8 samples, its dense KV ring and its paged
+              cache (`sampling.kv_block_size`) in turn: tokens/s of each, KV bytes held per
+              live token and prompt KV columns written per group
   quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
               subprocess: compilation and the SFT warm start included) and its pass@1
   attention/A per name A of `attention_names()`: the model's forward + backward
@@ -94,6 +97,7 @@ class Plan(NamedTuple):
     learner: dict[str, dict]  # `bench.learner.LearnerShape`'s fields, per model.
     decode: dict[str, Any]  # bench_engine_decode's slots, prompt_len, new_tokens, k
     engine: dict[str, Any]  # The model and bench_generator's shape.
+    paged: dict[str, Any]  # The same for groups, with the paged cache's block size.
     attention: dict[str, Any]  # The model, batch and seq_len.
     ceilings: dict[str, Any]  # Matmul sizes, calls per timing, bytes read.
     quickstart: str  # A config for `rlscale.main`; "" runs none.
@@ -124,19 +128,30 @@ GPU = Plan(
     decode=dict(slots=64, prompt_len=64, new_tokens=256, k=8),
     # The decode section's engine settings (one compiled decode program for both).
     engine=dict(model=QWEN[0], slots=64, requests=256, prompt_len=64, longest=256, k=8),
+    paged=dict(
+        model=QWEN[0],
+        slots=64,
+        requests=32,
+        prompt_len=128,
+        longest=256,
+        k=8,
+        samples=8,
+        kv_block_size=16,
+    ),
     attention=dict(model=QWEN[0], batch=2, seq_len=2048),
     ceilings=dict(sizes=(4096, 8192), calls=10, nbytes=2 << 30),
     quickstart="configs/quickstart.py",
     budgets={
         "machine": 5,
         "ceilings": 10,
-        f"train/{QWEN[0]}": 70,
-        f"train/{QWEN[1]}": 80,
+        f"train/{QWEN[0]}": 60,
+        f"train/{QWEN[1]}": 75,
         f"decode/{QWEN[0]}": 40,
         "engine": 40,
-        f"decode/{QWEN[1]}": 45,
-        "quickstart": 140,
-        "attention": 35,
+        "paged": 40,
+        f"decode/{QWEN[1]}": 40,
+        "quickstart": 125,
+        "attention": 30,
     },
 )
 TINY = Plan(
@@ -144,6 +159,16 @@ TINY = Plan(
     learner={"tiny": dict(prompts=2, group=2, prompt_len=8, completion=8)},
     decode=dict(slots=4, prompt_len=8, new_tokens=8, k=4),
     engine=dict(model="tiny", slots=4, requests=8, prompt_len=8, longest=8, k=4),
+    paged=dict(
+        model="tiny",
+        slots=4,
+        requests=4,
+        prompt_len=8,
+        longest=8,
+        k=4,
+        samples=2,
+        kv_block_size=4,
+    ),
     attention=dict(model="tiny", batch=2, seq_len=16),
     ceilings=dict(sizes=(128, 256), calls=1, nbytes=16 << 20),
     quickstart="",
@@ -153,6 +178,7 @@ TINY = Plan(
         "train/tiny": 60,
         "decode/tiny": 30,
         "engine": 30,
+        "paged": 30,
         "quickstart": 140,
         "attention": 30,
     },
@@ -283,6 +309,18 @@ def engine_section(ctx: Context, plan: Plan, deadline: float) -> dict:
     return {"model": e["model"], **out}
 
 
+def paged_section(ctx: Context, plan: Plan, deadline: float) -> dict:
+    del deadline  # One untimed and one timed run of each side.
+    p = dict(plan.paged)
+    name = p.pop("model")
+    cfg, graphdef, params = ctx.model(name)
+    out = generator.bench_generator(
+        cfg, params, graphdef, p.pop("slots"), p.pop("requests"), p.pop("prompt_len"),
+        p.pop("longest"), p.pop("k"), repeats=1, static=False, **p,
+    )  # fmt: skip
+    return {"model": name, **out}
+
+
 def attention_side_by_side(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
     """The model's forward + backward (`bench.attention`) with attention implementation
     `name`: one section per name of `attention_names()`, so a broken one loses no other's
@@ -360,6 +398,7 @@ def schedule(plan: Plan, ctx: Context, quickstart: str, runner) -> list:
         add(f"decode/{name}", lambda d, n=name: decode_section(ctx, plan, n, d))
         if i == 0:  # The engine shares the first model's params and decode program.
             add("engine", lambda d: engine_section(ctx, plan, d))
+            add("paged", lambda d: paged_section(ctx, plan, d))
     if quickstart:
         add("quickstart", lambda d: quickstart_section(quickstart, runner, d))
     names = attention_names()

@@ -122,6 +122,25 @@ def _engine_row(r):
             f"utilization {r['engine_utilization']:.1%}"]  # fmt: skip
 
 
+def _paged_row(r):
+    shape = (
+        f"S={r['slots']}, {r['requests']} groups of {r['samples']}, P={r['prompt_len']}, "
+        f"M<={r['max_new_tokens']}, blocks of {r['kv_block_size']}"
+    )
+    figure = (
+        f"paged {r['useful_tokens'] / r['paged_s']:,.0f} tokens/s, "
+        f"{_si(r['paged_kv_bytes_per_live_token'], 'B')} KV per live token"
+    )
+    against = (
+        f"dense {r['engine_tokens_per_s']:,.0f} tokens/s, "
+        f"{_si(r['engine_kv_bytes_per_live_token'], 'B')} per live token"
+    )
+    ratio = r["engine_kv_bytes_per_live_token"] / r["paged_kv_bytes_per_live_token"]
+    speed = r["engine_s"] / r["paged_s"]
+    return ["engine, paged vs dense", r["model"], shape, figure, against,
+            f"{ratio:.2f}x less KV; {speed:.2f}x the speed"]  # fmt: skip
+
+
 def _attention_row(r):
     figure = (
         f"{r['tokens_per_s']:,.0f} tokens/s, {_si(r['model_flops_per_s'], 'FLOP/s')} "
@@ -144,6 +163,7 @@ ROWS = {
     "train": _train_row,
     "decode": _decode_row,
     "engine": _engine_row,
+    "paged": _paged_row,
     "attention": _attention_row,
     "quickstart": _quickstart_row,
 }
