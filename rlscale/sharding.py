@@ -196,6 +196,26 @@ def reshard(tree, shardings, copy: bool = False):
     return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
 
+def distinct_buffers(tree):
+    """`tree` with every array leaf that shares a device buffer with an earlier leaf copied.
+    A jitted step that donates the tree fails on a buffer given twice ("Attempt to donate the
+    same buffer twice"), and JAX may hand out one buffer for two equal values: on a GPU (jax
+    0.11) a zero critic bias and its zero optimizer moment came back as one."""
+    seen = set()
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        keys = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        if keys & seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+            keys = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        seen.update(keys)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = SAMPLE_RULES) -> NamedSharding:
     """Sharding of a [B, ...] array: batch over the rule table's batch axes, rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))

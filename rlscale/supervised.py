@@ -61,7 +61,8 @@ def init_state(fit: Fit, params) -> TrainState:
     mesh = _mesh(params)
     if mesh is not None:
         opt_state = sharding.replicate_unplaced(opt_state, mesh)
-    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    # `train_step` donates the state: no buffer in it twice.
+    return sharding.distinct_buffers(TrainState(params, opt_state, jnp.zeros((), jnp.int32)))
 
 
 def _mesh(params):

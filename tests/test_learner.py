@@ -574,6 +574,28 @@ def test_memory_options_give_the_plain_update(setup):
 
 
 @pytest.mark.slow
+def test_a_buffer_given_twice_is_copied_before_the_donating_update(setup):
+    """The update donates its state, and a step given one buffer twice fails; JAX can hand
+    out one buffer for two equal leaves (on a GPU, a zero critic bias and its zero Adam
+    moment). Here the critic's weights are the final norm's own array: `init` copies it."""
+    graphdef, params, value_params, roll, _ = setup
+    twice = jax.jit(lambda a, b: (a + 1, b + 1), donate_argnums=(0, 1))
+    shared = jnp.ones(3)
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        twice(shared, shared)  # The failure this guards against, on this platform too.
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    params = sharding.replicate(params, mesh)  # Placed: `init` keeps the leaves as they are.
+    norm = params["final_norm"]["scale"]
+    learn = _learner(mesh, graphdef, CHAIN)
+    state = learn.init(params, {**value_params, "w": norm})
+    leaves = jax.tree.leaves(state)
+    buffers = {s.data.unsafe_buffer_pointer() for x in leaves for s in x.addressable_shards}
+    assert len(buffers) == len(leaves)
+    np.testing.assert_array_equal(state.value_params["w"], norm)
+    state, _, ok = learn.update(state, None, roll, step=1)
+    assert np.all(np.asarray(ok))
+
+
 def test_bfloat16_params_keep_float32_master_weights(setup):
     """With bfloat16 params the optimizer keeps float32 masters and moments: the masters
     follow exactly the float32 AdamW run on the same gradients, and the params are the

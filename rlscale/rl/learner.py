@@ -379,7 +379,7 @@ class Learner:
         off = [i for i, x in enumerate(leaves) if not on_mesh(x)]
         for i, x in zip(off, sharding.replicate([leaves[i] for i in off], self.mesh)):
             leaves[i] = x
-        return jax.tree.unflatten(treedef, leaves)
+        return sharding.distinct_buffers(jax.tree.unflatten(treedef, leaves))  # Donated.
 
     def step_rows(self, num_rows: int, step: int) -> np.ndarray:
         """[O, rows per step]: the rows of each optimizer step. Each epoch shuffles the
