@@ -204,8 +204,8 @@ def distinct_buffers(tree):
     seen = set()
 
     def one(x):
-        if not isinstance(x, jax.Array):
-            return x
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x  # Traced (the planner's abstract init): no buffers yet.
         keys = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
         if keys & seen:
             x = jax.device_put(x, x.sharding, may_alias=False)

@@ -145,7 +145,7 @@ def test_xla_matches_float64_numpy(case):
 
 IMPLEMENTATIONS = [
     (name, case)
-    for name in ("dot_product", "splash")
+    for name in ("dot_product", "chunked", "splash")
     for case in sorted(CASES)
     if not (CASES[case][2] and not attention.get(name).softcap)
 ]

@@ -191,7 +191,7 @@ def test_flops_count_a_shared_prompt_once():
 
 
 def test_fused_standin_is_the_reference_attention_in_a_block_of_memory():
-    """`planning.fused.chunked_attention` (what `--fused_attention` plans) gives the reference
+    """`attention='chunked'` (what `--fused_attention` plans) gives the reference
     attention's output and gradients over a packed row (3 segments and padding, grouped
     heads), within float32 rounding of its sums over T keys; its compiled gradient holds
     `STANDIN_COPIES` query blocks' [H, 128, T] float32 arrays where the reference holds
@@ -209,9 +209,7 @@ def test_fused_standin_is_the_reference_attention_in_a_block_of_memory():
         return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
 
     ref = loss(lambda q, k, v: attention.attention(q, k, v, mask.mask_BTS, 0.25))
-    std = loss(
-        lambda q, k, v: fused.chunked_attention(q, k, v, mask, scale=0.25, window=0, softcap=0.0)
-    )
+    std = loss(lambda q, k, v: attention.apply("chunked", q, k, v, mask, scale=0.25))
     grads = []
     for f in (ref, std):
         g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))

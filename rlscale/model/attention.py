@@ -34,6 +34,7 @@ kv head's queries, flattened.
 import contextlib
 import contextvars
 import difflib
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -403,6 +404,75 @@ def _dot_product(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
 def _cudnn(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
     del softcap
     return _dot_product_call(q_BTHE, k_BKET, v_BKTE, mask, scale, window, "cudnn")
+
+
+CHUNK_QUERIES = 128  # `chunked`'s query block: the largest divisor of T that divides this.
+
+
+def _chunk(T: int) -> int:
+    return math.gcd(T, CHUNK_QUERIES)
+
+
+def _split_queries(x_BT, b: int):
+    """[B, T, ...] -> [n, B, b, ...]: n blocks of b queries."""
+    B, T = x_BT.shape[:2]
+    return jnp.moveaxis(x_BT.reshape(B, T // b, b, *x_BT.shape[2:]), 1, 0)
+
+
+def _join_queries(x_nB):
+    """[n, B, b, ...] -> [B, T, ...]."""
+    x = jnp.moveaxis(x_nB, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale, softcap):
+    b = _chunk(q_BTHE.shape[1])
+
+    def one(args):
+        q, m = args
+        return attention(q, k_BKES, v_BKSE, m, scale, softcap)
+
+    return _join_queries(jax.lax.map(one, (_split_queries(q_BTHE, b), _split_queries(mask_BTS, b))))
+
+
+def _chunked_fwd(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale, softcap):
+    out = _chunked_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale, softcap)
+    return out, (q_BTHE, k_BKES, v_BKSE, mask_BTS)
+
+
+def _chunked_bwd(scale, softcap, res, do_BTHE):
+    """The gradients a query block at a time, recomputing its scores (nothing of the forward
+    pass is saved but its inputs); dk and dv summed over the blocks."""
+    q_BTHE, k_BKES, v_BKSE, mask_BTS = res
+    b = _chunk(q_BTHE.shape[1])
+
+    def step(carry, args):
+        dk, dv = carry
+        q, m, do = args
+        _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, m, scale, softcap), q, k_BKES, v_BKSE)
+        dq, dk_b, dv_b = vjp(do)
+        return (dk + dk_b, dv + dv_b), dq
+
+    zeros = (jnp.zeros_like(k_BKES), jnp.zeros_like(v_BKSE))
+    blocks = tuple(_split_queries(x, b) for x in (q_BTHE, mask_BTS, do_BTHE))
+    (dk, dv), dq = jax.lax.scan(step, zeros, blocks)
+    return _join_queries(dq), dk, dv, None
+
+
+_chunked_attention.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+@register(
+    "chunked",
+    dtypes=("float32", "bfloat16", "float16"),
+    summary="`attention` a block of up to 128 queries at a time, forward and backward (a "
+    "custom VJP that recomputes a block's scores): a layer holds one block's [H, b, T] "
+    "scores, not [H, T, T], on any platform",
+)
+def _chunked(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
+    del window  # In `mask.mask_BTS` already.
+    return _chunked_attention(q_BTHE, k_BKET, v_BKTE, mask.mask_BTS, scale, softcap)
 
 
 SPLASH_BLOCKS = (512, 256, 128)  # Block sizes tried, largest first; the lane width is 128.

@@ -376,26 +376,25 @@ def plan_run(
       targets: a TPU slice's devices (`topology.devices`), one per device of the meshes, to
         compile for instead of the meshes' own (`Compiler`).
       fused_attention: plan `model.attention`'s calls without a cache as a fused kernel's
-        memory (`fused.as_fused`: XLA:CPU fuses none); `info["fused_attention"]` then says
-        what its stand-in holds beyond a fused kernel.
+        memory (as `attention='chunked'`, `fused.fused_config`: XLA:CPU fuses none);
+        `info["fused_attention"]` then says what that holds beyond a fused kernel.
     """
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
     shared = gen_mesh is train_mesh
-    with fused.as_fused(model_cfg.attention, fused_attention):
-        graphdef, params, state, ref, update = compile_update(
-            config, model_cfg, train_mesh, P, targets
-        )
+    planned_cfg = fused.fused_config(model_cfg, fused_attention)
+    graphdef, params, state, ref, update = compile_update(
+        config, planned_cfg, train_mesh, P, targets
+    )
 
     # The generator: its params in the sampling layout and its dtype
     # (`sampling.generator_dtype`: its KV cache follows), its state, its programs.
-    gen_cfg = precision.generator_model(model_cfg, config.sampling.generator_dtype)
+    gen_cfg = precision.generator_model(planned_cfg, config.sampling.generator_dtype)
     gen_graphdef, gen_params = abstract_params(gen_cfg, gen_mesh, sharding.SAMPLE_RULES)
     gen_progs = Compiler(gen_mesh, targets)
-    with fused.as_fused(model_cfg.attention, fused_attention):
-        engine_state, admitted, R = engine_programs(
-            config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
-        )
+    engine_state, admitted, R = engine_programs(
+        config, gen_graphdef, gen_cfg, gen_params, gen_mesh, scfg, prompt_len, gen_progs
+    )
     insert, decode = gen_progs.entry("engine_insert"), gen_progs.entry("engine_decode")
     gen_entries = [insert, decode]
     adapted = None
