@@ -132,6 +132,25 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
     assert "proves the command runs" in md.read_text()
 
 
+def test_the_two_parts_run_every_section_each_in_one_device_call(monkeypatch):
+    """`--part train` and `--part generate` together run every section of the GPU plan (the
+    machine and ceilings in both), and each one's shares fit one device call (600 s) with
+    room for Python's start and the imports."""
+    tool = _tool()
+    monkeypatch.setattr(tool, "attention_names", lambda: ("xla", "dot_product", "cudnn"))
+    sections = tool.schedule(tool.GPU, tool.Context(""), tool.GPU.quickstart, None)
+    names = [n for n, _, _ in sections]
+    runs = {}
+    for part in ("train", "generate"):
+        skip = tool.skipped(names, [], part)
+        assert set(skip.values()) == {"--part"}
+        runs[part] = [n for n in names if n not in skip]
+        assert sum(s for n, s, _ in sections if n in runs[part]) <= 540, part
+    assert set(runs["train"]) & set(runs["generate"]) == {"machine", "ceilings"}
+    assert set(runs["train"]) | set(runs["generate"]) == set(names)
+    assert tool.skipped(names, ["attention", "engine"], "generate")["engine"] == "--skip"
+
+
 def test_a_timed_command_is_killed_at_its_limit():
     tool = _tool()
     done = tool.run_command([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 60)

@@ -1,7 +1,9 @@
-"""The GPU check: one command that measures rlscale on one GPU (an H100 or H200) in under 8
-minutes, and writes the figures as JSON and as Markdown rows for docs/benchmarks.md.
+"""The GPU check: one command that measures rlscale on one GPU (an H100 or H200), in two
+parts of under 7 minutes each, and writes the figures as JSON and as Markdown rows for
+docs/benchmarks.md.
 
-    tools/gpu_check --out $OUT/gpu.json --markdown $OUT/gpu.md       # on the GPU machine
+    tools/gpu_check --part train --out $OUT/train.json --markdown $OUT/train.md   # GPU
+    tools/gpu_check --part generate --out $OUT/gen.json --markdown $OUT/gen.md    # GPU
     python tools/gpu_check.py --tiny --out /tmp/gpu.json             # any CPU: it runs
 
 (`tools/gpu_check` installs the wheels the device image lacks, `.whl/`, and runs this file;
@@ -31,16 +33,19 @@ on a rare GPU loses no other's figures:
   quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
               subprocess: compilation and the SFT warm start included) and its pass@1
 
-Budget: the command stops itself at `--budget_s` (default 465 s; with Python's start and the
-imports, under 8 minutes): a watchdog writes both files, the running section marked
-"deadline", and exits (status 3). Each section has a planned share (`GPU.budgets`, summing
-to 465 s: about twice the compiling and timing estimated for it, not yet measured on a GPU;
-the quickstart's what a quiet 2-core CPU needs) and runs until its planned end or for its
-minimum, whichever is later; its timed loop stops there once it has its fewest runs
-(compiling cannot be stopped, so an overrun takes from the sections after it; one that
-cannot have its minimum is skipped). Models are initialized with random weights in bf16
-(their presets); the GPU's memory is JAX's default preallocation (75%), and the quickstart
-runs with none, in what is left.
+Budget: the command stops itself at `--budget_s` (default: the shares of the sections it
+runs): a watchdog writes both files, the running section marked "deadline", and exits
+(status 3). Each section has a planned share (`GPU.budgets`: what the first H200 run,
+2026-11-27, took to compile and time it, with a margin; compiling is most of it, 80 to 130 s
+for each model's programs) and runs until its planned end or for its minimum, whichever is
+later; its timed loop stops there once it has its fewest runs (compiling cannot be stopped,
+so an overrun takes from the sections after it; one that cannot have its minimum is
+skipped; a skipped section's share goes to the rest). The shares sum to 715 s, more than
+one device call's 10 minutes, so the check runs in two parts (`--part`): `train` (the
+learner's updates and attention, 335 s) and `generate` (decode, the engine, the paged cache
+and the quickstart, 395 s), each with the machine and ceilings. Models are initialized
+with random weights in bf16 (their presets); the GPU's memory is JAX's default
+preallocation (75%), and the quickstart runs with none, in what is left.
 
 `--tiny`: tiny presets and shapes, a few steps, no quickstart (`--quickstart` names a config
 to run one, e.g. `configs/quickstart.py:smoke`), the peaks measured (a CPU has no table row):
@@ -128,9 +133,10 @@ GPU = Plan(
     decode=dict(slots=64, prompt_len=64, new_tokens=256, k=8),
     # The decode section's engine settings (one compiled decode program for both).
     engine=dict(model=QWEN[0], slots=64, requests=256, prompt_len=64, longest=256, k=8),
+    # 4 groups at a time: the workload's requests are a multiple of its slots.
     paged=dict(
         model=QWEN[0],
-        slots=64,
+        slots=32,
         requests=32,
         prompt_len=128,
         longest=256,
@@ -144,14 +150,14 @@ GPU = Plan(
     budgets={
         "machine": 5,
         "ceilings": 10,
-        f"train/{QWEN[0]}": 60,
-        f"train/{QWEN[1]}": 75,
-        f"decode/{QWEN[0]}": 40,
-        "engine": 40,
-        "paged": 40,
-        f"decode/{QWEN[1]}": 40,
-        "quickstart": 125,
-        "attention": 30,
+        f"train/{QWEN[0]}": 130,
+        f"train/{QWEN[1]}": 145,
+        f"decode/{QWEN[0]}": 90,
+        "engine": 35,
+        "paged": 45,
+        f"decode/{QWEN[1]}": 100,
+        "quickstart": 110,
+        "attention": 45,
     },
 )
 TINY = Plan(
@@ -183,6 +189,27 @@ TINY = Plan(
         "attention": 30,
     },
 )
+
+
+# Which sections each `--part` runs (by kind: the name before "/"); "all" runs every one.
+PARTS = {
+    "all": None,
+    "train": {"machine", "ceilings", "train", "attention"},
+    "generate": {"machine", "ceilings", "decode", "engine", "paged", "quickstart"},
+}
+
+
+def skipped(names: list[str], skip: list[str], part: str) -> dict[str, str]:
+    """{section name: why it does not run ("--skip" or "--part")} of `names`, for the
+    sections (or kinds) in `skip` and those outside `PARTS[part]`."""
+    out = {}
+    for name in names:
+        kind = name.split("/")[0]
+        if name in skip or kind in skip:
+            out[name] = "--skip"
+        elif PARTS[part] is not None and kind not in PARTS[part]:
+            out[name] = "--part"
+    return out
 
 
 def with_attention(model_cfg: model.ModelConfig, name: str) -> model.ModelConfig:
@@ -473,7 +500,14 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_string("out", None, "write the results as JSON here", flag_values=fv)
     flags.DEFINE_string("markdown", None, "write Markdown rows here", flag_values=fv)
     flags.DEFINE_bool("tiny", False, "tiny models and shapes: proves it runs", flag_values=fv)
-    flags.DEFINE_float("budget_s", 465.0, "stop here, whatever is running", flag_values=fv)
+    flags.DEFINE_float(
+        "budget_s", None, "stop here, whatever is running (default: the sections' shares)",
+        flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_enum(
+        "part", "all", list(PARTS), "the sections to run: one part fits a device call",
+        flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_enum(
         "accelerator", "", ["", *machine.TABLE_KEYS], "table row (default: the device's)",
         flag_values=fv,
@@ -486,31 +520,35 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
 
 
 def main(fv: flags.FlagValues) -> None:
-    if fv.budget_s <= 0:
+    if fv.budget_s is not None and fv.budget_s <= 0:
         raise ValueError(f"--budget_s={fv.budget_s} must be positive")
     plan = TINY if fv.tiny else GPU
     quickstart = plan.quickstart if fv.quickstart is None else fv.quickstart
+    ctx = Context(fv.accelerator)
+    sections = schedule(plan, ctx, quickstart, None)
+    known = {n for n, _, _ in sections} | {n.split("/")[0] for n, _, _ in sections}
+    unknown = sorted(set(fv.skip) - known)
+    if unknown:
+        raise ValueError(f"--skip: unknown section(s) {unknown}; known: {sorted(known)}")
+    skip = skipped([n for n, _, _ in sections], fv.skip, fv.part)
+    budget_s = fv.budget_s or sum(s for n, s, _ in sections if n not in skip)
     results = {
         "tool": "tools/gpu_check.py",
         "mode": "tiny" if fv.tiny else "gpu",
-        "budget_s": fv.budget_s,
+        "budget_s": budget_s,
+        "part": fv.part,
         "commit": gpu_report.commit(ROOT),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "sections": {},
     }
     write = gpu_report.writer(fv.out, fv.markdown)
-    ctx = Context(fv.accelerator)
-    runner = Runner(results, fv.budget_s, write)
+    runner = Runner(results, budget_s, write)
     sections = schedule(plan, ctx, quickstart, runner)
-    known = {n for n, _, _ in sections} | {n.split("/")[0] for n, _, _ in sections}
-    unknown = sorted(set(fv.skip) - known)
-    if unknown:
-        raise ValueError(f"--skip: unknown section(s) {unknown}; known: {sorted(known)}")
     runner.start()
     planned = 0.0
     for name, seconds, fn in sections:
-        if name in fv.skip or name.split("/")[0] in fv.skip:  # Its share goes to the rest.
-            runner.record(name, {"status": "skipped", "error": "--skip"}, time.perf_counter())
+        if name in skip:  # Its share goes to the rest.
+            runner.record(name, {"status": "skipped", "error": skip[name]}, time.perf_counter())
             continue
         planned += seconds
         runner.run(name, planned, min(seconds, 0.5 * seconds + 5), fn)

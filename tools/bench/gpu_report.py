@@ -178,6 +178,8 @@ def markdown(results: dict) -> str:
     notes = []
     for name, r in results["sections"].items():
         kind = name.split("/")[0]
+        if r.get("error") == "--part":  # Another part's: not this run's to report.
+            continue
         if r["status"] != "ok":
             notes.append(f"* `{name}` {r['status']}: {r.get('error', '')}".splitlines()[0])
         elif kind in ROWS:
