@@ -188,7 +188,8 @@ def test_every_accelerator_row_has_a_device_kind():
 
 def test_attention_sections_are_the_implementations_this_platform_runs():
     tool = _tool()
-    assert tool.attention_names() == ("xla", "dot_product")  # On the CPU: not cudnn, splash.
+    # On the CPU: not cudnn, splash.
+    assert tool.attention_names() == ("xla", "dot_product", "chunked")
     assert tool.with_attention(model.get("tiny"), "dot_product").attention == "dot_product"
     with pytest.raises(ValueError, match="attention='flash'"):
         tool.with_attention(model.get("tiny"), "flash")
