@@ -49,8 +49,8 @@ class ModelConfig:
       fp32_lm_head: compute the LM head (and so the logits) in float32 whatever `dtype` is
         (ScaleRL's "FP32 head"; it keeps sampler and learner logprobs consistent in bf16).
       attention: the attention implementation of calls without a KV cache, a registered name
-        (`attention.names()`: xla, dot_product, cudnn, splash); decoding with the cache runs
-        `xla`. A compute setting: the model is the same under each, up to rounding.
+        (`attention.names()`: xla, dot_product, cudnn, chunked, splash); decoding with the
+        cache runs `xla`. A compute setting: the model is the same under each, up to rounding.
       sliding_window: W > 0: a token attends only to the last W tokens (itself included); 0:
         to all earlier ones.
       attn_softcap: cap > 0: attention logits become cap * tanh(logits / cap) (Gemma 2); 0: off.
