@@ -201,9 +201,10 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
     # "async_ppo" generates each batch with one policy version. No token is trained more than
     # `max_staleness` optimizer updates after the version that sampled it (admission control).
     # The generator gets the first `generator_devices` devices (0: it time-slices the
-    # trainer's), `generator_tensor` of them per tensor-parallel group, `slots` decode slots
-    # (0: batch.prompts x group_size) and runs `decode_chunk` tokens per call between weight
-    # and admission checks.
+    # trainer's, seen as a (devices / generator_tensor, 1, generator_tensor) mesh where
+    # generator_tensor > 1), `generator_tensor` of them per tensor-parallel group, `slots`
+    # decode slots (0: batch.prompts x group_size) and runs `decode_chunk` tokens per call
+    # between weight and admission checks.
     c.pipeline = dict(
         mode="sync",
         max_staleness=0,

@@ -108,11 +108,23 @@ def role_meshes(
     devices as a (generator_devices / generator_tensor, 1, generator_tensor) mesh: data
     parallel over its decode slots, tensor parallel (`SAMPLE_RULES`: heads, kv heads where
     they divide, MLP, vocabulary) within each group of `generator_tensor` devices; the
-    trainer the rest, in `shape`. With 0, both roles share one mesh of every device (they
-    time-slice it; the generator then splits over the trainer's own tensor axis)."""
+    trainer the rest, in `shape`. With 0, the roles time-slice every device: one mesh, the
+    generator split over the trainer's own tensor axis; or with `generator_tensor` > 1 the
+    trainer's devices seen again as a (devices / generator_tensor, 1, generator_tensor)
+    mesh, so a trainer that shards its params over fsdp decodes tensor parallel instead of
+    holding a whole copy per device (colocated, as verl's rollout on the training GPUs)."""
     if not generator_devices:
         mesh = make_mesh(shape)
-        return mesh, mesh
+        if generator_tensor == 1:
+            return mesh, mesh
+        n = mesh.devices.size
+        if generator_tensor < 1 or n % generator_tensor:
+            raise ValueError(
+                f"a generator tensor axis of {generator_tensor} does not divide the "
+                f"{n} devices the roles share"
+            )
+        shape = (n // generator_tensor, 1, generator_tensor)
+        return mesh, make_mesh(shape, mesh.devices.reshape(-1))
     devices = jax.devices()
     if not 0 < generator_devices < len(devices):
         raise ValueError(
@@ -126,6 +138,11 @@ def role_meshes(
     data = generator_devices // generator_tensor
     gen = make_mesh((data, 1, generator_tensor), devices[:generator_devices])
     return make_mesh(shape, devices[generator_devices:]), gen
+
+
+def same_devices(a: Mesh, b: Mesh) -> bool:
+    """Whether meshes `a` and `b` hold the same devices (the roles share them)."""
+    return {d.id for d in a.devices.flat} == {d.id for d in b.devices.flat}
 
 
 def logical_to_spec(

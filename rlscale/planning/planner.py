@@ -381,7 +381,7 @@ def plan_run(
     """
     scfg = sampling_config(config)
     P = scfg.bucket(prompt_len)
-    shared = gen_mesh is train_mesh
+    shared = sharding.same_devices(gen_mesh, train_mesh)
     planned_cfg = fused.fused_config(model_cfg, fused_attention)
     graphdef, params, state, ref, update = compile_update(
         config, planned_cfg, train_mesh, P, targets
@@ -435,7 +435,7 @@ def _plan_info(config, model_cfg, gen_cfg, meshes, state, P: int) -> dict:
     and the generator's)."""
     train_mesh, gen_mesh = meshes
     B, G = config.batch.prompts, config.batch.group_size
-    shared = gen_mesh is train_mesh
+    shared = sharding.same_devices(gen_mesh, train_mesh)
     return {
         "prompt_bucket": P,
         "max_new_tokens": config.sampling.max_new_tokens,
@@ -452,7 +452,7 @@ def _plan_info(config, model_cfg, gen_cfg, meshes, state, P: int) -> dict:
         "num_layers": model_cfg.num_layers,
         "experts": experts_info(model_cfg, train_mesh),
         "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
-        "settings": advice_settings(config, model_cfg, train_mesh, P, shared),
+        "settings": advice_settings(config, model_cfg, train_mesh, P),
     }
 
 
@@ -470,11 +470,13 @@ def generator_heads(model_cfg, mesh) -> dict:
     return {"tensor": t, "heads": H, "kv_heads": K, **per}
 
 
-def generator_settings(config, model_cfg, shared: bool) -> dict:
+def generator_settings(config, model_cfg, mesh) -> dict:
     """The generator's tensor axis and its next value for `report.advice`: twice it where that
-    divides its own devices and the query heads (`rl.checks`), else (or shared) 0."""
+    divides its devices (its own, or the shared ones) and the query heads (`rl.checks`),
+    else 0."""
     g, t = config.pipeline.generator_devices, config.pipeline.generator_tensor
-    ok = not shared and g % (2 * t) == 0 and model_cfg.num_heads % (2 * t) == 0
+    n = g or mesh.devices.size  # Shared: the trainer's `mesh` (`sharding.role_meshes`).
+    ok = n % (2 * t) == 0 and model_cfg.num_heads % (2 * t) == 0
     return {"generator_devices": g, "generator_tensor": t, "next_generator_tensor": 2 * t * ok}
 
 
@@ -552,11 +554,11 @@ def work_per_step(config, entries: dict, admitted: int) -> dict:
     return table
 
 
-def advice_settings(config, model_cfg, mesh, prompt_bucket: int, shared: bool = True) -> dict:
+def advice_settings(config, model_cfg, mesh, prompt_bucket: int) -> dict:
     """The run's values of the knobs `report.advice` names, and the next values of
-    those the run's checks constrain, on the trainer `mesh` (`shared`: the generator's too)."""
+    those the run's checks constrain, on the trainer `mesh`."""
     return {
-        **generator_settings(config, model_cfg, shared),
+        **generator_settings(config, model_cfg, mesh),
         "mesh": tuple(config.mesh.shape),
         "param_dtype": model_cfg.param_dtype,
         "pack_rows": _pack_rows(config, mesh, prompt_bucket)[1],

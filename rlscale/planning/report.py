@@ -210,7 +210,7 @@ def advice(term: str, s: dict) -> str:
     if term == "ref_params":
         return "learner.offload_ref=True (the reference waits in host memory), or " + fsdp
     if term == "generator_params":
-        if s.get("next_generator_tensor"):  # The generator's own devices: its tensor axis.
+        if s.get("next_generator_tensor"):  # The generator's tensor axis.
             return (
                 f"pipeline.generator_tensor={s['next_generator_tensor']} (now "
                 f"{s['generator_tensor']}: the sampling layout splits matrices only over the "

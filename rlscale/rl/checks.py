@@ -50,6 +50,14 @@ def _mesh_problems(config) -> list[str]:
     if not isinstance(t, int) or t < 1 or (g and g % t):
         return []  # The pipeline section's own problem.
     try:  # The mesh builder's own rules (fill, device count, processes).
+        train, gen = sharding.role_meshes(tuple(config.mesh.shape), g)
+        if not g and t > 1 and train.devices.size % t:
+            return [
+                f"pipeline.generator_tensor={t} does not divide the {train.devices.size} "
+                f"devices the roles share (mesh.shape={tuple(config.mesh.shape)}, "
+                "pipeline.generator_devices=0): the generator's mesh is (devices / "
+                "generator_tensor, 1, generator_tensor)"
+            ]
         train, gen = sharding.role_meshes(tuple(config.mesh.shape), g, t)
     except ValueError as e:
         left = f" (left by pipeline.generator_devices={g})" if g else ""

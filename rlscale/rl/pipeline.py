@@ -24,8 +24,9 @@ class PipelineConfig(sections.Section):
     generates each batch with one policy version. No token is trained more than
     `max_staleness` updates after the version that sampled it. The generator gets the first
     `generator_devices` devices (0: it time-slices the trainer's), split `generator_tensor`
-    ways tensor parallel (the rest data parallel over its slots; 1 with shared devices: the
-    generator then splits over the trainer's own tensor axis), `slots` decode slots
+    ways tensor parallel (the rest data parallel over its slots; with shared devices, 1
+    splits it over the trainer's own tensor axis and t > 1 sees the trainer's devices again
+    as a (devices / t, 1, t) mesh: `sharding.role_meshes`), `slots` decode slots
     (resolved: 0 becomes batch.prompts x the completions per prompt) and runs `decode_chunk`
     tokens per call between weight and admission checks."""
 
@@ -58,14 +59,8 @@ class PipelineConfig(sections.Section):
         g, t = self.generator_devices, self.generator_tensor
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             return [f"pipeline.generator_tensor={t!r} must be an integer >= 1 (1: no tensor axis)"]
-        if not isinstance(g, int) or g < 0 or t == 1:
-            return []
-        if g == 0:
-            return [
-                f"pipeline.generator_tensor={t} needs the generator's own devices "
-                "(pipeline.generator_devices > 0); on shared devices it decodes on the "
-                "trainer's mesh, split over its tensor axis (mesh.shape[2]): leave it 1"
-            ]
+        if not isinstance(g, int) or g <= 0 or t == 1:
+            return []  # Shared devices: the mesh check (`rl.checks`) divides them.
         if g % t:
             return [
                 f"pipeline.generator_tensor={t} does not divide pipeline.generator_devices={g}: "
