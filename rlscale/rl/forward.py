@@ -64,6 +64,7 @@ def token_terms(spec: ForwardSpec, params, value_params, fwd, terms):
                 vocab_terms,
                 spec.chunk,
                 shards=d,
+                mesh=spec.mesh,
             )
         )
     if "value" in terms:
@@ -209,8 +210,9 @@ def _shared_rows(place, pos_NL, segment_N, rows: int, T: int, drop: int):
 
 
 def vocab_token_terms(
-    graphdef, params, h_nMD, targets_nM, logits_cfg, terms, chunk: int = 0, shards: int = 1
-):
+    graphdef, params, h_nMD, targets_nM, logits_cfg, terms, chunk: int = 0, shards: int = 1,
+    mesh=None,
+):  # fmt: skip
     """`logp` of each target token and the policy's `entropy`, from the final hidden states
     under the sampler's logits transform, `chunk` tokens per batch shard at a time.
 
@@ -221,7 +223,10 @@ def vocab_token_terms(
     a time; `jax.checkpoint` makes the backward pass recompute each chunk's logits instead of
     saving them, so the vocabulary-sized temporaries per device are [chunk, V]. Values and
     gradients are the unchunked ones (the tokens are padded to whole chunks and the padding
-    cut off).
+    cut off). On `mesh` the chunks keep their shard axis on the batch's mesh axes: left to
+    XLA's propagation through the reshapes, an fsdp mesh computed every shard's chunk on
+    each device (the update's temporaries grew 10.4 MiB per chunk token at qwen2.5_0.5b's
+    152k vocabulary on 8 devices, against 2.0 on one).
     """
 
     def terms_of(h_XD, t_X):
@@ -242,13 +247,29 @@ def vocab_token_terms(
     pad = Y * chunk - X
     h_dXD = jnp.pad(h_nMD.reshape(shards, X, D), ((0, 0), (0, pad), (0, 0)))
     t_dX = jnp.pad(targets_nM.reshape(shards, X), ((0, 0), (0, pad)))
-    h_YdkD = h_dXD.reshape(shards, Y, chunk, D).swapaxes(0, 1)
-    t_Ydk = t_dX.reshape(shards, Y, chunk).swapaxes(0, 1)
-    out_Ydk = jax.lax.map(lambda xs: jax.checkpoint(terms_of)(*xs), (h_YdkD, t_Ydk))
+    h_YdkD = _shard_axis(h_dXD.reshape(shards, Y, chunk, D).swapaxes(0, 1), mesh)
+    t_Ydk = _shard_axis(t_dX.reshape(shards, Y, chunk).swapaxes(0, 1), mesh)
+
+    def one(xs):
+        h_dkD, t_dk = (_shard_axis(x, mesh, 0) for x in xs)
+        return jax.checkpoint(terms_of)(h_dkD, t_dk)
+
+    out_Ydk = jax.lax.map(one, (h_YdkD, t_Ydk))
     return {
         k: v.swapaxes(0, 1).reshape(shards, Y * chunk)[:, :X].reshape(n, M)
         for k, v in out_Ydk.items()
     }
+
+
+def _shard_axis(x, mesh, axis: int = 1):
+    """`x` with dimension `axis` on the batch's mesh axes (`TRAIN_RULES`), the rest
+    replicated; as it is without a mesh."""
+    if mesh is None:
+        return x
+    axes = [None] * x.ndim
+    axes[axis] = "batch"
+    spec = sharding.logical_to_spec(axes, sharding.TRAIN_RULES, mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def rows_sharded(x, mesh):
