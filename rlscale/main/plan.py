@@ -86,6 +86,7 @@ if __name__ == "__main__":
 from absl import flags  # noqa: E402  (JAX starts after XLA_FLAGS, from here on)
 
 from rlscale import cli, sharding  # noqa: E402
+from rlscale.model import attention  # noqa: E402
 from rlscale.model.config import NAMES  # noqa: E402
 from rlscale.planning import inputs, planner, report  # noqa: E402
 
@@ -162,6 +163,12 @@ def _compiled_on(platform: str, n: int) -> str:
 
 
 def main(fv: flags.FlagValues) -> None:
+    # A TPU slice's programs are checked and traced for the TPU (its attention kernels).
+    with attention.target_platform("tpu" if fv.platform == "tpu" else ""):
+        _plan(fv)
+
+
+def _plan(fv: flags.FlagValues) -> None:
     problems, config, target, model_cfg = inputs.resolve(
         fv.config,
         fv.model,

@@ -302,10 +302,25 @@ def pallas_interpret():
         _INTERPRET.reset(token)
 
 
+_TARGET = contextvars.ContextVar("rlscale_attention_target", default="")
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+    """Programs traced in this context are compiled for `platform` (the planner's TPU slice,
+    from a CPU host): implementations are checked against it, not JAX's backend here."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def platform_problems(name: str, platform: str | None = None) -> list[str]:
-    """Why `attention=name` cannot run on `platform` (default: JAX's backend here), if so."""
+    """Why `attention=name` cannot run on `platform` (default: the `target_platform`, else
+    JAX's backend here), if so."""
     impl = _REGISTRY.get(name)
-    platform = platform or jax.default_backend()
+    platform = platform or _TARGET.get() or jax.default_backend()
     if impl is None or platform in impl.platforms:
         return []
     if impl.pallas and _INTERPRET.get():
