@@ -33,6 +33,8 @@ PROMPTS = [list(_rng.integers(4, CFG.vocab_size, n)) for n in (5, 9, 16, 3) * 3]
 # then the final norm, the LM head and the log-sum-exp: 2 x 15 + 3. Each has at most 256
 # terms (the vocabulary; d_model 64, expert width 32, at most 48 positions).
 REDUCTIONS, TERMS = 33, 256
+# One jit for the four rescorings (two programs: with and without replay), traced once each.
+_no_grad_terms = jax.jit(forward.no_grad_terms, static_argnums=(0, 6))
 
 
 def _sample(params, dtype: str) -> Rollouts:
@@ -95,8 +97,7 @@ def _rescore(params, roll: Rollouts, replay: bool) -> dict:
     batch = sharding.put_batch({**host, "experts": plan.experts_NLlc}, mesh, sharding.TRAIN_RULES)
     place = sharding.put_batch(plan.place, mesh, sharding.TRAIN_RULES, axis=1)
     terms = ("logp", "routing_mismatch")
-    run = jax.jit(forward.no_grad_terms, static_argnums=(0, 6))
-    out = run(spec, params, None, batch, place, jnp.asarray(plan.count), terms)
+    out = _no_grad_terms(spec, params, None, batch, place, jnp.asarray(plan.count), terms)
     return {k: np.asarray(v) for k, v in out.items()}
 
 

@@ -515,9 +515,13 @@ class ForwardSpec(NamedTuple):
     shared_prefix: bool = False
 
 
+class _ShapeKeys:  # abstract_model's rngs: a traced nnx.Rngs walks the whole trace per key
+    params = staticmethod(lambda: jax.random.key(0))  # (qwen3_30b_a3b: 6.5 CPU-s -> 0.8).
+
+
 def abstract_model(cfg: ModelConfig):
     """(graphdef, abstract params) without allocating anything."""
-    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=_ShapeKeys())))
 
 
 def init_params(cfg: ModelConfig, rng: Array):
