@@ -91,6 +91,9 @@ def test_rl_on_a_hf_checkpoint_and_verl_parquet_then_export(inputs, tmp_path, mo
     # A random model never answers right: an easy reward (any digit) gives the update signal.
     config.reward.fn = "reward_fixtures:digits"
     config.optim.lr = 1e-3
+    # One device: the checkpoint, the data layout and the export are the point here, and every
+    # recipe runs on 8 devices in tests/test_rl.py.
+    config.mesh.shape = (1, 1, 1)
     summary = rl.run(rl.resolve(config), str(tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
