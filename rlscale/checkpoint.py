@@ -142,9 +142,23 @@ def _leaf_fingerprint(x):
     return jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)
 
 
-# One computation per leaf: the leaves of a state may live on different device sets (a step
+# One computation per device set: the leaves of a state may live on different ones (a step
 # counter on one device, params on the mesh), which one jitted call over the tree refuses.
-_jitted_leaf_fingerprint = jax.jit(_leaf_fingerprint)
+_jitted_fingerprints = jax.jit(lambda leaves: jax.tree.map(_leaf_fingerprint, leaves))
+
+
+def _fingerprints(leaves: dict) -> dict:
+    """{name: fingerprint} of `leaves`, one compiled program per set of devices they live on
+    (host arrays: the default device's), not one per leaf shape."""
+    groups = {}
+    for name, x in leaves.items():
+        sharding = getattr(x, "sharding", None)
+        devices = frozenset(sharding.device_set) if sharding is not None else None
+        groups.setdefault(devices, {})[name] = x
+    out = {}
+    for group in groups.values():
+        out.update(_jitted_fingerprints(group))
+    return jax.device_get(out)
 
 
 def _array_records(tree) -> dict[str, dict]:
@@ -160,7 +174,7 @@ def _array_records(tree) -> dict[str, dict]:
         except (TypeError, AttributeError):
             continue
         covered[name] = x
-    values = jax.device_get({k: _jitted_leaf_fingerprint(x) for k, x in covered.items()})
+    values = _fingerprints(covered)
     return {
         name: {
             "dtype": str(getattr(x, "dtype", type(x).__name__)),
