@@ -291,6 +291,12 @@ def test_bad_attention_settings_name_the_key():
     with attention.pallas_interpret():  # Pallas kernels run interpreted anywhere.
         assert attention.platform_problems("splash", "cpu") == []
         assert attention.platform_problems("cudnn", "cpu")
+    with attention.target_platform("tpu"):  # The planner compiling for a TPU slice.
+        assert attention.platform_problems("splash") == []
+        assert attention.platform_problems("cudnn")[0].endswith(
+            "not on the planned tpu (use attention='xla' or 'dot_product' here)"
+        )
+    assert attention.platform_problems("splash")  # This host's own platform again.
 
 
 def test_hugging_face_export_refuses_what_its_configs_lack():

@@ -320,13 +320,15 @@ def platform_problems(name: str, platform: str | None = None) -> list[str]:
     """Why `attention=name` cannot run on `platform` (default: the `target_platform`, else
     JAX's backend here), if so."""
     impl = _REGISTRY.get(name)
-    platform = platform or _TARGET.get() or jax.default_backend()
+    target = not platform and _TARGET.get()
+    platform = platform or target or jax.default_backend()
     if impl is None or platform in impl.platforms:
         return []
     if impl.pallas and _INTERPRET.get():
         return []
+    where = "the planned" if target else "this host's"
     return [
-        f"attention={name!r} runs on {' or '.join(impl.platforms)}, not on this host's "
+        f"attention={name!r} runs on {' or '.join(impl.platforms)}, not on {where} "
         f"{platform} (use attention='xla' or 'dot_product' here)"
     ]
 
