@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, U, load_config, rounding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from rlscale import model, sections
+from rlscale import model, sections, sharding
 from rlscale.model import attention, hf
 from rlscale.rl import run_config
 
@@ -173,6 +174,35 @@ def test_implementation_matches_xla(name, case):
     want = _xla_reference(case)
     got = _run(name, q, k, v, mask, window, cap, do)
     _check(got, want, bound, real, f"{name}/{case}")
+
+
+def test_splash_runs_per_device_on_a_mesh():
+    """A Mosaic kernel is not partitioned by XLA, so on a mesh (the caller's abstract mesh,
+    as `decoder.routed_hidden` sets it) `splash` runs under a shard_map: each of 4 devices
+    its row (fsdp 2) and its query and kv heads (tensor 2). Values and gradients as on one
+    device: within twice the float32 bound of the exact ones, like the unsharded kernel."""
+    packed, window, cap = CASES["packed"]
+    q, k, v, mask, real, visible, do = _inputs(packed, window, seed=1)
+    _, mags, score_err = _numpy(q, k, v, visible, real, cap, do)
+    bound = {n: 2 * b for n, b in _bounds(mags, score_err).items()}
+    mesh = sharding.make_mesh((1, 2, 2), devices=jax.devices()[:4])
+
+    def put(x, *spec):
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    heads = ("fsdp", None, "tensor", None)
+    kv = ("fsdp", "tensor", None, None)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        got = _run("splash", put(q, *heads), put(k, *kv), put(v, *kv), mask, window, cap,
+                   put(do, *heads))  # fmt: skip
+    want = _run("xla", q, k, v, mask, window, cap, do)
+    _check(got, want, bound, real, "splash on a (1, 2, 2) mesh")
+    assert got["o"].sharding.spec == PartitionSpec(*heads)
+    # Under a shard_map (libtpu refuses to partition a Mosaic kernel itself).
+    f = jax.jit(lambda q, k, v: attention.apply("splash", q, k, v, mask, scale=SCALE))
+    with attention.pallas_interpret(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        text = f.lower(put(q, *heads), put(k, *kv), put(v, *kv)).as_text()
+    assert "manual_computation" in text
 
 
 # ------------------------------------------------------------------------------------------

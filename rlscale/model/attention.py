@@ -532,20 +532,46 @@ def _splash_kernel(T: int, H: int, window: int, softcap: float, interpret: bool)
     "soft-cap in the kernel; rows padded to a multiple of 128",
 )
 def _splash(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
+    # A Mosaic kernel is not partitioned by XLA: on a mesh (the caller's abstract mesh:
+    # `decoder.routed_hidden` sets it) each device runs it on its own rows and heads.
+    if mask.prefixes_BT is not None:  # `prefix_problems` refuses it at start-up.
+        raise ValueError(prefix_problems("splash")[0])
+    local = functools.partial(_splash_local, scale=scale, window=window, softcap=softcap)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q_BTHE, k_BKET, v_BKTE, mask.segments_BT)
+    B, H, K = q_BTHE.shape[0], q_BTHE.shape[2], k_BKET.shape[1]
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    if B % math.prod(sizes[a] for a in rows):
+        rows = ()
+    t = sizes.get("tensor", 1)
+    heads = "tensor" if t > 1 and H % t == 0 and K % t == 0 else None
+    rows = rows or None
+    spec_BTHE = jax.sharding.PartitionSpec(rows, None, heads, None)
+    spec_BK = jax.sharding.PartitionSpec(rows, heads, None, None)
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec_BTHE, spec_BK, spec_BK, jax.sharding.PartitionSpec(rows, None)),
+        out_specs=spec_BTHE,
+        check_vma=False,
+    )
+    return run(q_BTHE, k_BKET, v_BKTE, mask.segments_BT)
+
+
+def _splash_local(q_BTHE, k_BKET, v_BKTE, segments_BT, *, scale, window, softcap):
+    """The splash kernel over the rows and heads it is given (one device's, on a mesh)."""
     # The kernel does not scale: the queries are scaled first (as MaxText does). Rows are
     # padded to whole 128-lane blocks with segment id -1, which no real or padding token has:
     # the padding sees only itself and earlier padding, so no row is empty.
-    if mask.prefixes_BT is not None:  # `prefix_problems` refuses it at start-up.
-        raise ValueError(prefix_problems("splash")[0])
     B, T, H, E = q_BTHE.shape
     pad = -T % 128
     q_BHTE = jnp.transpose(q_BTHE * jnp.asarray(scale, q_BTHE.dtype), (0, 2, 1, 3))
     k_BKTE = jnp.transpose(k_BKET, (0, 1, 3, 2))
     rows = ((0, 0), (0, 0), (0, pad), (0, 0))
     q_BHTE, k_BKTE, v_BKTE = (jnp.pad(x, rows) for x in (q_BHTE, k_BKTE, v_BKTE))
-    segments_BT = jnp.pad(
-        mask.segments_BT.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1
-    )
+    segments_BT = jnp.pad(segments_BT.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
     kernel = _splash_kernel(T + pad, H, window, softcap, _INTERPRET.get())
     segment_ids = splash_lib.SegmentIds(q=segments_BT, kv=segments_BT)
     o_BHTE = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(

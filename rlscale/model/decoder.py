@@ -576,7 +576,10 @@ def routed_hidden(
     prefixes (`Decoder.hidden`)."""
     decoder = nnx.merge(graphdef, params)
     context = contextlib.nullcontext()
-    if mesh is not None and decoder.cfg.num_experts:  # Read by `moe.experts` at trace time.
+    # Read at trace time by `moe.experts` and by Pallas attention kernels (`splash` runs per
+    # device under a shard_map).
+    pallas = attention_lib.get(decoder.cfg.attention).pallas
+    if mesh is not None and (decoder.cfg.num_experts or pallas):
         context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with context:
         return decoder.routed(
