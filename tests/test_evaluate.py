@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from fractions import Fraction
 
 import jax
@@ -16,10 +17,11 @@ import pytest
 from conftest import subprocess_env
 from test_main import one_error_line
 
-from rlscale import checkpoint, config_lib, model, saved_policy, sharding
+from rlscale import checkpoint, cli, config_lib, model, saved_policy, sharding
 from rlscale.data import load as data_load
 from rlscale.data import math_data, tasks
 from rlscale.eval import estimators, harness
+from rlscale.main import evaluate
 from rlscale.reward_models import bradley_terry, scalar_head
 from rlscale.reward_models import prm as prm_lib
 from rlscale.sampling import Sampler, SamplingConfig, scoring
@@ -316,25 +318,30 @@ def prm_dir(run_dir, tok, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "checkpoint, expected",
-    [
-        ("nosuch", "--checkpoint={d}/nosuch: no such directory"),
-        ("empty", "{d}/empty/model_config.json does not exist: not an rlscale params checkpoint"),
-    ],
-)
-def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, checkpoint, expected):
-    (tmp_path / "empty").mkdir()
+def test_cli_a_bad_checkpoint_is_one_error_line(tmp_path, capsys):
+    """No such directory, from the command as a user starts it (its exit status and its one
+    error line); a directory that is not a checkpoint, from the same command in-process (the
+    same guard writes the line and sets the status)."""
+    args = ["--config", os.path.join(ROOT, "configs", "quickstart.py") + ":smoke"]
     r = subprocess.run(
-        [sys.executable, "-m", "rlscale.main.evaluate", "--config", "configs/quickstart.py:smoke"]
-        + ["--checkpoint", str(tmp_path / checkpoint)],
+        [sys.executable, "-m", "rlscale.main.evaluate", *args]
+        + ["--checkpoint", str(tmp_path / "nosuch")],
         cwd=ROOT,
         env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    one_error_line(r, expected.format(d=tmp_path))
+    one_error_line(r, f"--checkpoint={tmp_path}/nosuch: no such directory")
+    (tmp_path / "empty").mkdir()
+    command = lambda argv: cli.call(evaluate.define_flags, evaluate.main, argv)  # noqa: E731
+    with pytest.raises(SystemExit) as e:
+        cli.guard(command, own=evaluate.main)([*args, "--checkpoint", str(tmp_path / "empty")])
+    out, err = capsys.readouterr()
+    one_error_line(
+        types.SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err),
+        f"{tmp_path}/empty/model_config.json does not exist: not an rlscale params checkpoint",
+    )
 
 
 @pytest.mark.slow

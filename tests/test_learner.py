@@ -7,6 +7,7 @@ plain path's values and gradients; bfloat16 params keep float32 master weights a
 state."""
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -30,6 +31,9 @@ KL_CHAIN = CHAIN.replace(" | aggregate", " | kl_penalty(coef=0.1) | aggregate")
 # projections and the MLP over 64 and 128, attention over at most 18 positions; then the head
 # and a logsumexp over the 256-token vocabulary): see `_loss_rounding`.
 PER_TOKEN = rounding(2**11)
+# One optimizer object: learners with equal settings have equal `Spec`s, so tests share
+# their compiled updates (`programs`).
+SGD = optax.sgd(LR)
 
 
 def _learner(
@@ -56,7 +60,7 @@ def _learner(
     return learner.Learner(
         graphdef=graphdef,
         objective=objectives.build(chain, group_size=G, max_len=M),
-        optimizer=optimizer or optax.sgd(LR),
+        optimizer=optimizer or SGD,
         mesh=mesh,
         logits_cfg=SamplingConfig(temperature=TEMPERATURE),
         epochs=epochs,
@@ -67,6 +71,7 @@ def _learner(
     )
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _reference_logp(graphdef, params, tokens_NL, attn_NL):
     """Logprobs of every completion token from a full-length forward pass of each row."""
     positions = decoder.positions_from_mask(attn_NL)
@@ -111,14 +116,72 @@ def _update(learn, params, value_params, roll, ref_params=None):
     return jax.tree.map(np.asarray, (state.params, mets))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logp_jacobian(graphdef, params, tokens_NL, attn_NL):
+    """d logp[n, t] / d params of `_reference_logp`, [N, M, *shape]: row by row, as row n's
+    logprobs depend on its own tokens alone. (`jax.jacrev` of the whole batch's logprobs
+    at once does N times the work, a backward pass over every row per token, and on JAX
+    0.10.2 on CPU its entries from 5 rows on disagree with `jax.grad` of the same token's
+    logprob, where these agree.)"""
+
+    def row(tokens_L, attn_L):  # [M, *shape]
+        logp = lambda p: _reference_logp(graphdef, p, tokens_L[None], attn_L[None])[0]  # noqa: E731
+        return jax.jacrev(logp)(params)
+
+    return jax.vmap(row)(tokens_NL, attn_NL)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _oracle_step(
+    graphdef, loss_stage, mode, params, jac_logp, tokens_NL, attn_NL, terms, rows, update
+):
+    """One optimizer step of `_oracle` on `rows`: ((loss sum, (denominator, the sum's terms'
+    magnitudes)), gradients), and for each parameter the largest sum, over its entries, of
+    the magnitudes of an entry's per-token contributions (`_param_rounding`), from the
+    rows' `_logp_jacobian` `jac_logp`."""
+    tokens, attn = tokens_NL[rows], attn_NL[rows]
+    mb = {k: v[rows] for k, v in terms.items()}
+    aggregate = objectives.aggregate(mode, group_size=G, max_len=M)
+
+    def loss_sum(x):  # d loss_sum / d per-token loss: the aggregation's weights.
+        return aggregate.update({"loss": x, "mask": mb["mask"]}, None)[0]["loss_sum"]
+
+    coefficients = jax.grad(loss_sum)(jnp.zeros(mb["mask"].shape))
+
+    def from_logp(logp):
+        out, _ = loss_stage.update({**mb, "logp": logp, "update": update}, loss_stage.init())
+        return out
+
+    def loss_fn(p):
+        logp = _reference_logp(graphdef, p, tokens, attn)
+        out = from_logp(logp)
+        loss = coefficients * out["loss"]
+        # The sum's terms' magnitudes, alone and weighted by (1 + |logp|).
+        magnitude = [jnp.sum(jnp.abs(w * loss)) for w in (1.0, 1.0 + jnp.abs(logp))]
+        return out["loss_sum"], (out["denominator"], magnitude)
+
+    # Each parameter's gradient sums per-token contributions, coefficients x loss: their
+    # Jacobian, by the chain rule through logp.
+    logp = _reference_logp(graphdef, params, tokens, attn)
+    jac_RMRM = jax.jacrev(lambda x: coefficients * from_logp(x)["loss"])(logp)
+
+    def largest(j):
+        contributions = jnp.einsum("abcd,cd...->ab...", jac_RMRM, j)
+        return jnp.max(jnp.sum(jnp.abs(contributions), axis=(0, 1)))
+
+    mag = jax.tree.map(largest, jac_logp)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params), mag
+
+
 def _oracle(learn, params, roll, ref_params=None, mode="prompt_mean"):
     """The update as a plain loop over full-length rows, one row per sequence and no packing:
     `ref_logp` from the reference's full-length forward pass where the chain reads it, the
     batch stage on the whole batch, then per optimizer step (`Learner.step_rows`) one
-    `jax.grad` of its rows' loss sum, divided by its denominator, and an SGD step. Returns the
-    params, each step's loss sum and how far another computation of it may round
-    (`_loss_rounding`), and how far each parameter may (`_param_rounding`). `mode`: the
-    chain's aggregation."""
+    `jax.grad` of its rows' loss sum, divided by its denominator, and an SGD step
+    (`_oracle_step`). Returns the params, each step's loss sum and how far another
+    computation of it may round (`_loss_rounding`), and how far each parameter may
+    (`_param_rounding`, from the logprobs' `_logp_jacobian`: the same program for every
+    chain). `mode`: the chain's aggregation."""
     objective = learn.objective
     tokens, attn = jnp.asarray(roll.tokens_NL), jnp.asarray(roll.attn_mask_NL)
     host = {
@@ -133,42 +196,15 @@ def _oracle(learn, params, roll, ref_params=None, mode="prompt_mean"):
     terms, _ = objective.batch.update(host, objective.batch.init())
     terms.pop("metrics", None)
     terms = jax.tree.map(jnp.asarray, terms)
-    loss_state = objective.loss.init()
-    aggregate = objectives.aggregate(mode, group_size=G, max_len=M)
-
-    def coefficients(mask):  # d loss_sum / d per-token loss: the aggregation's weights.
-        return jax.grad(lambda x: aggregate.update({"loss": x, "mask": mask}, None)[0]["loss_sum"])(
-            jnp.zeros(mask.shape)
-        )
-
-    def losses(p, rows, update):
-        logp = _reference_logp(learn.graphdef, p, tokens[rows], attn[rows])
-        mb = {k: v[rows] for k, v in terms.items()}
-        out, _ = objective.loss.update({**mb, "logp": logp, "update": update}, loss_state)
-        return out, logp
-
-    @jax.jit
-    def step(p, rows, update):
-        def loss_fn(p):
-            out, logp = losses(p, rows, update)
-            loss = coefficients(terms["mask"][rows]) * out["loss"]
-            # The sum's terms' magnitudes, alone and weighted by (1 + |logp|).
-            magnitude = [jnp.sum(jnp.abs(w * loss)) for w in (1.0, 1.0 + jnp.abs(logp))]
-            return out["loss_sum"], (out["denominator"], magnitude)
-
-        # Each parameter's gradient sums per-token contributions: their magnitudes.
-        def contributions(p):
-            out, _ = losses(p, rows, update)
-            return coefficients(terms["mask"][rows]) * out["loss"]
-
-        jac = jax.jacrev(contributions)(p)
-        mag = jax.tree.map(lambda j: jnp.max(jnp.sum(jnp.abs(j), axis=(0, 1))), jac)
-        return jax.value_and_grad(loss_fn, has_aux=True)(p), mag
+    step = functools.partial(_oracle_step, learn.graphdef, objective.loss, mode)
 
     out_losses, bounds, param_bounds = [], [], []
     step_rows = learn.step_rows(N, step=1)
     for update, rows in enumerate(step_rows):
-        ((loss, (denom, magnitude)), grads), mag = step(params, rows, update)
+        jac = _logp_jacobian(learn.graphdef, params, tokens[rows], attn[rows])
+        ((loss, (denom, magnitude)), grads), mag = step(
+            params, jac, tokens, attn, terms, rows, update
+        )
         scale = LR / max(float(denom), 1.0)
         params = jax.tree.map(lambda p, g, s=scale: p - s * g, params, grads)
         out_losses.append(float(loss))
@@ -342,10 +378,13 @@ def test_packed_logprobs_equal_full_rows(setup):
     assert plan.count[0] == 2 and 2 * 2 * 2 * 24 < N * (P + Mb)  # Fewer tokens, two micro-batches.
     logp = np.asarray(out["full"][0])
     assert np.all(np.abs(out["packed"][0] - logp) <= PER_TOKEN * np.abs(logp))
+
     # Each gradient entry sums the tokens' contributions in another order.
-    mag = jax.tree.map(
-        lambda j: np.max(np.sum(np.abs(j), axis=(0, 1))), jax.jit(jax.jacrev(logp_full))(params)
-    )
+    def largest(j):  # Over the trained tokens: the others add nothing.
+        j = np.asarray(j)[:, :Mb] * mask.reshape(*mask.shape, *[1] * (j.ndim - 2))
+        return np.max(np.sum(np.abs(j), axis=(0, 1)))
+
+    mag = jax.tree.map(largest, _logp_jacobian(graphdef, params, tokens, attn))
     for a, b, m in zip(*map(jax.tree.leaves, (out["packed"][1], out["full"][1], mag))):
         tol = _param_rounding(m, int(mask.sum()))
         assert np.all(np.abs(a - b) <= tol), (np.abs(a - b).max(), tol)
@@ -370,7 +409,10 @@ def test_no_recompile_within_a_bucket(setup, count_compiles):
         np.pad(x, pad) for x in (wider.tokens_NL, wider.attn_mask_NL)
     )
     for pack in (0, 24):
-        learn = _learner(mesh, graphdef, buckets=1 if pack else 4, pack=pack, minibatches=1)
+        # One sequence per row: two minibatches, the learner and the programs of
+        # `test_ratio_is_against_the_generator_and_match_is_the_first_minibatch`.
+        kw = dict(buckets=1, minibatches=1) if pack else dict(buckets=4)
+        learn = _learner(mesh, graphdef, pack=pack, **kw)
         state = learn.init(params, value_params)
         micro = []
         for i, roll in enumerate(batches + [wider] * bool(pack)):
@@ -497,11 +539,11 @@ def test_chunking_bounds_the_vocabulary_temporaries():
     assert temp_bytes(64) < nMV_bytes / 4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("remat", ["dots", "full"])
-def test_remat_policies_give_the_same_gradients(setup, remat):
-    """Rematerialized blocks recompute what the plain backward pass saved: the same logprobs
-    and gradients."""
+@pytest.fixture(scope="module")
+def remat_grads(setup):
+    """The gradient of the sum of every trained token's logprob, in one micro-batch of every
+    row on one device, as a function of the blocks' rematerialization policy; and its value
+    without one."""
     graphdef, params, value_params, roll, _ = setup
     mesh = sharding.make_mesh((1, 1, 1))
     learn = _learner(mesh, graphdef, minibatches=1)  # A micro-batch of every row.
@@ -519,8 +561,16 @@ def test_remat_policies_give_the_same_gradients(setup, remat):
         return jnp.sum(jnp.where(roll.mask_NM, logp, 0.0))
 
     grad = jax.jit(jax.grad(logp_sum), static_argnums=1)
-    want = grad(params, spec)
-    got = grad(params, spec._replace(remat=remat))
+    return lambda remat: grad(params, spec._replace(remat=remat)), grad(params, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_policies_give_the_same_gradients(remat_grads, remat):
+    """Rematerialized blocks recompute what the plain backward pass saved: the same logprobs
+    and gradients."""
+    grad, want = remat_grads
+    got = grad(remat)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
