@@ -292,6 +292,7 @@ def off_policy_smoke(warm, shared_workdir):
     (the config's default), reusing the shared warm start: (config, workdir)."""
     config = load_config("off_policy", "smoke,correction=all")
     config.sft.reuse_from = str(warm)
+    config.mesh.shape = (1, 1, 1)
     workdir = shared_workdir("recipe_off_policy_all", lambda w: rl.run(rl.resolve(config), str(w)))
     return config, workdir
 
