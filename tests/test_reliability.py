@@ -141,10 +141,12 @@ def _start_and_signal(workdir, sig, after_step, settings, variant="smoke,sync", 
     return proc, len(_written(path)) - 1
 
 
-def _kill_then_resume_here(workdir, variant, settings, caplog):
-    """The run of `settings` started as a subprocess, killed (SIGKILL) once step 3 is in
-    metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
-    proc, _ = _start_and_signal(workdir, signal.SIGKILL, 3, settings, variant=variant, saved=2)
+def _kill_then_resume_here(workdir, variant, settings, caplog, after_step=3):
+    """The run of `settings` started as a subprocess, killed (SIGKILL) once `after_step` is
+    in metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
+    proc, _ = _start_and_signal(
+        workdir, signal.SIGKILL, after_step, settings, variant=variant, saved=2
+    )
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert len(_lines(workdir)) < settings["steps"] + 1  # Killed mid-run.
@@ -434,17 +436,17 @@ def test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run(
 
 
 def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp_path, caplog):
-    """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed after step 3 with
-    the next batches' episodes in flight, resumed from the step-2 checkpoint: the prompts
-    trained, step by step, are exactly the stream's draws (the episodes in flight at the kill
-    were played again by the restored policy, none lost, none trained twice); the staleness
-    bound holds on every step, the first after the restart included; the episodes had turns,
-    with parking rows (`env.parked`) in the generator. (The pipeline driver resumes a
-    single-turn run by the same code: `pipeline.Feed` drives the engine through
-    `envs.episodes` either way.)"""
+    """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed once step 2 and its
+    checkpoint are written, with the next batches' episodes in flight (the generator runs 2
+    batches ahead), resumed from the step-2 checkpoint: the prompts trained, step by step,
+    are exactly the stream's draws (the episodes in flight at the kill were played again by
+    the restored policy, none lost, none trained twice); the staleness bound holds on every
+    step, the first after the restart included; the episodes had turns, with parking rows
+    (`env.parked`) in the generator. (The pipeline driver resumes a single-turn run by the
+    same code: `pipeline.Feed` drives the engine through `envs.episodes` either way.)"""
     workdir = tmp_path / "run"
     settings = _episode_settings(straight, **PIPELINE, **{"env.parked": 8})
-    judged = _kill_then_resume_here(workdir, "smoke", settings, caplog)
+    judged = _kill_then_resume_here(workdir, "smoke", settings, caplog, after_step=2)
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
     stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
