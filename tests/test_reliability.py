@@ -10,14 +10,15 @@ killed in the recipe's pipeline mode. Runs that must be killed or signalled run 
 subprocesses, every other run (never killed, resumed) in this process, all on one CPU device;
 the straight run's workdir provides the others' warm start (`sft.reuse_from`).
 
-Each signal is sent once, to the run it says most about (a process start and a first trace
-cost about 10 CPU-seconds each, most of this module's time): SIGKILL to the single-turn sync
-run (`test_sigkill_then_resume_is_the_same_run`) and to the multi-turn pipeline run, whose
-in-flight episodes must be played again (`test_pipeline_sigkill_with_episodes_in_flight_...`);
-SIGTERM to the multi-turn sync run, whose episodes of the step in flight finish before the
-save (`test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run`). The resume code
-is the same for every driver and environment: each of the three compares its resumed run
-with a run never interrupted.
+A process start and a first trace of a run's programs cost about 10 CPU-seconds each, most of
+this module's time, so a run goes to a subprocess only where the process is the point:
+SIGKILL, sent to the single-turn sync run (`test_sigkill_then_resume_is_the_same_run`) and to
+the multi-turn pipeline run, whose in-flight episodes must be played again; the command's
+refusal of a changed config (its exit status and `error:` line). SIGTERM is sent to this
+process, whose run takes it in the handler the run installs, as a subprocess's would: the
+command (`rlscale.main`'s flags and `main`) runs here and exits 143. The resume code is the
+same for every driver and environment; each test compares its resumed run with a run never
+interrupted.
 """
 
 import glob
@@ -39,8 +40,9 @@ import pytest
 import wandb_files
 from conftest import ROOT, load_config, subprocess_env
 
-from rlscale import config_lib, rl
+from rlscale import cli, config_lib, rl
 from rlscale.data import builders, filters
+from rlscale.main import train
 from rlscale.rl import rollouts
 
 STEPS = 4
@@ -141,6 +143,37 @@ def _start_and_signal(workdir, sig, after_step, settings, variant="smoke,sync", 
     return proc, len(_written(path)) - 1
 
 
+def _sigterm_here(workdir, settings, after_step=1):
+    """Runs the command of `settings` (`rlscale.main`'s flags and `main`, `cli.call`) in this
+    process and sends this process SIGTERM once `after_step` is in metrics.jsonl, as a
+    scheduler preempting the run would; returns the command's exit status and the last step
+    in metrics.jsonl just after the signal (the run had not gone further when it came). The
+    run's own handler takes the signal; one that came after the run would meet a handler that
+    drops it, failing the test instead of ending the session."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    finished, signalled = threading.Event(), []
+
+    def signal_after_step():
+        while not finished.wait(0.05):
+            if os.path.exists(path) and len(_written(path)) > after_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+                signalled.append(len(_written(path)) - 1)
+                return
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    sender = threading.Thread(target=signal_after_step, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.call(train.define_flags, train.main, _command(workdir, settings, "smoke,sync")[3:])
+    finally:
+        finished.set()
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert signalled, "the run ended before the signal"
+    return exit_.value.code, signalled[0]
+
+
 def _kill_then_resume_here(workdir, variant, settings, caplog, after_step=3):
     """The run of `settings` started as a subprocess, killed (SIGKILL) once `after_step` is
     in metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
@@ -185,6 +218,21 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path, caplog):
     assert ours["stream"] == theirs["stream"]  # Data position and shuffle.
     assert ours["history"] == theirs["history"]  # Pass rates and the retired set.
     assert ours["counters"]["compute/train_flops"] == theirs["counters"]["compute/train_flops"]
+
+
+def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path, caplog, capsys):
+    settings = _settings(straight)
+    status, signalled = _sigterm_here(tmp_path, settings)
+    err = capsys.readouterr().err
+    assert status == 143, err[-3000:]
+    assert "preempted (SIGTERM) after step" in err
+    last = _lines(tmp_path)[-1]["step"]
+    assert last <= signalled + 1 < STEPS  # Bounded: the step in flight, then one save.
+    assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _run_here(_config_of("smoke,sync", settings), tmp_path)
+    assert f"resuming from the checkpoint at step {last} in {tmp_path}" in caplog.messages
+    assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
 
 
 def test_damaged_checkpoint_falls_back_to_the_previous_one(warm, straight, tmp_path, caplog):
@@ -414,16 +462,16 @@ def straight_episodes(shared_workdir, straight):
 
 
 def test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run(
-    straight, straight_episodes, tmp_path, caplog
+    straight, straight_episodes, tmp_path, caplog, capsys
 ):
     """Multi-turn episodes in the sync loop, sent SIGTERM after step 1: the step in flight
-    (its episodes) finishes, one checkpoint is saved at the step it stopped and the process
+    (its episodes) finishes, one checkpoint is saved at the step it stopped and the command
     exits 143; the same run resumed from there is the run never signalled, line for line
     (wall-clock fields aside)."""
     settings = _episode_settings(straight)
-    proc, signalled = _start_and_signal(tmp_path, signal.SIGTERM, 1, settings)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    status, signalled = _sigterm_here(tmp_path, settings)
+    err = capsys.readouterr().err
+    assert status == 143, err[-3000:]
     assert "preempted (SIGTERM) after step" in err
     last = _lines(tmp_path)[-1]["step"]
     assert last <= signalled + 1 < EPISODE_STEPS  # Bounded: the step in flight, then one save.
