@@ -6,19 +6,18 @@ The runs are `configs/scalerl.py:smoke,sync` (checkpoints every 2 steps,
 no-positive-resampling, zero-variance filtering, forced interruption) with an easy reward
 (`reward_fixtures.digits`) so prompts do get retired and filtered. The multi-turn runs play
 `env_fixtures.Calculator` with a reward half the samples earn (so every step trains); one is
-killed in the recipe's pipeline mode. Runs that must be killed or signalled run as
-subprocesses, every other run (never killed, resumed) in this process, all on one CPU device;
-the straight run's workdir provides the others' warm start (`sft.reuse_from`).
+killed in the recipe's pipeline mode. All run on one CPU device; the straight run's workdir
+provides the others' warm start (`sft.reuse_from`).
 
 A process start and a first trace of a run's programs cost about 10 CPU-seconds each, most of
 this module's time, so a run goes to a subprocess only where the process is the point:
 SIGKILL, sent to the single-turn sync run (`test_sigkill_then_resume_is_the_same_run`) and to
 the multi-turn pipeline run, whose in-flight episodes must be played again; the command's
-refusal of a changed config (its exit status and `error:` line). SIGTERM is sent to this
-process, whose run takes it in the handler the run installs, as a subprocess's would: the
-command (`rlscale.main`'s flags and `main`) runs here and exits 143. The resume code is the
-same for every driver and environment; each test compares its resumed run with a run never
-interrupted.
+refusal of a changed config (its exit status and `error:` line). Every other run, resumes
+included, runs in this process. SIGTERM is sent to this process, whose run takes it in the
+handler the run installs, as a subprocess's would: the command (`rlscale.main`'s flags and
+`main`) runs here and exits 143. The resume code is the same for every driver and
+environment; each test compares its resumed run with a run never interrupted.
 """
 
 import glob
@@ -432,10 +431,13 @@ EPISODES = {
 # With environment calls, how many decode steps a batch takes depends on when the replies came
 # back: the engine's slot utilization is a wall-clock measurement too.
 EPISODE_TIMING = (*TIMING, "pipeline/slot_utilization")
-# The recipe's pipeline mode, k = 2 (the generator runs ahead on the one device).
+# The recipe's pipeline mode, k = 8 updates (its own k) with the `:sync` runs' 4 updates per
+# batch: the generator runs 2 batches ahead on the one device, and the update program is the
+# sync runs' (compiled once for both).
 PIPELINE = {
     "filters.retire": False,  # The stream alone then decides the prompts.
-    "pipeline.max_staleness": 2,
+    "pipeline.max_staleness": 8,
+    "learner.minibatches": 4,
 }
 
 
@@ -484,9 +486,9 @@ def test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run(
 
 
 def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp_path, caplog):
-    """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed once step 2 and its
-    checkpoint are written, with the next batches' episodes in flight (the generator runs 2
-    batches ahead), resumed from the step-2 checkpoint: the prompts trained, step by step,
+    """Multi-turn episodes in the recipe's pipeline mode (`PIPELINE`), killed once step 2
+    and its checkpoint are written, with the next batches' episodes in flight (the generator
+    runs 2 batches ahead), resumed from the step-2 checkpoint: the prompts trained, step by step,
     are exactly the stream's draws (the episodes in flight at the kill were played again by
     the restored policy, none lost, none trained twice); the staleness bound holds on every
     step, the first after the restart included; the episodes had turns, with parking rows
@@ -509,7 +511,7 @@ def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp
     # The generator had the parking rows (how many samples it parked follows the replies'
     # timing: measured 24 here, while queued requests took their slots).
     assert all("pipeline/parked" in x for x in lines[1:])
-    assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
+    assert all(x["pipeline/staleness_max"] <= 8 for x in lines[1:])
     assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
     assert min(x["env/turns_mean"] for x in lines[1:]) > 1
 
