@@ -81,10 +81,11 @@ def test_staleness_bound_holds_on_every_trained_token(warm, tmp_path, monkeypatc
     if slow == "generator":
         monkeypatch.setattr(generator.Generator, "step", slow_step)
     config = _config(warm, mode=mode, max_staleness=k, generator_devices=4, decode_chunk=2)
-    config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 4, 4
+    # Three steps: the third trains the batch sampled k = 2 updates before it.
+    config.mesh.shape, config.steps, config.eval.every = (-1, 1, 1), 3, 3
     config.learner.length_buckets = 1
     rl.run(rl.resolve(config), str(tmp_path))
-    assert len(seen) == 4
+    assert len(seen) == config.steps
     lags = np.concatenate([version - v for version, v, _ in seen])
     assert lags.min() >= 0 and lags.max() <= k
     lines = metric_lines(tmp_path)[1:]

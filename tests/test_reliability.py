@@ -1,14 +1,23 @@
 """Reliability of whole runs: exact resume after SIGKILL, SIGTERM checkpoints, damaged
-checkpoints, non-finite updates, misbehaving verifiers; multi-turn episodes killed in flight,
-misbehaving environments.
+checkpoints, non-finite updates, misbehaving verifiers; multi-turn episodes signalled and
+killed in flight, misbehaving environments.
 
 The runs are `configs/scalerl.py:smoke,sync` (checkpoints every 2 steps,
 no-positive-resampling, zero-variance filtering, forced interruption) with an easy reward
-(`reward_fixtures.digits`) so prompts do get retired and filtered; one is killed in the
-recipe's pipeline mode. The multi-turn runs play `env_fixtures.Calculator` with a reward
-half the samples earn (so every step trains). Runs that must be killed or signalled run as
-subprocesses, every other run (never killed, resumed) in this process, all on one CPU device;
-the straight run's workdir provides the others' warm start (`sft.reuse_from`).
+(`reward_fixtures.digits`) so prompts do get retired and filtered. The multi-turn runs play
+`env_fixtures.Calculator` with a reward half the samples earn (so every step trains); one is
+killed in the recipe's pipeline mode. All run on one CPU device; the straight run's workdir
+provides the others' warm start (`sft.reuse_from`).
+
+A process start and a first trace of a run's programs cost about 10 CPU-seconds each, most of
+this module's time, so a run goes to a subprocess only where the process is the point:
+SIGKILL, sent to the single-turn sync run (`test_sigkill_then_resume_is_the_same_run`) and to
+the multi-turn pipeline run, whose in-flight episodes must be played again; the command's
+refusal of a changed config (its exit status and `error:` line). Every other run, resumes
+included, runs in this process. SIGTERM is sent to this process, whose run takes it in the
+handler the run installs, as a subprocess's would: the command (`rlscale.main`'s flags and
+`main`) runs here and exits 143. The resume code is the same for every driver and
+environment; each test compares its resumed run with a run never interrupted.
 """
 
 import glob
@@ -16,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -29,11 +39,12 @@ import pytest
 import wandb_files
 from conftest import ROOT, load_config, subprocess_env
 
-from rlscale import config_lib, rl
+from rlscale import cli, config_lib, rl
 from rlscale.data import builders, filters
+from rlscale.main import train
 from rlscale.rl import rollouts
 
-STEPS = 6
+STEPS = 4
 # Every run's settings over `configs/scalerl.py:smoke,sync`: the same as a subprocess's flags
 # and in this process (one device either way).
 RUN = {
@@ -131,10 +142,43 @@ def _start_and_signal(workdir, sig, after_step, settings, variant="smoke,sync", 
     return proc, len(_written(path)) - 1
 
 
-def _kill_then_resume_here(workdir, variant, settings, caplog):
-    """The run of `settings` started as a subprocess, killed (SIGKILL) once step 3 is in
-    metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
-    proc, _ = _start_and_signal(workdir, signal.SIGKILL, 3, settings, variant=variant, saved=2)
+def _sigterm_here(workdir, settings, after_step=1):
+    """Runs the command of `settings` (`rlscale.main`'s flags and `main`, `cli.call`) in this
+    process and sends this process SIGTERM once `after_step` is in metrics.jsonl, as a
+    scheduler preempting the run would; returns the command's exit status and the last step
+    in metrics.jsonl just after the signal (the run had not gone further when it came). The
+    run's own handler takes the signal; one that came after the run would meet a handler that
+    drops it, failing the test instead of ending the session."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    finished, signalled = threading.Event(), []
+
+    def signal_after_step():
+        while not finished.wait(0.05):
+            if os.path.exists(path) and len(_written(path)) > after_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+                signalled.append(len(_written(path)) - 1)
+                return
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    sender = threading.Thread(target=signal_after_step, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.call(train.define_flags, train.main, _command(workdir, settings, "smoke,sync")[3:])
+    finally:
+        finished.set()
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert signalled, "the run ended before the signal"
+    return exit_.value.code, signalled[0]
+
+
+def _kill_then_resume_here(workdir, variant, settings, caplog, after_step=3):
+    """The run of `settings` started as a subprocess, killed (SIGKILL) once `after_step` is
+    in metrics.jsonl and the step-2 checkpoint written, then resumed in this process."""
+    proc, _ = _start_and_signal(
+        workdir, signal.SIGKILL, after_step, settings, variant=variant, saved=2
+    )
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert len(_lines(workdir)) < settings["steps"] + 1  # Killed mid-run.
@@ -162,7 +206,7 @@ def test_straight_run_retires_and_checkpoints(straight):
     assert [x["step"] for x in lines] == list(range(STEPS + 1))
     host = _host(straight, STEPS)
     assert host["history"]["retired"], "the easy reward should retire some prompts"
-    assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4, 6]
+    assert sorted(int(d) for d in os.listdir(straight / "checkpoints") if d.isdigit()) == [2, 4]
 
 
 def test_sigkill_then_resume_is_the_same_run(straight, tmp_path, caplog):
@@ -175,33 +219,11 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path, caplog):
     assert ours["counters"]["compute/train_flops"] == theirs["counters"]["compute/train_flops"]
 
 
-# The recipe's pipeline mode, k = 2 (the generator runs ahead on the one device).
-PIPELINE = {
-    "filters.retire": False,  # The stream alone then decides the prompts.
-    "pipeline.max_staleness": 2,
-}
-
-
-def test_pipeline_sigkill_then_resume_loses_and_repeats_no_prompt(straight, tmp_path, caplog):
-    """The recipe's pipeline mode, killed after step 3 and resumed from the step-2
-    checkpoint: the prompts trained, step by step, are exactly the stream's draws (none lost,
-    none trained twice: the sequences in flight at the kill were generated again by the
-    restored policy), and the staleness bound holds on every step, the first after the
-    restart included."""
-    _kill_then_resume_here(tmp_path, "smoke", _settings(straight, **PIPELINE), caplog)
-    lines = _lines(tmp_path)
-    assert [x["step"] for x in lines] == list(range(STEPS + 1))
-    stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
-    assert [x["data/prompt_ids"] for x in lines[1:]] == [stream.next(8) for _ in range(STEPS)]
-    assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
-    assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
-
-
-def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path, caplog):
+def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path, caplog, capsys):
     settings = _settings(straight)
-    proc, signalled = _start_and_signal(tmp_path, signal.SIGTERM, 1, settings)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    status, signalled = _sigterm_here(tmp_path, settings)
+    err = capsys.readouterr().err
+    assert status == 143, err[-3000:]
     assert "preempted (SIGTERM) after step" in err
     last = _lines(tmp_path)[-1]["step"]
     assert last <= signalled + 1 < STEPS  # Bounded: the step in flight, then one save.
@@ -269,15 +291,18 @@ def _config(**overrides):
     settings = {
         "mesh.shape": (1, 1, 1),  # One device, as the subprocess runs.
         "steps": 4,
-        "learner.minibatches": 1,  # One optimizer step per RL step: the NaN schedules count them.
+        # The recipe's 4 optimizer steps per RL step (`:sync`), so these runs reuse the
+        # straight run's programs; one step's updates skipped goes on, two steps' stop.
+        "faults.max_consecutive_skips": 5,
     }
     settings.update({k.replace("__", "."): v for k, v in overrides.items()})
     return _config_of("smoke,sync", settings)
 
 
 def _nan_on(monkeypatch, steps):
-    """Makes the loss NaN on the updates (one optimizer step each) whose (1-based) index is in
-    `steps`: the generator's logprobs, which the ratio reads, arrive NaN."""
+    """Makes the loss NaN on every optimizer step of the RL steps (their `update_step` calls)
+    whose (1-based) index is in `steps`: the generator's logprobs, which the ratio reads,
+    arrive NaN."""
     from rlscale import programs
 
     original, calls = programs.Programs.run, []
@@ -294,27 +319,47 @@ def _nan_on(monkeypatch, steps):
     monkeypatch.setattr(programs.Programs, "run", patched)
 
 
-def test_nan_loss_skips_the_update_and_the_run_goes_on(straight, tmp_path, monkeypatch):
-    _nan_on(monkeypatch, {2})
-    config = _config(sft__reuse_from=str(straight), reward__workers=0, filters__zero_variance=False)
-    rl.run(rl.resolve(config), str(tmp_path))
-    skipped = [x.get("train/skipped_updates") for x in _lines(tmp_path)[1:]]
-    assert skipped == [0, 1, 0, 0]
+# The NaN run's RL steps whose updates are all non-finite: one step's skipped updates, a
+# step that trains, then two steps' in a row (4 updates skipped at step 4, the 5th at step 5's
+# first), which stop it.
+NAN_STEPS = {2, 4, 5}
 
 
-def test_consecutive_nan_losses_stop_the_run(straight, tmp_path, monkeypatch):
-    """Every step trains (no zero-variance filter: the easy reward filters whole batches, and
-    a batch with no trained token runs no micro-batch, so no loss to make non-finite)."""
-    _nan_on(monkeypatch, {3, 4, 5})
+@pytest.fixture(scope="module")
+def nan_run(shared_workdir, straight):
+    """One run (in this process) with the losses of `NAN_STEPS` non-finite: its workdir and
+    config, and the message of the error that stopped it (WORKDIR/error.txt). Every step
+    trains (no zero-variance filter: the easy reward filters whole batches, and a batch with
+    no trained token runs no micro-batch, so no loss to make non-finite)."""
     config = _config(sft__reuse_from=str(straight), reward__workers=0, filters__zero_variance=False)
     config.steps = 6
-    with pytest.raises(
-        RuntimeError,
-        match="3 consecutive non-finite updates .last at step 5.; "
-        "the last good checkpoint is step 4",
-    ):
-        rl.run(rl.resolve(config), str(tmp_path))
-    assert os.path.isdir(tmp_path / "checkpoints" / "2")
+
+    def run(workdir):
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError) as e:
+            _nan_on(patch, NAN_STEPS)
+            rl.run(rl.resolve(config), str(workdir / "run"))
+        (workdir / "error.txt").write_text(str(e.value))
+
+    workdir = shared_workdir("reliability_nan", run)
+    return workdir / "run", config, (workdir / "error.txt").read_text()
+
+
+def test_nan_loss_skips_the_update_and_the_run_goes_on(nan_run):
+    workdir, config, _ = nan_run
+    skipped = [x.get("train/skipped_updates") for x in _lines(workdir)[1:]]
+    per_step = config.learner.minibatches  # Optimizer updates per RL step.
+    assert skipped == [0, per_step, 0, per_step]  # Step 5 stopped the run before its line.
+
+
+def test_consecutive_nan_losses_stop_the_run(nan_run):
+    workdir, config, error = nan_run
+    assert config.learner.minibatches == 4
+    # As `pytest.raises(RuntimeError, match=...)` reads the message.
+    assert re.search(
+        "5 consecutive non-finite updates .last at step 5.; the last good checkpoint is step 4",
+        error,
+    ), error
+    assert os.path.isdir(workdir / "checkpoints" / "2")
 
 
 def test_misbehaving_verifiers_cost_their_samples(straight, tmp_path, monkeypatch):
@@ -386,6 +431,14 @@ EPISODES = {
 # With environment calls, how many decode steps a batch takes depends on when the replies came
 # back: the engine's slot utilization is a wall-clock measurement too.
 EPISODE_TIMING = (*TIMING, "pipeline/slot_utilization")
+# The recipe's pipeline mode, k = 8 updates (its own k) with the `:sync` runs' 4 updates per
+# batch: the generator runs 2 batches ahead on the one device, and the update program is the
+# sync runs' (compiled once for both).
+PIPELINE = {
+    "filters.retire": False,  # The stream alone then decides the prompts.
+    "pipeline.max_staleness": 8,
+    "learner.minibatches": 4,
+}
 
 
 def _episode_settings(straight, **settings):
@@ -410,27 +463,40 @@ def straight_episodes(shared_workdir, straight):
         return workdir, pickle.load(f)
 
 
-def test_episodes_sigkill_then_resume_is_the_same_run(
-    straight, straight_episodes, tmp_path, caplog
+def test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run(
+    straight, straight_episodes, tmp_path, caplog, capsys
 ):
-    """Multi-turn episodes in the sync loop, killed after step 3 (step 4's episodes in
-    flight) and resumed from the step-2 checkpoint: the same run as the one never killed,
-    line for line (wall-clock fields aside)."""
-    _kill_then_resume_here(tmp_path, "smoke,sync", _episode_settings(straight), caplog)
+    """Multi-turn episodes in the sync loop, sent SIGTERM after step 1: the step in flight
+    (its episodes) finishes, one checkpoint is saved at the step it stopped and the command
+    exits 143; the same run resumed from there is the run never signalled, line for line
+    (wall-clock fields aside)."""
+    settings = _episode_settings(straight)
+    status, signalled = _sigterm_here(tmp_path, settings)
+    err = capsys.readouterr().err
+    assert status == 143, err[-3000:]
+    assert "preempted (SIGTERM) after step" in err
+    last = _lines(tmp_path)[-1]["step"]
+    assert last <= signalled + 1 < EPISODE_STEPS  # Bounded: the step in flight, then one save.
+    assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _run_here(_config_of("smoke,sync", settings), tmp_path)
+    assert f"resuming from the checkpoint at step {last} in {tmp_path}" in caplog.messages
     want = _comparable(_lines(straight_episodes[0]), EPISODE_TIMING)
     assert _comparable(_lines(tmp_path), EPISODE_TIMING) == want
 
 
 def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp_path, caplog):
-    """Multi-turn episodes in the recipe's pipeline mode (k = 2), killed after step 3 with
-    the next batches' episodes in flight, resumed from the step-2 checkpoint: the prompts
-    trained, step by step, are the stream's draws (the episodes in flight at the kill were
-    played again, none lost, none trained twice); the staleness bound holds on every step,
-    the first after the restart included; the episodes had turns, with parking rows
-    (`env.parked`) in the generator."""
+    """Multi-turn episodes in the recipe's pipeline mode (`PIPELINE`), killed once step 2
+    and its checkpoint are written, with the next batches' episodes in flight (the generator
+    runs 2 batches ahead), resumed from the step-2 checkpoint: the prompts trained, step by step,
+    are exactly the stream's draws (the episodes in flight at the kill were played again by
+    the restored policy, none lost, none trained twice); the staleness bound holds on every
+    step, the first after the restart included; the episodes had turns, with parking rows
+    (`env.parked`) in the generator. (The pipeline driver resumes a single-turn run by the
+    same code: `pipeline.Feed` drives the engine through `envs.episodes` either way.)"""
     workdir = tmp_path / "run"
     settings = _episode_settings(straight, **PIPELINE, **{"env.parked": 8})
-    judged = _kill_then_resume_here(workdir, "smoke", settings, caplog)
+    judged = _kill_then_resume_here(workdir, "smoke", settings, caplog, after_step=2)
     lines = _lines(workdir)
     assert [x["step"] for x in lines] == list(range(EPISODE_STEPS + 1))
     stream = filters.PromptStream(200, seed=0)  # The smoke task's 200 training prompts.
@@ -445,7 +511,7 @@ def test_pipeline_sigkill_with_episodes_in_flight_regenerates_them(straight, tmp
     # The generator had the parking rows (how many samples it parked follows the replies'
     # timing: measured 24 here, while queued requests took their slots).
     assert all("pipeline/parked" in x for x in lines[1:])
-    assert all(x["pipeline/staleness_max"] <= 2 for x in lines[1:])
+    assert all(x["pipeline/staleness_max"] <= 8 for x in lines[1:])
     assert max(x["pipeline/staleness_max"] for x in lines[1:]) > 0  # It did run ahead.
     assert min(x["env/turns_mean"] for x in lines[1:]) > 1
 

@@ -1,35 +1,36 @@
 """`tools/rl_sanity.py` end to end: two steps of the quickstart's `:smoke` config with the
-tool's reward, scored in the reward worker pool."""
+tool's reward, scored in the reward worker pool. In this process (`cli.call`, the command's
+flags and `main`), on one device as the command runs on a laptop: the pool's workers are
+processes of their own, started with this process's `sys.path` (the tool puts its directory
+there), so they import the tool's reward by name as they do under the command."""
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT
+
+from rlscale import cli
+
+TOOLS = os.path.join(ROOT, "tools")
 
 
-def test_rl_sanity_smoke(tmp_path, warm):
-    env = subprocess_env()
-    r = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "tools", "rl_sanity.py"),
-            "--workdir",
-            str(tmp_path),
-            "--config",
-            os.path.join(ROOT, "configs", "quickstart.py:smoke"),
-            "--config.steps=2",
-            f"--warm_from={warm}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+def test_rl_sanity_smoke(tmp_path, warm, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(TOOLS)  # As `python tools/rl_sanity.py` has it; undone after.
+    spec = importlib.util.spec_from_file_location("rl_sanity", os.path.join(TOOLS, "rl_sanity.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args = [
+        "--workdir",
+        str(tmp_path),
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.py:smoke"),
+        "--config.steps=2",
+        "--config.mesh.shape=(1,1,1)",
+        f"--warm_from={warm}",
+    ]
+    cli.call(tool.define_flags, tool.main, args)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(result) == ["end", "start"]
 
     config = json.loads((tmp_path / "config.json").read_text())

@@ -5,6 +5,7 @@ logprob is then checked against one forward pass over the whole trajectory."""
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,9 +140,22 @@ def _episodes(gen, limit=200):
     return sorted(done, key=lambda c: c.request.id), log, overflow
 
 
-def _trajectory_logits(policy, done, scfg):
-    """The transformed logits before every completion token, from one forward pass over each
-    left-padded prompt and its whole completion (policy and environment tokens)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "scfg", "P"))
+def _reference_logprobs(graphdef, params, seq, mask, scfg, P):
+    """Each completion token's logprob under the sampling transform, and the magnitude its
+    rounding scales with (|z| + |logsumexp(z)|), from one forward pass over the whole
+    left-padded rows (prompt `P` tokens, then the completion's). One program, not one per
+    op: the reference is the same arithmetic, compiled once per shape."""
+    logits, _ = model.forward(graphdef, params, seq, model.positions_from_mask(mask), mask)
+    z = transform_logits(logits[:, P - 1 : -1], scfg)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    z_tok = jnp.take_along_axis(z, seq[:, P:, None], axis=-1)[..., 0]
+    return z_tok - lse, jnp.abs(z_tok) + jnp.abs(lse)
+
+
+def _trajectory_logprobs(policy, done, scfg):
+    """`_reference_logprobs` of every completion in `done`: each left-padded prompt and its
+    whole completion (policy and environment tokens)."""
     cfg, graphdef, params = policy
     P = max(map(len, PROMPTS))
     prompts = [PROMPTS[c.request.id % len(PROMPTS)] for c in done]  # Prompts may repeat.
@@ -149,8 +163,8 @@ def _trajectory_logits(policy, done, scfg):
     prompts = np.repeat(np.asarray(prompts, np.int32), scfg.num_samples, axis=0)
     seq = np.concatenate([prompts, np.concatenate([c.tokens_GM for c in done])], axis=1)
     mask = np.concatenate([prompts > 0, np.concatenate([c.mask_GM for c in done])], axis=1)
-    logits, _ = model.forward(graphdef, params, seq, model.positions_from_mask(mask), mask)
-    return transform_logits(logits[:, P - 1 : -1], scfg), jnp.asarray(seq[:, P:])
+    full, scale = _reference_logprobs(graphdef, params, seq, mask, scfg, P)
+    return np.asarray(full), np.asarray(scale)
 
 
 def _check_trajectory_logprobs(policy, done, scfg):
@@ -165,10 +179,7 @@ def _check_trajectory_logprobs(policy, done, scfg):
     # attention over at most 40 columns; then the head over 64 and a logsumexp over 256),
     # added in another order by the engine (cache rows, its batches) and the forward pass:
     # each moves by `rounding(2^11)` of its magnitude.
-    z, seq = _trajectory_logits(policy, done, scfg)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    z_tok = jnp.take_along_axis(z, seq[..., None], axis=-1)[..., 0]
-    full, scale = np.asarray(z_tok - lse), np.asarray(jnp.abs(z_tok) + jnp.abs(lse))
+    full, scale = _trajectory_logprobs(policy, done, scfg)
     err = np.abs(cat["logprobs_GM"] - full)[policy_tokens]
     assert np.all(err <= rounding(2**11) * scale[policy_tokens]), err.max()
 
