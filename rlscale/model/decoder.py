@@ -571,15 +571,12 @@ def routed_hidden(
     prefixes_BT=None,
 ):
     """(hidden [B, T, D], cache, `moe.Routing` or None): `hidden` with what the routers chose
-    (`Decoder.routed`). `mesh`: its `expert` axis, if any, runs the experts expert-parallel
-    (the mesh may also come from the caller's `jax.set_mesh`). `prefixes_BT`: shared
-    prefixes (`Decoder.hidden`)."""
+    (`Decoder.routed`). `mesh` (or the caller's `jax.set_mesh`): its `expert` axis runs the
+    experts expert-parallel. `prefixes_BT`: shared prefixes (`Decoder.hidden`)."""
     decoder = nnx.merge(graphdef, params)
     context = contextlib.nullcontext()
-    # Read at trace time by `moe.experts` and by Pallas attention kernels (`splash` runs per
-    # device under a shard_map).
-    pallas = attention_lib.get(decoder.cfg.attention).pallas
-    if mesh is not None and (decoder.cfg.num_experts or pallas):
+    pallas = attention_lib.get(decoder.cfg.attention).pallas  # `splash`: in a shard_map.
+    if mesh is not None and (decoder.cfg.num_experts or pallas):  # Read at trace time.
         context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with context:
         return decoder.routed(
