@@ -220,18 +220,24 @@ def test_sigkill_then_resume_is_the_same_run(straight, tmp_path, caplog):
 
 
 def test_sigterm_saves_a_checkpoint_and_resumes(straight, tmp_path, caplog, capsys):
-    settings = _settings(straight)
+    _sigterm_then_resume(tmp_path, _settings(straight), STEPS, caplog, capsys)
+    assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
+
+
+def _sigterm_then_resume(tmp_path, settings, steps: int, caplog, capsys):
+    """The command in this process, sent SIGTERM after step 1: exit 143 and the preempted
+    line, a bounded stop (the step in flight, then one save) with a checkpoint at the step it
+    stopped; then the same command resumed from it to the end."""
     status, signalled = _sigterm_here(tmp_path, settings)
     err = capsys.readouterr().err
     assert status == 143, err[-3000:]
     assert "preempted (SIGTERM) after step" in err
     last = _lines(tmp_path)[-1]["step"]
-    assert last <= signalled + 1 < STEPS  # Bounded: the step in flight, then one save.
-    assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
+    assert last <= signalled + 1 < steps
+    assert os.path.isdir(tmp_path / "checkpoints" / str(last))
     with caplog.at_level(logging.INFO, logger="absl"):
         _run_here(_config_of("smoke,sync", settings), tmp_path)
     assert f"resuming from the checkpoint at step {last} in {tmp_path}" in caplog.messages
-    assert _comparable(_lines(tmp_path)) == _comparable(_lines(straight))
 
 
 def test_damaged_checkpoint_falls_back_to_the_previous_one(warm, straight, tmp_path, caplog):
@@ -470,17 +476,7 @@ def test_episodes_sigterm_saves_a_checkpoint_and_resumes_the_same_run(
     (its episodes) finishes, one checkpoint is saved at the step it stopped and the command
     exits 143; the same run resumed from there is the run never signalled, line for line
     (wall-clock fields aside)."""
-    settings = _episode_settings(straight)
-    status, signalled = _sigterm_here(tmp_path, settings)
-    err = capsys.readouterr().err
-    assert status == 143, err[-3000:]
-    assert "preempted (SIGTERM) after step" in err
-    last = _lines(tmp_path)[-1]["step"]
-    assert last <= signalled + 1 < EPISODE_STEPS  # Bounded: the step in flight, then one save.
-    assert os.path.isdir(tmp_path / "checkpoints" / str(last))  # Saved at the step it stopped.
-    with caplog.at_level(logging.INFO, logger="absl"):
-        _run_here(_config_of("smoke,sync", settings), tmp_path)
-    assert f"resuming from the checkpoint at step {last} in {tmp_path}" in caplog.messages
+    _sigterm_then_resume(tmp_path, _episode_settings(straight), EPISODE_STEPS, caplog, capsys)
     want = _comparable(_lines(straight_episodes[0]), EPISODE_TIMING)
     assert _comparable(_lines(tmp_path), EPISODE_TIMING) == want
 
