@@ -4,13 +4,12 @@ params over fsdp and the generator sees the same devices as a (devices / t, 1, t
 it holds 1/t of every split matrix instead of a whole copy per device."""
 
 import json
-import os
 
 import jax
 import numpy as np
 import pytest
-from conftest import GOLDEN, golden_config, metric_lines, random_decoder_params
-from test_rl import ROUNDED, golden_tolerance
+from conftest import golden_config, random_decoder_params
+from test_rl import assert_golden
 
 from rlscale import model, rl, sharding
 from rlscale.planning import planner, report
@@ -62,16 +61,7 @@ def test_a_colocated_tensor_parallel_run_is_the_golden_run(warm, tmp_path):
     config.mesh.shape = (1, 2, 1)
     config.pipeline.generator_tensor = 2
     rl.run(rl.resolve(config), str(tmp_path))
-    tol = golden_tolerance(config)
-    expected = metric_lines(os.path.join(GOLDEN, "quickstart_smoke.jsonl"))
-    got = metric_lines(tmp_path)
-    assert [x["step"] for x in got] == [x["step"] for x in expected]
-    for ours, theirs in zip(got, expected):
-        exact = [{k: v for k, v in x.items() if k not in ROUNDED} for x in (ours, theirs)]
-        assert exact[0] == exact[1], ours["step"]
-        for key in ROUNDED & ours.keys():
-            a, b = ours[key], theirs[key]
-            assert (a is None) == (b is None) and (b is None or abs(a - b) <= tol * max(abs(b), 1))
+    assert_golden(tmp_path, "quickstart", config)
     entries = json.load(open(tmp_path / "programs.json"))
     meshes = {e["name"]: e["mesh_shape"] for e in entries}
     assert meshes["engine_decode"] == {"data": 1, "fsdp": 1, "tensor": 2}

@@ -99,10 +99,15 @@ def test_golden_metrics(name, golden_runs):
     gradient's sign flipped (cispo, ppo_clip) the quickstart and PPO fail at step 1 (loss,
     clip fractions) and GRPO at step 3 (its loss at ratio 1 is 0 either way; the tokens
     sampled after two updates differ)."""
-    config = golden_config(name)
+    assert_golden(golden_runs(name), name, golden_config(name))
+
+
+def assert_golden(workdir, name: str, config) -> None:
+    """`workdir`'s metrics are `name`'s recorded golden run's: every exact field equal, the
+    ROUNDED ones within `golden_tolerance(config)` of max(|value|, 1)."""
     tol = golden_tolerance(config)
     expected = metric_lines(os.path.join(GOLDEN, f"{name}_smoke.jsonl"))
-    got = metric_lines(golden_runs(name))
+    got = metric_lines(workdir)
     assert [x["step"] for x in got] == [x["step"] for x in expected]
     assert len(got) == config.steps + 1
     for ours, theirs in zip(got, expected):

@@ -426,7 +426,8 @@ def _cudnn(q_BTHE, k_BKET, v_BKTE, mask: Mask, *, scale, window, softcap):
 CHUNK_QUERIES = 128  # `chunked`'s query block: the largest divisor of T that divides this.
 
 
-def _chunk(T: int) -> int:
+def chunk_queries(T: int) -> int:
+    """`chunked`'s query block for T queries."""
     return math.gcd(T, CHUNK_QUERIES)
 
 
@@ -444,7 +445,7 @@ def _join_queries(x_nB):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _chunked_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, scale, softcap):
-    b = _chunk(q_BTHE.shape[1])
+    b = chunk_queries(q_BTHE.shape[1])
 
     def one(args):
         q, m = args
@@ -462,7 +463,7 @@ def _chunked_bwd(scale, softcap, res, do_BTHE):
     """The gradients a query block at a time, recomputing its scores (nothing of the forward
     pass is saved but its inputs); dk and dv summed over the blocks."""
     q_BTHE, k_BKES, v_BKSE, mask_BTS = res
-    b = _chunk(q_BTHE.shape[1])
+    b = chunk_queries(q_BTHE.shape[1])
 
     def step(carry, args):
         dk, dv = carry

@@ -30,7 +30,7 @@ def standin_excess_bytes(rows: int, heads: int, T: int) -> int:
     """What `chunked` holds beyond a fused kernel, per device in the update: one query block's
     float32 scores, probabilities and their cotangents in a layer's backward pass, for `rows`
     forward rows of T tokens and `heads` query heads on the device."""
-    return STANDIN_COPIES * rows * heads * attention._chunk(T) * T * 4
+    return STANDIN_COPIES * rows * heads * attention.chunk_queries(T) * T * 4
 
 
 def info(model_cfg, mesh, T: int, rows: int) -> dict:
