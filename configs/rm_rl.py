@@ -8,8 +8,8 @@ buy.
         [--config.sft.reuse_from=/tmp/rlscale_quickstart]
 
 The reward model (`reward.model="train_at_setup"`) is trained at set-up from the warm start's
-weights on the pairs a DPO run makes from the warm start's own samples (8 per training prompt,
-the verifier's best against worst; 1 in 10 held out), cached in WORKDIR/reward_model; its
+weights on the pairs formed from the warm start's own samples (`batch.group_size` = 8 per training
+prompt, the verifier's best against worst; 1 in 10 held out), cached in WORKDIR/reward_model; its
 sampling and training count in the run's compute. `--config.reward.model=DIR` uses one
 written by `python -m rlscale.main.train_reward_model` instead.
 
@@ -39,7 +39,6 @@ def get_config(arg=None):
     c.optim.lr = 1.5e-4
     c.objective.chain = config_lib.QUICKSTART_CHAIN
     c.reward.model = "train_at_setup"
-    c.preference.samples = 8  # The reward model's pairs: 8 samples of each training prompt.
     c.filters.zero_variance = True  # Judged on the reward model's scores.
     c.learner.pack_length, c.learner.length_buckets = 96, 1
     if arg.prm:

@@ -7,7 +7,7 @@ import os
 import pytest
 from conftest import ROOT, load_config
 
-from rlscale import checkpoint, optim, sections
+from rlscale import checkpoint, optim, sections, stage_cache
 from rlscale.data import filters
 from rlscale.rl import run_config, setup
 
@@ -119,3 +119,22 @@ def test_every_config_resolves_or_names_only_what_lies_outside_it(name, arg):
             "objective.chain reads teacher_logp (distill_advantage) but teacher.checkpoint is",
         )
         assert all(p.startswith(outside) for p in e.problems), e.problems
+
+
+def test_a_reward_models_pairs_follow_the_samples_they_are_formed_from():
+    """`reward.model='train_at_setup'` forms its pairs from the RL generator's groups
+    (`batch.group_size` per prompt), not `preference.samples` (a preference run's count): the
+    pairs' and reward model's stage settings follow the first and ignore the second."""
+
+    def made(**batch_and_preference):
+        c = load_config("rm_rl")
+        for key, value in batch_and_preference.items():
+            section, name = key.split("__")
+            c[section][name] = value
+        settings = setup.stage_settings(run_config.resolve(c))
+        return [settings[s] for s in (stage_cache.PREFERENCE_PAIRS, stage_cache.REWARD_MODEL)]
+
+    base = made()
+    assert base[0]["samples_per_prompt"] == load_config("rm_rl").batch.group_size
+    assert made(batch__group_size=6) != base
+    assert made(preference__samples=6) == base

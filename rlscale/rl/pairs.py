@@ -274,8 +274,11 @@ def made_settings(
         **{k: dataclasses.asdict(v) for k, v in (("sft", sft), ("init", init))},
         "sampling": dataclasses.asdict(sampling),
         "prompt_pool": batch.prompt_pool,
+        # The samples pairs are formed from: `preference.samples` in a preference run,
+        # `batch.group_size` where the RL generator samples them (a reward model's pairs).
+        "samples_per_prompt": batch.samples_per_prompt,
         "reward.fn": reward.fn,
-        "preference": {k: v for k, v in pref.items() if k != "iterations_every"},
+        "preference": {k: v for k, v in pref.items() if k not in ("iterations_every", "samples")},
     }
 
 
@@ -375,7 +378,7 @@ class PairSource:
         if not pairs:
             raise ValueError(
                 f"preference.file={SAMPLE_AT_SETUP!r}: the warm start's {len(ids)} x "
-                f"{p.samples} samples (preference.prompts x preference.samples) "
+                f"{self.batch_cfg.samples_per_prompt} samples (prompts x samples per prompt) "
                 f"formed no pair (pass rate {record['pass_rate']:.3f}): every prompt's samples "
                 "scored alike; sample more"
             )
