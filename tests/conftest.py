@@ -42,6 +42,34 @@ HF_TINY = dict(
 )
 
 
+# jaxlib 0.10.2's XLA:CPU miscompiles a YNNPACK fusion that multiplies an operand of rank >= 2,
+# broadcast over a new leading axis, into a reduction: what `jax.vmap` makes of a backward pass
+# (`jax.jacrev`, per-row Jacobians), whose unbatched operands are broadcast over the batch axis.
+# tests/test_numerics.py reproduces it in a few lines. The test oracles that take Jacobians
+# compile without those fusions (`jit_without_ynn`); rlscale's own programs hold none of them.
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def jit_without_ynn(fn, static_argnums=()):
+    """`jax.jit(fn)` compiled with `NO_YNN`, once per static arguments and argument shapes."""
+    static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    jitted, compiled = jax.jit(fn, static_argnums=static), {}
+
+    def call(*args):
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        leaves, tree = jax.tree.flatten(dynamic)
+        key = (
+            tuple(args[i] for i in static),
+            tree,
+            tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves),
+        )
+        if key not in compiled:
+            compiled[key] = jitted.lower(*args).compile(compiler_options=NO_YNN)
+        return compiled[key](*dynamic)
+
+    return call
+
+
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process with `devices` CPU devices."""
     return f"{XLA_FLAGS} --xla_force_host_platform_device_count={devices}"

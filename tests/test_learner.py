@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import rounding
+from conftest import jit_without_ynn, rounding
 
 from rlscale import model, objectives, optim, programs, sharding
 from rlscale.model import decoder
@@ -116,19 +116,21 @@ def _update(learn, params, value_params, roll, ref_params=None):
     return jax.tree.map(np.asarray, (state.params, mets))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logp_jacobian(graphdef, params, tokens_NL, attn_NL):
+def _logp_jacobian_rows(graphdef, params, tokens_NL, attn_NL):
     """d logp[n, t] / d params of `_reference_logp`, [N, M, *shape]: row by row, as row n's
-    logprobs depend on its own tokens alone. (`jax.jacrev` of the whole batch's logprobs
-    at once does N times the work, a backward pass over every row per token, and on JAX
-    0.10.2 on CPU its entries from 5 rows on disagree with `jax.grad` of the same token's
-    logprob, where these agree.)"""
+    logprobs depend on its own tokens alone (`jax.jacrev` of the whole batch's logprobs at
+    once does N times the work, a backward pass over every row per token). Compiled without
+    the YNNPACK fusions that jaxlib 0.10.2 miscompiles in vmapped backward passes
+    (`conftest.jit_without_ynn`)."""
 
     def row(tokens_L, attn_L):  # [M, *shape]
         logp = lambda p: _reference_logp(graphdef, p, tokens_L[None], attn_L[None])[0]  # noqa: E731
         return jax.jacrev(logp)(params)
 
     return jax.vmap(row)(tokens_NL, attn_NL)
+
+
+_logp_jacobian = jit_without_ynn(_logp_jacobian_rows, static_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
