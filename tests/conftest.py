@@ -46,7 +46,8 @@ HF_TINY = dict(
 # broadcast over a new leading axis, into a reduction: what `jax.vmap` makes of a backward pass
 # (`jax.jacrev`, per-row Jacobians), whose unbatched operands are broadcast over the batch axis.
 # tests/test_numerics.py reproduces it in a few lines. The test oracles that take Jacobians
-# compile without those fusions (`jit_without_ynn`); rlscale's own programs hold none of them.
+# compile without those fusions (`jit_without_ynn`); the quickstart's programs hold none of
+# them (docs/reliability.md, "Numeric faults").
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
