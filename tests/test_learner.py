@@ -116,7 +116,8 @@ def _update(learn, params, value_params, roll, ref_params=None):
     return jax.tree.map(np.asarray, (state.params, mets))
 
 
-def _logp_jacobian_rows(graphdef, params, tokens_NL, attn_NL):
+@functools.partial(jit_without_ynn, static_argnums=0)
+def _logp_jacobian(graphdef, params, tokens_NL, attn_NL):
     """d logp[n, t] / d params of `_reference_logp`, [N, M, *shape]: row by row, as row n's
     logprobs depend on its own tokens alone (`jax.jacrev` of the whole batch's logprobs at
     once does N times the work, a backward pass over every row per token). Compiled without
@@ -130,17 +131,15 @@ def _logp_jacobian_rows(graphdef, params, tokens_NL, attn_NL):
     return jax.vmap(row)(tokens_NL, attn_NL)
 
 
-_logp_jacobian = jit_without_ynn(_logp_jacobian_rows, static_argnums=0)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jit_without_ynn, static_argnums=(0, 1, 2))
 def _oracle_step(
     graphdef, loss_stage, mode, params, jac_logp, tokens_NL, attn_NL, terms, rows, update
 ):
     """One optimizer step of `_oracle` on `rows`: ((loss sum, (denominator, the sum's terms'
     magnitudes)), gradients), and for each parameter the largest sum, over its entries, of
     the magnitudes of an entry's per-token contributions (`_param_rounding`), from the
-    rows' `_logp_jacobian` `jac_logp`."""
+    rows' `_logp_jacobian` `jac_logp`. Compiled as `_logp_jacobian` is: the loss's Jacobian
+    in logp is a vmapped backward pass too."""
     tokens, attn = tokens_NL[rows], attn_NL[rows]
     mb = {k: v[rows] for k, v in terms.items()}
     aggregate = objectives.aggregate(mode, group_size=G, max_len=M)
