@@ -106,8 +106,9 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     s = r["sections"]
-    expected = ["machine", "ceilings", "train/tiny", "decode/tiny", "engine", "paged"]
+    expected = ["machine", "ceilings", "train/tiny"]
     expected += [f"attention/{name}" for name in _tool().attention_names()]
+    expected += ["decode/tiny", "engine", "paged"]  # Attention on the train section's params.
     assert list(s) == expected and all(s[k]["status"] == "ok" for k in s), s
     bad = [(k, v) for k, v in _numbers(r) if not math.isfinite(v)]
     assert not bad, bad
@@ -134,8 +135,8 @@ def test_tiny_run_writes_consistent_figures(tmp_path):
 
 def test_the_two_parts_run_every_section_each_in_one_device_call(monkeypatch):
     """`--part train` and `--part generate` together run every section of the GPU plan (the
-    machine and ceilings in both), and each one's shares fit one device call (600 s) with
-    room for Python's start and the imports."""
+    machine and ceilings in both), and each one's shares fit the issue's 8 minutes, inside one
+    device call (600 s) with room for Python's start and the imports."""
     tool = _tool()
     monkeypatch.setattr(tool, "attention_names", lambda: ("xla", "dot_product", "cudnn"))
     sections = tool.schedule(tool.GPU, tool.Context(""), tool.GPU.quickstart, None)
@@ -145,7 +146,7 @@ def test_the_two_parts_run_every_section_each_in_one_device_call(monkeypatch):
         skip = tool.skipped(names, [], part)
         assert set(skip.values()) == {"--part"}
         runs[part] = [n for n in names if n not in skip]
-        assert sum(s for n, s, _ in sections if n in runs[part]) <= 540, part
+        assert sum(s for n, s, _ in sections if n in runs[part]) <= 480, part  # 8 minutes
     assert set(runs["train"]) & set(runs["generate"]) == {"machine", "ceilings"}
     assert set(runs["train"]) | set(runs["generate"]) == set(names)
     assert tool.skipped(names, ["attention", "engine"], "generate")["engine"] == "--skip"

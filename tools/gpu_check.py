@@ -1,5 +1,5 @@
 """The GPU check: one command that measures rlscale on one GPU (an H100 or H200), in two
-parts of under 7 minutes each, and writes the figures as JSON and as Markdown rows for
+parts of at most 8 minutes each, and writes the figures as JSON and as Markdown rows for
 docs/benchmarks.md.
 
     tools/gpu_check --part train --out $OUT/train.json --markdown $OUT/train.md   # GPU
@@ -20,6 +20,8 @@ on a rare GPU loses no other's figures:
   train/M     per model M: the learner's RL update (`bench.learner`: `Learner.update` with
               the quickstart's chain) on random rollouts of 32 rows x 512 tokens; MFU = the
               model FLOPs of a step / its median time / the table's peak
+  attention/A after the first model's train section, on its params, per name A of
+              `attention_names()`: the model's forward + backward (`attention_side_by_side`)
   decode/M    per model: the generator engine decoding 64 slots to 256 tokens
               (`bench.generator.bench_engine_decode`); tokens/s, and bytes per step (params +
               the whole KV cache) / step time against the table's HBM bandwidth
@@ -28,22 +30,21 @@ on a rare GPU loses no other's figures:
   paged       the engine on long-tailed groups of 8 samples, its dense KV ring and its paged
               cache (`sampling.kv_block_size`) in turn: tokens/s of each, KV bytes held per
               live token and prompt KV columns written per group
-  attention/A per name A of `attention_names()`: the model's forward + backward
-              (`attention_side_by_side`)
   quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
               subprocess: compilation and the SFT warm start included) and its pass@1
 
 Budget: the command stops itself at `--budget_s` (default: the shares of the sections it
 runs): a watchdog writes both files, the running section marked "deadline", and exits
-(status 3). Each section has a planned share (`GPU.budgets`: what the first H200 run,
-2026-11-27, took to compile and time it, with a margin; compiling is most of it, 80 to 130 s
-for each model's programs) and runs until its planned end or for its minimum, whichever is
-later; its timed loop stops there once it has its fewest runs (compiling cannot be stopped,
-so an overrun takes from the sections after it; one that cannot have its minimum is
-skipped; a skipped section's share goes to the rest). The shares sum to 715 s, more than
-one device call's 10 minutes, so the check runs in two parts (`--part`): `train` (the
-learner's updates and attention, 335 s) and `generate` (decode, the engine, the paged cache
-and the quickstart, 395 s), each with the machine and ceilings. Models are initialized
+(status 3). Each section has a planned share (`GPU.budgets`: what the two H200 runs of
+2026-11-27 took to compile and time it, with a margin; compiling is most of it, 45 to 100 s
+for each model's programs, and 40-60 s for each model's params, which the sections of a
+model share) and runs until its planned end or for its minimum, whichever is later; its
+timed loop stops there once it has its fewest runs (compiling cannot be stopped, so an
+overrun takes from the sections after it; one that cannot have its minimum is skipped; a
+skipped section's share goes to the rest). The shares sum to 880 s, more than one device
+call's 10 minutes, so the check runs in two parts (`--part`): `train` (the learner's
+updates and attention, 465 s) and `generate` (decode, the engine, the paged cache and the
+quickstart, 430 s), each with the machine and ceilings. Models are initialized
 with random weights in bf16 (their presets); the GPU's memory is JAX's default
 preallocation (75%), and the quickstart runs with none, in what is left.
 
@@ -154,10 +155,10 @@ GPU = Plan(
         f"train/{QWEN[1]}": 145,
         f"decode/{QWEN[0]}": 90,
         "engine": 35,
-        "paged": 45,
+        "paged": 80,
         f"decode/{QWEN[1]}": 100,
         "quickstart": 110,
-        "attention": 45,
+        "attention": 175,
     },
 )
 TINY = Plan(
@@ -219,7 +220,8 @@ def with_attention(model_cfg: model.ModelConfig, name: str) -> model.ModelConfig
 
 class Context:
     """What sections share: the peaks MFU and bandwidth are measured against, and the one
-    model whose params are held (the decode and engine sections of a model share them)."""
+    model whose params are held (initializing a model's params compiles for 40-60 s on a
+    GPU: a model's train, attention, decode, engine and paged sections share them)."""
 
     def __init__(self, accelerator: str):
         self.accelerator = accelerator  # An ACCELERATORS key, or "" (the device's row).
@@ -302,13 +304,12 @@ def ceilings_section(ctx: Context, plan: Plan, deadline: float) -> dict:
 def train_section(ctx: Context, plan: Plan, name: str, deadline: float) -> dict:
     from bench import learner
 
-    ctx.release()
     peaks = ctx.peaks()
-    cfg = model.get(name)
+    cfg, _, params = ctx.model(name)
 
     def run(prompts):
         shape = learner.LearnerShape(**{**plan.learner[name], "prompts": prompts})
-        return learner.bench_learner(cfg, shape, peaks["flops"], deadline)
+        return learner.bench_learner(cfg, shape, peaks["flops"], deadline, params=params)
 
     out = halving_on_oom(run, plan.learner[name]["prompts"])
     return {"model": name, "peak_source": peaks["source"], **out}
@@ -352,13 +353,15 @@ def attention_side_by_side(ctx: Context, plan: Plan, name: str, deadline: float)
     """The model's forward + backward (`bench.attention`) with attention implementation
     `name`: one section per name of `attention_names()`, so a broken one loses no other's
     figures."""
-    ctx.release()
     peaks = ctx.peaks()
     a = plan.attention
-    cfg = with_attention(model.get(a["model"]), name)
+    base, _, params = ctx.model(a["model"])
+    cfg = with_attention(base, name)
 
     def run(batch):
-        return attention.bench_forward_backward(cfg, batch, a["seq_len"], peaks["flops"], deadline)
+        return attention.bench_forward_backward(
+            cfg, batch, a["seq_len"], peaks["flops"], deadline, params=params
+        )
 
     out = halving_on_oom(run, a["batch"])
     return {"model": a["model"], "attention": name, "peak_source": peaks["source"], **out}
@@ -419,17 +422,18 @@ def schedule(plan: Plan, ctx: Context, quickstart: str, runner) -> list:
 
     add("machine", lambda d: machine_section(ctx, d))
     add("ceilings", lambda d: ceilings_section(ctx, plan, d))
-    for name in plan.models:
+    names = attention_names()
+    share = plan.budgets["attention"] / len(names)
+    for i, name in enumerate(plan.models):
         add(f"train/{name}", lambda d, n=name: train_section(ctx, plan, n, d))
+        if i == 0:  # The attention sections share the first model's params.
+            for a in names:
+                add(f"attention/{a}", lambda d, a=a: attention_side_by_side(ctx, plan, a, d), share)
     for i, name in enumerate(plan.models):
         add(f"decode/{name}", lambda d, n=name: decode_section(ctx, plan, n, d))
         if i == 0:  # The engine shares the first model's params and decode program.
             add("engine", lambda d: engine_section(ctx, plan, d))
             add("paged", lambda d: paged_section(ctx, plan, d))
-    names = attention_names()
-    share = plan.budgets["attention"] / len(names)
-    for name in names:
-        add(f"attention/{name}", lambda d, n=name: attention_side_by_side(ctx, plan, n, d), share)
     if quickstart:  # Last: the one section whose length is the config's, not the plan's.
         add("quickstart", lambda d: quickstart_section(quickstart, runner, d))
     return sections

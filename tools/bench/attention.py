@@ -31,14 +31,17 @@ def attention_flops(cfg: model.ModelConfig, batch: int, seq_len: int) -> float:
     return 4 * heads * batch * seq_len * (seq_len + 1) / 2
 
 
-def bench_forward_backward(cfg, batch, seq_len, peak_flops, deadline, runs=(2, 5)):
+def bench_forward_backward(cfg, batch, seq_len, peak_flops, deadline, runs=(2, 5), params=None):
     """`loss_grad` on `batch` x `seq_len` random tokens: after a call that compiles, at
     least `runs[0]` and at most `runs[1]` timed calls, stopping at `deadline`
     (`time.perf_counter()`) once the least are done; the median counts. Returns the step
     time, tokens/s, model FLOP/s, the share of attention in the FLOPs and the fraction of
-    `peak_flops`."""
-    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    graphdef, params = model.init_sharded(cfg, jax.random.key(0), mesh)
+    `peak_flops`. `params`: the model's on one device (the attention implementation leaves
+    them as they are), else random ones."""
+    if params is None:
+        mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+        params = model.init_sharded(cfg, jax.random.key(0), mesh)[1]
+    graphdef = model.abstract_model(cfg)[0]
     rng = np.random.default_rng(0)
     tokens = jax.device_put(rng.integers(4, cfg.vocab_size, (batch, seq_len)).astype(np.int32))
     mask = jax.device_put(np.ones((batch, seq_len), bool))

@@ -106,13 +106,17 @@ def make_learner(cfg: model.ModelConfig, shape: LearnerShape, mesh, params):
     )
 
 
-def bench_learner(cfg, shape: LearnerShape, peak_flops: float, deadline: float, steps=(2, 8)):
+def bench_learner(
+    cfg, shape: LearnerShape, peak_flops: float, deadline: float, steps=(2, 8), params=None
+):
     """Compiles the update (its first call), then times one update after another, each
     waited on, at least `steps[0]` and at most `steps[1]` of them, stopping at `deadline`
     (`time.perf_counter()`) once the least are done. Returns the median step time and what
-    follows from it: tokens/s, model FLOP/s and MFU against `peak_flops`."""
+    follows from it: tokens/s, model FLOP/s and MFU against `peak_flops`. `params`: the
+    model's (one device; not donated: the state holds float32 copies), else random ones."""
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    _, params = model.init_sharded(cfg, jax.random.key(0), mesh)
+    if params is None:
+        _, params = model.init_sharded(cfg, jax.random.key(0), mesh)
     learn = make_learner(cfg, shape, mesh, params)
     value_params = sharding.replicate({"w": jnp.zeros((cfg.d_model,)), "b": jnp.zeros(())}, mesh)
     state = learn.init(params, value_params)
