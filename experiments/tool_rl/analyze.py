@@ -113,7 +113,11 @@ def predictions(name, r, numbers):
     for k, v in row.items():
         numbers[f"{name}.predicted.{k}"] = v
         numbers[f"{name}.error.{k}"] = abs(v - final)
-    numbers[f"{name}.power_law.f0"], numbers[f"{name}.power_law.alpha"] = map(float, zp)
+    f0, alpha = map(float, zp)
+    # The f0 the model uses: it enters as 1 - f0, so an f0 under float64's resolution at 1
+    # (a fit on its bound at 0, whose last digits differ between machines) is 0.
+    numbers[f"{name}.power_law.f0"] = 1.0 - (1.0 - f0)
+    numbers[f"{name}.power_law.alpha"] = alpha
     # Every sigmoid parameter on a bound of its fit: there the prediction is the bound's.
     bounds = sigmoid_fit.at_bounds if sigmoid_fit else ()
     numbers[f"{name}.sigmoid.n_at_bounds"] = float(len(bounds))
