@@ -164,8 +164,11 @@ def rl_config(**variant) -> ml_collections.ConfigDict:
         # The generator's KV cache in blocks of `kv_block_size` columns, a request's samples
         # sharing its prompt's (docs/model_and_sampling.md#a-paged-kv-cache); 0: a dense row
         # per slot. `kv_blocks`: the pool (0: as many blocks as the dense rows take).
+        # `kv_preempt`: admit on a prompt's blocks, not a request's worst case, and swap the
+        # latest samples out to the host when the pool runs out.
         kv_block_size=0,
         kv_blocks=0,
+        kv_preempt=False,
     )
     # Optimizer steps per batch (epochs x minibatches, each accumulating micro-batches), and
     # the real tokens trained on (docs/learner.md): completions are trimmed to one of

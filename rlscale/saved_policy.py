@@ -28,8 +28,8 @@ class SamplingSettings(sections.Section):
     Forced interruption (ScaleRL): after `think_budget` tokens without `think_end` (one token),
     `interrupt_phrase` is written in and the model answers (0: off). `generator_dtype`: the
     rollouts' generator's weights, activations and KV cache in "float32", "bfloat16" or
-    "float16" ("": the learner's own; `sampling.precision`). `kv_block_size`, `kv_blocks`: the
-    generator's paged KV cache (`SamplingConfig`; 0: dense rows)."""
+    "float16" ("": the learner's own; `sampling.precision`). `kv_block_size`, `kv_blocks`,
+    `kv_preempt`: the generator's paged KV cache (`SamplingConfig`; 0: dense rows)."""
 
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -42,12 +42,17 @@ class SamplingSettings(sections.Section):
     generator_dtype: str = ""
     kv_block_size: int = 0
     kv_blocks: int = 0
+    kv_preempt: bool = False
 
     def problems(self) -> list[str]:
         problems = sections.at_least("sampling.max_new_tokens", self.max_new_tokens, 1)
         problems += sections.at_least("sampling.kv_block_size", self.kv_block_size, 0)
         problems += sections.at_least("sampling.kv_blocks", self.kv_blocks, 0)
         problems += precision.problems(self.generator_dtype)
+        if not isinstance(self.kv_preempt, bool):
+            problems.append(f"sampling.kv_preempt={self.kv_preempt!r} must be True or False")
+        elif self.kv_preempt and not self.kv_block_size:
+            problems.append("sampling.kv_preempt=True needs sampling.kv_block_size > 0")
         t = self.temperature
         if not isinstance(t, (int, float)) or t < 0:
             problems.append(f"sampling.temperature={t!r} must be a number >= 0")
@@ -108,6 +113,7 @@ def sampling_settings(sampling: SamplingSettings, num_samples: int) -> dict:
         buckets=tuple(s.buckets),
         kv_block_size=s.kv_block_size,
         kv_blocks=s.kv_blocks,
+        kv_preempt=s.kv_preempt,
     )
 
 

@@ -48,6 +48,22 @@ def test_pages_share_prompt_blocks_and_free_them_with_their_last_sample():
     assert pages.taken == 0 and pages.available == 8 and not pages.refs.any()
 
 
+def test_pages_without_reservations_count_what_rows_are_short_of():
+    """`kv_preempt`'s block manager: admission reserves nothing, `short` counts the blocks
+    rows lack for the columns they want, a preempted row's blocks come back (a shared one
+    stays with its other sample), and a resumed row takes fresh blocks of its own."""
+    pages = paged.Pages(rows=4, columns=12, block_size=4, blocks=4, reserving=False)
+    pages.admit([0, 1], P=8, budgets=[4, 4])  # Block 0 shared, 1 and 2 own.
+    assert pages.reserve.sum() == 0 and pages.available == 1
+    assert pages.short({0: 12, 1: 12}) == 1  # Each wants its third block: one is free.
+    pages.grow(0, 12)
+    assert pages.table[0].tolist() == [0, 1, 3] and pages.short({1: 12}) == 1
+    pages.release(1)  # Preempted: its own block back, the shared one kept by row 0.
+    assert pages.refs.tolist() == [1, 1, 0, 1] and pages.free == [2]
+    assert pages.own(3, 1).tolist() == [2] and pages.table[3].tolist() == [2, 4, 4]
+    assert pages.held(3) == 1 and pages.refs[2] == 1 and not pages.free
+
+
 def test_paged_writes_and_reads_equal_the_dense_cache():
     """Random keys and values written at random columns of rows whose tables name blocks in
     any order (one shared): the gathered view equals the dense cache on every column a row
@@ -82,19 +98,21 @@ def test_paged_writes_and_reads_equal_the_dense_cache():
 
 def _run(policy, scfg, swap_params=None):
     """Every request (fewer slots than samples), 3 steps a call; new weights (version 1)
-    after the second call when `swap_params`."""
+    after the second call when `swap_params`. `gen.most_live`: the most samples in slots
+    after a call."""
     cfg, graphdef, params = policy
     gen = Generator(graphdef, cfg, scfg, slots=4, max_prompt_len=16)
     gen.set_params(params, 0)
     gen.submit(
         [Request(i, p, jax.random.fold_in(jax.random.key(3), i)) for i, p in enumerate(PROMPTS)]
     )
-    done, calls = [], 0
+    done, calls, gen.most_live = [], 0, 0
     while gen.busy:
         if calls == 2 and swap_params is not None:
             gen.set_params(swap_params, 1)
         done += gen.step(3).completed
         calls += 1
+        gen.most_live = max(gen.most_live, len(gen.running))
     return sorted(done, key=lambda c: c.request.id), gen
 
 
@@ -149,6 +167,40 @@ def test_paged_engine_equals_the_dense_engine(name):
     assert pages.taken == 0 and not pages.refs.any() and pages.reserve.sum() == 0
 
 
+@pytest.mark.slow
+def test_preempting_engine_equals_the_dense_engine():
+    """`kv_preempt` with the smallest pool the checks allow: requests are admitted on their
+    prompts' blocks, decode calls that would run out preempt the latest samples (their keys
+    and values to the host and back into fresh blocks), and every completion field still
+    equals the dense engine's (the logprobs to float32 rounding). More samples decode at
+    once than when admission reserves each request's worst case, and every block comes
+    back. With a weight swap the schedule decides which tokens each version samples (the
+    dense engine's differs), so there the check is that preempted samples come back and
+    sample under the new weights after the old, never before."""
+    cfg = model.get("tiny")
+    policy = (cfg, model.abstract_model(cfg)[0], model.init_params(cfg, jax.random.key(0)))
+    new = jax.tree.map(lambda x: x * 1.05, policy[2])
+    least = paged.request_blocks(16, 12, 2, BS)
+    paging = dict(kv_block_size=BS, kv_blocks=least)
+    reserving = _run(policy, dataclasses.replace(SCFG, **paging))[1]
+    for swap in (new, None):
+        got, gen = _run(policy, dataclasses.replace(SCFG, kv_preempt=True, **paging), swap)
+        if swap is None:
+            _equal(got, _run(policy, SCFG)[0])
+        else:
+            versions = [v[m] for c in got for v, m in zip(c.versions_GM, c.mask_GM)]
+            assert all((np.diff(v) >= 0).all() for v in versions)
+            assert set(np.concatenate(versions).tolist()) == {0, 1}
+        assert gen.stats.preempted > 0 and gen.stats.resumed == gen.stats.preempted
+        # A preempted sample's slot decodes nothing once it is out: every token is one kept.
+        assert gen.stats.tokens == sum(int(c.lengths_G.sum()) for c in got)
+        assert not gen.swapped and sorted(gen.park_free) == list(range(gen.slots))
+        pages = gen.pages
+        assert pages.taken == 0 and not pages.refs.any() and pages.reserve.sum() == 0
+    # The reserving pool holds one request (2 of the 4 slots) at a time.
+    assert reserving.most_live == 2 and gen.most_live > 2
+
+
 def test_bad_paged_settings_name_the_key():
     config = load_config("quickstart")
     config.sampling.kv_block_size, config.sampling.kv_blocks = -1, -2
@@ -156,14 +208,20 @@ def test_bad_paged_settings_name_the_key():
         rl.resolve(config)
     assert "sampling.kv_block_size=-1 must be an integer >= 0" in str(e.value)
     assert "sampling.kv_blocks=-2 must be an integer >= 0" in str(e.value)
-    config.sampling.kv_block_size, config.sampling.kv_blocks = 8, 0
-    assert rl.resolve(config).sampling.kv_block_size == 8
+    config.sampling.kv_block_size, config.sampling.kv_blocks = 0, 0
+    config.sampling.kv_preempt = True
+    with pytest.raises(ValueError, match=r"sampling.kv_preempt=True needs sampling.kv_block_s"):
+        rl.resolve(config)
+    config.sampling.kv_block_size = 8
+    assert rl.resolve(config).sampling.kv_preempt
     cfg = model.get("tiny")
     graphdef = model.abstract_model(cfg)[0]
     with pytest.raises(ValueError, match=r"kv_block_size=-1 must be an integer >= 0"):
         dataclasses.replace(SCFG, kv_block_size=-1)
     with pytest.raises(ValueError, match=r"kv_blocks=-2 must be an integer >= 0"):
         dataclasses.replace(SCFG, kv_blocks=-2)
+    with pytest.raises(ValueError, match=r"kv_preempt=True needs a paged cache"):
+        dataclasses.replace(SCFG, kv_preempt=True)
 
     def make(mesh=None, **paging):
         scfg = dataclasses.replace(SCFG, **paging)
@@ -177,6 +235,8 @@ def test_bad_paged_settings_name_the_key():
         make(kv_block_size=4, kv_blocks=10)
     with pytest.raises(ValueError, match=r"kv_block_size=4: the paged cache's pool is not split"):
         make(sharding.make_mesh((2, 1, 1)), kv_block_size=4)
+    with pytest.raises(ValueError, match=r"kv_preempt=True with multi-turn episodes"):
+        dataclasses.replace(SCFG, kv_block_size=4, kv_preempt=True, action_stops=((5,),))
 
 
 @pytest.mark.slow

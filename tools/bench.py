@@ -17,7 +17,8 @@ then times:
     against static batching (`Sampler` on batches of --slots requests in the same order) on
     --requests requests whose completion lengths are long-tailed (see `completion_lengths`;
     no stop tokens, so each request's budget is its length; --gen_samples samples each, and
-    with --kv_block_size a paged engine too: KV bytes per live token, prefill rows per group).
+    with --kv_block_size a paged engine too: KV bytes per live token, prefill rows per group;
+    with --kv_blocks a pool that size, and a preempting paged engine on it: utilization).
     A static batch decodes until its longest row is done (max_new_tokens = that row's
     length), so both sides produce the same
     useful tokens. Utilization = useful tokens / slot-steps; tokens/s over wall time, prefill
@@ -84,6 +85,13 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
         "generator: also a paged engine (sampling.kv_block_size)",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "kv_blocks",
+        0,
+        "generator: the paged engine's pool (0: as dense rows take); smaller: a preempting "
+        "paged engine too (sampling.kv_preempt)",
+        flag_values=fv,
+    )
     flags.DEFINE_integer("ep_slots", 8, "episodes: engine slots", flag_values=fv)
     # 16 requests per slot: with fewer, the drain at the end (the last episodes' turns and
     # tool calls, with fewer samples ready than slots) weighs more than the run.
@@ -132,6 +140,7 @@ def run_sections(args, parts, cfg, params, graphdef, results):
             cfg, params, graphdef, args.slots, args.requests, args.gen_prompt_len,
             args.gen_tokens, args.steps_per_call, args.repeats,
             samples=args.gen_samples, kv_block_size=args.kv_block_size,
+            kv_blocks=args.kv_blocks,
         ),
         "episodes": lambda: episodes.bench_episodes(
             cfg, params, graphdef, args.ep_slots, args.ep_requests, args.gen_prompt_len,

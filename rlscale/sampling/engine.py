@@ -517,6 +517,35 @@ def move(dst, src, dst_R, src_R, *, model_cfg, layout):
     return _constrain(out, _state_axes(model_cfg, out), layout)
 
 
+@functools.partial(jax.jit, static_argnames=("model_cfg", "layout"), donate_argnums=(0,))
+def evict(state, ids_R, slot_R, *, model_cfg, layout):
+    """A preempted sample's blocks `ids_R` (`paged.take_blocks`: keys and values for the
+    host) and `state` with its slots `slot_R` empty (a budget of 0: finished, they decode
+    nothing), once its row has moved out."""
+    k, v = paged.take_blocks(state.cache, ids_R)
+    out = state._replace(limit_S=state.limit_S.at[slot_R].set(0, mode="drop"))
+    return k, v, _constrain(out, _state_axes(model_cfg, out), layout)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "layout"), donate_argnums=(0,))
+def blocks_in(state, ids_R, k, v, *, model_cfg, layout):
+    """`state` with `evict`'s keys and values written into blocks `ids_R`
+    (`paged.put_blocks`): a preempted sample's, back into blocks of its own."""
+    out = state._replace(cache=paged.put_blocks(state.cache, ids_R, k, v))
+    return _constrain(out, _state_axes(model_cfg, out), layout)
+
+
+def experts_of(state: EngineState, slots: list[int]) -> dict:
+    """A mixture of experts' recorded routing of `slots` (slot -> [C, l, c], fetched for
+    those slots only, padded to a power of two); {} for a dense model."""
+    ids = state.experts_SClc
+    if ids is None or not slots:
+        return {}
+    at = np.full(1 << (len(slots) - 1).bit_length(), slots[0], np.int32)
+    at[: len(slots)] = slots
+    return dict(zip(slots, sharding.fetch(jnp.take(ids, jnp.asarray(at), axis=0))))
+
+
 def take_slots(free: list[int], n: int, shard_slots: int) -> list[int]:
     """Takes `n` slots out of `free` (ascending) for one request's samples: from the shards
     (runs of `shard_slots` slots) with the most free slots first, so the request reaches as

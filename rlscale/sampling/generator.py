@@ -59,6 +59,9 @@ class Generator:
       parked: parking rows for waiting samples (each a cache row: `parked` / `slots` more
         cache memory), a multiple of the mesh's batch split; 0: samples wait in their slots.
         With a paged cache (`cfg.kv_block_size`) a parked sample keeps its blocks.
+    With `cfg.kv_preempt` (a paged cache, single-turn) admission takes a request's prompt
+    blocks and one more per sample, and a decode call that would run out of blocks first
+    preempts the latest samples (`_make_room`; `sampling.paged` has the rules).
     """
 
     def __init__(
@@ -78,12 +81,11 @@ class Generator:
         if slots < G or slots % G:
             problems.append(f"slots={slots} must be a positive multiple of num_samples={G}")
         div = 1 if mesh is None else sharding.batch_divisor(mesh, rules)
-        if mesh is not None:
-            if slots % div:
-                problems.append(
-                    f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
-                    f"batch split {div} ways); use a multiple of {div}"
-                )
+        if mesh is not None and slots % div:
+            problems.append(
+                f"slots={slots} does not divide the mesh's batch axes ({dict(mesh.shape)}: "
+                f"batch split {div} ways); use a multiple of {div}"
+            )
         if parked < 0 or parked % div:
             problems.append(f"parked={parked} must be a multiple of the batch split {div}, >= 0")
         bucket = cfg.bucket(max_prompt_len) if max_prompt_len <= cfg.buckets[-1] else None
@@ -114,28 +116,32 @@ class Generator:
         self.model_cfg = model_cfg
         self.layout = None if mesh is None else _Layout(mesh, rules)
         self.static = dict(graphdef=graphdef, model_cfg=model_cfg, cfg=cfg, layout=self.layout)
+        self._static = dict(model_cfg=model_cfg, layout=self.layout)  # Row moves' and blocks'.
         self.programs = programs
         rows = dict(model_cfg=model_cfg, cfg=cfg, columns=C)
         self.state = engine.init_state(slots=slots, layout=self.layout, blocks=blocks, **rows)
-        self.pool = None  # The parking rows: an engine state of `parked` rows.
-        if parked:  # A paged cache's parking rows name the slots' pool's blocks.
-            self.pool = engine.init_state(slots=parked, layout=self.layout, blocks=0, **rows)
+        rows_parked = parked + slots * cfg.kv_preempt  # A row for each preempted sample.
+        self.pool = None  # The parking rows: an engine state of `rows_parked` rows.
+        if rows_parked:  # A paged cache's parking rows name the slots' pool's blocks.
+            self.pool = engine.init_state(slots=rows_parked, layout=self.layout, blocks=0, **rows)
         # The paged cache's block manager (rows: the slots, then the parking rows).
-        self.pages = paged.Pages(slots + parked, C, cfg.kv_block_size, blocks) if blocks else None
+        pages = (slots + rows_parked, C, cfg.kv_block_size, blocks, not cfg.kv_preempt)
+        self.pages = paged.Pages(*pages) if blocks else None
         self.params, self.version, self._stale = None, 0, False
         self.queue: list[tuple[Request, np.ndarray]] = []  # With each request's key data.
         self.free = list(range(slots))
         self.running: dict[int, tuple[Request, int]] = {}  # Slot -> (request, sample g).
         self.partial: dict[int, dict] = {}  # id(request) -> harvested rows so far.
-        self.park_free = list(range(parked))
+        self.park_free = list(range(rows_parked))
         self.parked: dict[int, tuple[Request, int, int]] = {}  # Row -> (request, g, version).
+        self.swapped: dict[int, tuple] = {}  # Preempted: row -> (r, g, version, n, k, v).
+        self.admitted: dict[int, int] = {}  # Slot -> when its sample came in (a count).
+        self._arrivals = itertools.count()
         self.waiting: dict[int, Turn] = {}  # Handle -> its turn, reported by `step`.
         self.replies: dict[int, np.ndarray | None] = {}  # Handle -> reply (None: end), queued.
-        # Handle -> where its sample waits: a slot, or `slots` + its parking row.
-        self.where: dict[int, int] = {}
+        self.where: dict[int, int] = {}  # Handle -> its slot, or `slots` + its parking row.
         self._handles = itertools.count()
-        # Replies go in pieces of at most the largest bucket below the cache's columns
-        # (`engine.extend`).
+        # Replies go in pieces of the largest bucket below the cache's columns (`extend`).
         self.reply_chunk = max(b for b in cfg.buckets if b < bucket + cfg.max_new_tokens)
         self.stats = EngineStats(parking_rows=parked)
 
@@ -203,7 +209,7 @@ class Generator:
     @property
     def busy(self) -> bool:
         """Requests queued or decoding (a sample waiting for a reply counts, parked too)."""
-        return bool(self.queue or self.running or self.parked)
+        return bool(self.queue or self.running or self.parked or self.swapped)
 
     @property
     def live_slots(self) -> int:
@@ -225,7 +231,8 @@ class Generator:
             raise ValueError("Generator.step before set_params: no weights to sample with")
         self._refresh()
         self._move()
-        self._refresh()  # A sample parked under older weights came back.
+        self._resume()
+        self._refresh()  # A sample parked (or preempted) under older weights came back.
         self._apply_replies()
         self._admit()
         if not self.running:
@@ -239,6 +246,7 @@ class Generator:
         waits = max(1, self.slots // 8) if self.cfg.action_stops else 0
         args = self._replicated(np.int32(max_steps), np.int32(wanted), np.int32(waits))
         idle = set(self.where.values())  # Samples that wait decode nothing.
+        self._make_room(max_steps)
         self._grow({s: max_steps for s in self.running if s not in idle})
         self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
@@ -270,21 +278,75 @@ class Generator:
     def _limit(self, slot: int) -> int:
         return self.running[slot][0].max_new_tokens or self.cfg.max_new_tokens
 
+    def _columns(self, extra: dict) -> dict:
+        """Slot s -> the cache columns its next `extra[s]` tokens reach (within its budget)."""
+        lengths = sharding.fetch(self.state.rows["length_N"]) if extra else None
+        return {
+            s: self.cfg.bucket(len(self.running[s][0].prompt))
+            + min(int(lengths[s]) + n, self._limit(s))
+            for s, n in extra.items()
+        }
+
     def _grow(self, extra: dict) -> None:
         """A paged cache: slot s's blocks cover its next `extra[s]` tokens (within its
         budget), and the device's block tables are the host's."""
         if self.pages is None:
             return
-        if extra:
-            lengths = sharding.fetch(self.state.rows["length_N"])
-        for s, n in extra.items():
-            P = self.cfg.bucket(len(self.running[s][0].prompt))
-            self.pages.grow(s, P + min(int(lengths[s]) + n, self._limit(s)))
+        for s, columns in self._columns(extra).items():
+            self.pages.grow(s, columns)
         if self.pages.dirty:
             old = self.state.cache.table_BN
             table = jax.device_put(self.pages.table[: self.slots], old.sharding)
             self.state = self.state._replace(cache=self.state.cache._replace(table_BN=table))
             self.pages.dirty = False
+
+    def _make_room(self, steps: int) -> None:
+        """`cfg.kv_preempt`: preempts the latest samples until the pool holds the blocks the
+        slots' next `steps` tokens reach (one sample fits: the pool holds a whole request)."""
+        if self.pages is None or self.pages.reserving:
+            return
+        wants = self._columns({s: steps for s in self.running})
+        while len(wants) > 1 and self.pages.short(wants):
+            s = max(wants, key=self.admitted.__getitem__)
+            del wants[s]
+            self._preempt(s)
+
+    def _preempt(self, s: int) -> None:
+        """Slot s's sample to a parking row, its blocks' keys and values to the host and
+        its blocks back to the pool; the slot left empty."""
+        t, p, n = time.perf_counter(), self.park_free.pop(0), self.pages.held(s)
+        self.pool = self._moved(self.pool, self.state, [p], [s])
+        ids = paged.padded(self.pages.table[s, :n], 1 << (n - 1).bit_length(), self.pages.blocks)
+        ids_slot = self._replicated(ids, np.int32([s]))
+        k, v, self.state = engine.evict(self.state, *ids_slot, **self._static)
+        k, v = sharding.fetch((k, v))
+        (r, g), _ = self.running.pop(s), self.admitted.pop(s)
+        self.pages.release(s)
+        self.free = sorted(self.free + [s])
+        self.swapped[p] = (r, g, self.version, n, k, v)
+        self.stats.preempted += 1
+        self.stats.preempt_s += time.perf_counter() - t
+
+    def _resume(self) -> None:
+        """Preempted samples back, the earliest first, each into fresh blocks and a free
+        slot, while the pool holds its blocks and one more for each live slot."""
+        S, t = self.slots, time.perf_counter()
+        for p in list(self.swapped):
+            r, g, version, n, k, v = self.swapped[p]
+            if not self.free or len(self.pages.free) < n + len(self.running) + 1:
+                break
+            del self.swapped[p]
+            ids = paged.padded(self.pages.own(S + p, n), len(k[0]), self.pages.blocks)
+            self.state = engine.blocks_in(self.state, *self._replicated(ids), k, v, **self._static)
+            s = engine.take_slots(self.free, 1, S // self.shards)[0]
+            self.pages.move(s, S + p)
+            self.state = self._moved(self.state, self.pool, [s], [p])
+            self.park_free = sorted(self.park_free + [p])
+            self.running[s], self.admitted[s] = (r, g), next(self._arrivals)
+            self._stale |= version != self.version
+            self.stats.resumed += 1
+            self._grow({})  # The tables, before a program reads the cache through them.
+        self.stats.preempt_s += time.perf_counter() - t
 
     def _refresh(self):
         if not self._stale:
@@ -357,15 +419,16 @@ class Generator:
         src_R = np.zeros((R,), np.int32)
         dst_R[: len(dst_rows)], src_R[: len(src_rows)] = dst_rows, src_rows
         args = (dst, src, *self._replicated(dst_R, src_R))
-        static = dict(model_cfg=self.model_cfg, layout=self.layout)
         if self.programs is not None:
-            return self.programs.run("engine_move", engine.move, args, static)
-        return engine.move(*args, **static)
+            return self.programs.run("engine_move", engine.move, args, self._static)
+        return engine.move(*args, **self._static)
 
     def _admit(self):
         G = self.cfg.num_samples
         fits = min(len(self.free) // G, len(self.queue))
-        if self.pages is not None:  # As many as the pool can hold at their longest.
+        if self.swapped:  # Preempted samples come back first.
+            return
+        if self.pages is not None:  # As many as the pool can hold (`_blocks`).
             need = [self._blocks(r) for r, _ in self.queue[:fits]]
             fits = int(np.searchsorted(np.cumsum(need), self.pages.available, side="right"))
         if not fits:
@@ -378,7 +441,7 @@ class Generator:
             owned = [engine.take_slots(self.free, G, self.slots // self.shards) for _ in reqs]
             for (r, _), own in zip(reqs, owned):
                 for g, s in enumerate(own):
-                    self.running[s] = (r, g)
+                    self.running[s], self.admitted[s] = (r, g), next(self._arrivals)
                 if self.pages is not None:
                     self.pages.admit(own, P, [self._limit(own[0])] * G)
             self._grow({})
@@ -407,9 +470,13 @@ class Generator:
             self.stats.prefill_rows += sum(row is not None for row in rows)
 
     def _blocks(self, r: Request) -> int:
-        """The most blocks request `r` can hold (a paged cache)."""
+        """The blocks admitting request `r` takes (a paged cache): the most it can hold, or
+        with `kv_preempt` its prompt's and one more per sample."""
         P, M = self.cfg.bucket(len(r.prompt)), r.max_new_tokens or self.cfg.max_new_tokens
-        return paged.request_blocks(P, M, self.cfg.num_samples, self.cfg.kv_block_size)
+        G, bs = self.cfg.num_samples, self.cfg.kv_block_size
+        if self.cfg.kv_preempt:
+            return paged.request_blocks(P, 0, G, bs) + G
+        return paged.request_blocks(P, M, G, bs)
 
     def _apply_replies(self):
         """The queued replies to samples in slots, each appended by its own `engine.extend`
@@ -492,9 +559,10 @@ class Generator:
             self.where[h] = s
             turns.append(self.waiting[h])
         completed, G = [], self.cfg.num_samples
-        experts = self._experts(sorted(done))
+        experts = engine.experts_of(self.state, sorted(done))
         for s in sorted(done):
             r, g = self.running.pop(s)
+            self.admitted.pop(s, None)
             self.free.append(s)
             if self.pages is not None:
                 self.pages.release(s)
@@ -504,7 +572,8 @@ class Generator:
                 got[g]["experts"] = experts[s]
             if len(got) == G:
                 del self.partial[id(r)]
-                completed.append(self._completed(r, [got[g] for g in range(G)]))
+                P = self.cfg.bucket(len(r.prompt))
+                completed.append(Completed.of_rows(r, [got[g] for g in range(G)], P))
         self.free.sort()
         return Stepped(completed, turns)
 
@@ -520,34 +589,3 @@ class Generator:
         held = set(np.unique(self.pages.table[live]).tolist()) - {self.pages.blocks}
         self.stats.kv_columns += steps * len(held) * self.pages.bs
         self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.pages.taken_peak)
-
-    def _experts(self, slots: list[int]) -> dict:
-        """A mixture of experts' recorded routing of `slots` (slot -> [C, l, c], fetched
-        for those slots only, padded to a power of two); {} for a dense model."""
-        ids = self.state.experts_SClc
-        if ids is None or not slots:
-            return {}
-        at = np.full(1 << (len(slots) - 1).bit_length(), slots[0], np.int32)
-        at[: len(slots)] = slots
-        return dict(zip(slots, sharding.fetch(jnp.take(ids, jnp.asarray(at), axis=0))))
-
-    def _completed(self, r: Request, rows: list[dict]) -> Completed:
-        def stack(k):
-            return np.stack([row[k] for row in rows])
-
-        lengths = stack("lengths")
-        M = self.cfg.max_new_tokens
-        L = self.cfg.bucket(len(r.prompt)) + M  # The row's columns: its prompt bucket and M.
-        return Completed(
-            request=r,
-            tokens_GM=stack("tokens"),
-            mask_GM=np.arange(M)[None, :] < lengths[:, None],
-            logprobs_GM=stack("logprobs"),
-            versions_GM=stack("versions"),
-            forced_GM=stack("forced"),
-            lengths_G=lengths,
-            truncated_G=~stack("stopped"),
-            interrupted_G=stack("interrupted"),
-            env_GM=stack("env"),
-            experts_GLlc=stack("experts")[:, :L] if "experts" in rows[0] else None,
-        )

@@ -14,7 +14,11 @@ finished sample returns them; a shared block returns when its last sample finish
 
 Admission reserves a request's worst case (its shared blocks and every sample's own blocks
 up to its token budget), so a decode call never runs out of blocks and nothing is
-preempted; the blocks taken follow the live tokens. See docs/model_and_sampling.md.
+preempted; the blocks taken follow the live tokens. With `SamplingConfig.kv_preempt`
+(`Pages(reserving=False)`) nothing is reserved: the generator admits a request on its
+prompt's blocks and, before a decode call that would run out, swaps the latest-admitted
+samples' blocks out to the host (`take_blocks`), and later into fresh blocks of their own
+(`put_blocks`: a resumed sample's prompt is its own copy). See docs/model_and_sampling.md.
 
 Dimension letters: S slots, C cache columns, N table entries (C / bs), NB blocks of the pool,
 R prefill rows, G samples per request, P padded prompt length.
@@ -73,8 +77,8 @@ class Pages:
     then the parking rows), their reference counts, the free blocks (the lowest first), and
     each row's reservation (blocks it may still take; a shared block counts once)."""
 
-    def __init__(self, rows: int, columns: int, block_size: int, blocks: int):
-        self.bs, self.blocks = block_size, blocks
+    def __init__(self, rows: int, columns: int, block_size: int, blocks: int, reserving=True):
+        self.bs, self.blocks, self.reserving = block_size, blocks, reserving
         self.table = np.full((rows, columns // block_size), blocks, np.int32)
         self.refs = np.zeros(blocks, np.int32)
         self.free = list(range(blocks))  # A heap.
@@ -107,18 +111,38 @@ class Pages:
             self.table[row, :F] = shared
             self.table[row, F] = block = self._take()
             self.refs[block] = 1
-            self.reserve[row] = -(-(P + budget) // bs) - F - 1
+            self.reserve[row] = -(-(P + budget) // bs) - F - 1 if self.reserving else 0
         self.dirty = True
 
     def grow(self, row: int, columns: int) -> None:
-        """Row `row`'s table covers its first `columns` columns (within its reservation)."""
-        have = int(np.sum(self.table[row] < self.blocks))
-        need = min(-(-columns // self.bs), have + int(self.reserve[row]))
+        """Row `row`'s table covers its first `columns` columns (within its reservation, when
+        reserving; else the caller made room: `short`)."""
+        have = self.held(row)
+        need = -(-columns // self.bs)
+        if self.reserving:
+            need = min(need, have + int(self.reserve[row]))
         for n in range(have, need):
             self.table[row, n] = block = self._take()
             self.refs[block] = 1
-            self.reserve[row] -= 1
+            self.reserve[row] -= int(self.reserving)
             self.dirty = True
+
+    def held(self, row: int) -> int:
+        """The table entries row `row` holds (its first ones)."""
+        return int(np.sum(self.table[row] < self.blocks))
+
+    def short(self, wants: dict) -> int:
+        """Blocks missing for rows to cover `wants[row]` columns each (not reserving)."""
+        need = sum(max(0, -(-c // self.bs) - self.held(row)) for row, c in wants.items())
+        return max(0, need - len(self.free))
+
+    def own(self, row: int, n: int) -> np.ndarray:
+        """Row `row` (holding none) takes `n` fresh blocks of its own, for its first entries;
+        their ids."""
+        ids = np.array([self._take() for _ in range(n)], np.int32)
+        self.table[row, :n], self.refs[ids] = ids, 1
+        self.dirty = True
+        return ids
 
     def release(self, row: int) -> None:
         """A finished sample's blocks back (a shared one once its last sample is done)."""
@@ -135,6 +159,11 @@ class Pages:
         self.table[dst], self.table[src] = self.table[src], self.blocks
         self.reserve[dst], self.reserve[src] = self.reserve[src], 0
         self.dirty = True
+
+
+def padded(ids, rows: int, fill: int) -> np.ndarray:
+    """Block ids `ids` followed by `fill` (past the pool: no block) to `rows` entries."""
+    return np.concatenate([ids, np.full(rows - len(ids), fill)]).astype(np.int32)
 
 
 # -- device side: called inside the engine's jitted programs -------------------------------
@@ -164,6 +193,20 @@ def place_prompt(cache, new_k, new_v, slot_N, G: int):
         k.append(k_pool)
         v.append(v_pool)
     return tuple(k), tuple(v)
+
+
+def take_blocks(cache, ids_R):
+    """The keys and values of blocks `ids_R` (per layer [R, K, E, bs] and [R, K, bs, E]; an
+    id past the pool reads the last block): a preempted sample's, for the host."""
+    take = lambda pool: jnp.take(pool, ids_R, axis=0, mode="clip")  # noqa: E731
+    return tuple(map(take, cache.k)), tuple(map(take, cache.v))
+
+
+def put_blocks(cache, ids_R, k, v):
+    """The pools with `take_blocks`' keys and values `k`, `v` written into blocks `ids_R`
+    (an id past the pool writes nothing): a preempted sample back, into blocks of its own."""
+    put = lambda pool, x: pool.at[ids_R].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+    return cache._replace(k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)))
 
 
 def gather_rows(cache, at_R, ok_R):

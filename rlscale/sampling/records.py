@@ -54,6 +54,31 @@ class Completed(NamedTuple):
     env_GM: np.ndarray
     experts_GLlc: np.ndarray | None = None
 
+    @classmethod
+    def of_rows(cls, r: Request, rows: list[dict], P: int) -> "Completed":
+        """Request `r`'s completion from its G samples' engine rows as the generator fetched
+        them (each field [M], `experts` [C, l, c]); P its prompt bucket."""
+
+        def stack(k):
+            return np.stack([row[k] for row in rows])
+
+        lengths = stack("lengths")
+        M = stack("tokens").shape[1]
+        return cls(
+            request=r,
+            tokens_GM=stack("tokens"),
+            mask_GM=np.arange(M)[None, :] < lengths[:, None],
+            logprobs_GM=stack("logprobs"),
+            versions_GM=stack("versions"),
+            forced_GM=stack("forced"),
+            lengths_G=lengths,
+            truncated_G=~stack("stopped"),
+            interrupted_G=stack("interrupted"),
+            env_GM=stack("env"),
+            # The row's columns: its prompt bucket and M.
+            experts_GLlc=stack("experts")[:, : P + M] if "experts" in rows[0] else None,
+        )
+
 
 class Turn(NamedTuple):
     """A sample stopped at an action stop (`SamplingConfig.action_stops`): it waits for the
@@ -96,7 +121,8 @@ class EngineStats:
     completion), `kv_columns` the cache columns held (dense: every slot's row; paged: the
     blocks taken); `kv_blocks_peak` the most blocks taken at once (paged); `prefills` the
     prefill calls and `prefill_rows` their rows that place samples (a request per shard it
-    reaches)."""
+    reaches); with `kv_preempt`, the samples preempted and resumed, and the seconds doing it
+    (their keys and values to the host and back)."""
 
     steps: int = 0
     slot_steps: int = 0
@@ -115,6 +141,9 @@ class EngineStats:
     kv_blocks_peak: int = 0
     prefills: int = 0
     prefill_rows: int = 0
+    preempted: int = 0
+    resumed: int = 0
+    preempt_s: float = 0.0
 
     @property
     def utilization(self) -> float:

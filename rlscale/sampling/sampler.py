@@ -97,6 +97,10 @@ class SamplingConfig:
         by a request's samples where they hold its prompt (`sampling.paged`); 0: a dense row
         per slot. The static sampler ignores it (and `kv_blocks`).
       kv_blocks: the paged cache's pool of blocks (0: as many as dense rows would take).
+      kv_preempt: the paged cache admits a request on the blocks its prompt takes, not its
+        worst case, and a decode call that would run out preempts the latest-admitted samples
+        (their blocks swapped to the host, brought back before any new request): more
+        samples live in the same pool when completions are long-tailed (`Generator`).
     """
 
     max_new_tokens: int = 64
@@ -114,6 +118,7 @@ class SamplingConfig:
     action_stops: tuple[tuple[int, ...], ...] = ()
     kv_block_size: int = 0
     kv_blocks: int = 0
+    kv_preempt: bool = False
 
     def __post_init__(self):
         problems = action_stop_problems(self.action_stops)
@@ -121,6 +126,15 @@ class SamplingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 problems.append(f"{name}={value!r} must be an integer >= 0 (0: {PAGED_OFF[name]})")
+        if not isinstance(self.kv_preempt, (bool, np.bool_)):
+            problems.append(f"kv_preempt={self.kv_preempt!r} must be True or False")
+        elif self.kv_preempt and not self.kv_block_size:
+            problems.append("kv_preempt=True needs a paged cache (kv_block_size > 0)")
+        elif self.kv_preempt and self.action_stops:
+            problems.append(
+                "kv_preempt=True with multi-turn episodes (action_stops): not built (a sample "
+                "waiting for its environment holds its blocks); use kv_preempt=False"
+            )
         if self.think_budget < 0:
             problems.append(f"think_budget={self.think_budget} must be >= 0 (0 disables it)")
         if self.think_budget and not (self.interrupt_ids and self.think_end_tokens):

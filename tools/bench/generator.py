@@ -80,21 +80,22 @@ def generator_workload(cfg, slots, requests, prompt_len, longest, seed=0):
     return GeneratorWorkload(lengths, prompts, batches, batch_keys, reqs)
 
 
-def sampling_config(prompt_len, max_new_tokens, samples=1, kv_block_size=0):
-    """Both sides' sampling settings: temperature 1, one prompt bucket, no stop tokens."""
+def sampling_config(prompt_len, max_new_tokens, samples=1, **paging):
+    """Both sides' sampling settings: temperature 1, one prompt bucket, no stop tokens;
+    `paging`: the paged cache's settings (`kv_block_size`, `kv_blocks`, `kv_preempt`)."""
     return sampling.SamplingConfig(
         max_new_tokens=max_new_tokens,
         temperature=1.0,
         buckets=(prompt_len,),
         num_samples=samples,
-        kv_block_size=kv_block_size,
+        **paging,
     )
 
 
-def run_engine(cfg, params, graphdef, work, slots, prompt_len, k, samples=1, kv_block_size=0):
+def run_engine(cfg, params, graphdef, work, slots, prompt_len, k, samples=1, **paging):
     """The workload through a new `Generator` of `slots` slots, `step(k)` until it is idle:
     (wall seconds, `EngineStats`, step calls, the `Completed` requests)."""
-    scfg = sampling_config(prompt_len, int(work.lengths.max()), samples, kv_block_size)
+    scfg = sampling_config(prompt_len, int(work.lengths.max()), samples, **paging)
     gen = generator.Generator(graphdef, cfg, scfg, slots, prompt_len)
     gen.set_params(params, 0)
     t = time.perf_counter()
@@ -120,22 +121,27 @@ def run_static(params, sampler, work, prompt_len):
 
 def bench_generator(
     cfg, params, graphdef, slots, requests, prompt_len, longest, k, repeats, seed=0, static=True,
-    samples=1, kv_block_size=0,
+    samples=1, kv_block_size=0, kv_blocks=0,
 ):  # fmt: skip
     """The section (module docstring) on `requests` requests of `samples` samples: the engine
     with `slots` slots and `step(k)`, the best of `repeats` timed runs; without `static` (or
-    with groups), the engine alone; with `kv_block_size`, a paged engine too. Returns its
-    figures (the static side's, and the tokens both sides drew alike, with `static`)."""
+    with groups), the engine alone; with `kv_block_size`, a paged engine too, with a pool
+    of `kv_blocks` blocks (0: as many as the dense rows take), and with a smaller pool a
+    preempting one (`kv_preempt`) on the same pool. Returns its figures (the static side's,
+    and the tokens both sides drew alike, with `static`)."""
     work = generator_workload(cfg, slots, requests, prompt_len, longest, seed)
     lengths = work.lengths
     useful = samples * int(lengths.sum())
-    engine = lambda bs: run_engine(  # noqa: E731
-        cfg, params, graphdef, work, slots, prompt_len, k, samples, bs
+    engine = lambda **paging: run_engine(  # noqa: E731
+        cfg, params, graphdef, work, slots, prompt_len, k, samples, **paging
     )
     sampler = sampling.Sampler(graphdef, cfg)
-    sides = {"engine": lambda: engine(0)}
+    sides = {"engine": lambda: engine()}
+    paging = dict(kv_block_size=kv_block_size, kv_blocks=kv_blocks)
     if kv_block_size:
-        sides["paged"] = lambda: engine(kv_block_size)
+        sides["paged"] = lambda: engine(**paging)
+    if kv_block_size and kv_blocks:
+        sides["preempt"] = lambda: engine(**paging, kv_preempt=True)
     if static and samples == 1:
         sides["static"] = lambda: run_static(params, sampler, work, prompt_len)
     # Untimed first passes compile every program: the engine's prefill sizes (its admissions
@@ -180,6 +186,19 @@ def bench_generator(
         out["kv_block_size"] = kv_block_size
         same = [np.array_equal(a.tokens_GM, b.tokens_GM) for a, b in zip(done, paged_done)]
         out["paged_same_requests_fraction"] = float(np.mean(same))
+        out["paged_utilization"], out["kv_blocks"] = paged.utilization, kv_blocks
+    if "preempt" in runs:
+        pre_s, pre, _, pre_done = min(runs["preempt"], key=lambda r: r[0])
+        assert pre.tokens == useful, (pre.tokens, useful)
+        same = [np.array_equal(a.tokens_GM, b.tokens_GM) for a, b in zip(done, pre_done)]
+        out.update(
+            preempt_s=pre_s,
+            preempt_utilization=pre.utilization,
+            preempt_kv_blocks_peak=pre.kv_blocks_peak,
+            preempted=pre.preempted,
+            preempt_swap_s=pre.preempt_s,
+            preempt_same_requests_fraction=float(np.mean(same)),
+        )
     if "static" in runs:
         out.update(static_figures(work, slots, done, min(runs["static"], key=lambda r: r[0])))
     return out
@@ -337,4 +356,14 @@ def print_paged(g):
         f"{g['kv_block_size']}, peak {g['paged_kv_blocks_peak']} of the dense "
         f"{g['paged_kv_blocks_dense']} blocks, wall {g['paged_s']:.1f} s, "
         f"same tokens as dense in {g['paged_same_requests_fraction']:.0%} of the requests"
+    )
+    if "preempt_s" not in g:
+        return
+    print(
+        f"pool of {g['kv_blocks']} blocks: reserving worst cases utilization "
+        f"{g['paged_utilization']:.3f} ({g['paged_s']:.1f} s); preempting "
+        f"{g['preempt_utilization']:.3f} ({g['preempt_s']:.1f} s, {g['preempted']} samples "
+        f"preempted, {g['preempt_swap_s']:.2f} s swapping, peak {g['preempt_kv_blocks_peak']} "
+        f"blocks, same tokens as dense in {g['preempt_same_requests_fraction']:.0%}); dense "
+        f"rows {g['engine_utilization']:.3f}"
     )
