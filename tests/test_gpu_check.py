@@ -152,6 +152,29 @@ def test_the_two_parts_run_every_section_each_in_one_device_call(monkeypatch):
     assert tool.skipped(names, ["attention", "engine"], "generate")["engine"] == "--skip"
 
 
+def test_the_paged_row_reports_a_smaller_pool_reserving_and_preempting():
+    """The GPU plan's paged section runs both paged sides on a quarter of the dense rows'
+    pool (the tiny run keeps the whole pool, to check the tokens): its row states the pool,
+    each side's utilization and the samples preempted, from the section's figures."""
+    tool = _tool()
+    p = tool.GPU.paged
+    dense = p["slots"] * (p["prompt_len"] + p["longest"]) // p["kv_block_size"]
+    assert p["kv_blocks"] * 4 == dense
+    r = dict(
+        model="m", slots=32, requests=32, samples=8, prompt_len=128, max_new_tokens=256,
+        kv_block_size=16, kv_blocks=192, paged_kv_blocks_dense=768, useful_tokens=1000,
+        paged_s=2.0, engine_s=1.0, engine_tokens_per_s=1000.0, preempt_s=0.5, preempted=7,
+        paged_utilization=0.25, preempt_utilization=0.5, engine_utilization=0.625,
+        paged_kv_bytes_per_live_token=100.0, engine_kv_bytes_per_live_token=400.0,
+    )  # fmt: skip
+    from bench import gpu_report
+
+    row = gpu_report.ROWS["paged"](r)
+    assert "a pool of 192 (dense 768)" in row[2]
+    assert "utilization 25.0%; preempting 2,000 tokens/s, utilization 50.0% (7 preempted)" in row[3]
+    assert row[4].endswith("utilization 62.5%") and row[5] == "4.00x less KV; 0.50x the speed"
+
+
 def test_a_timed_command_is_killed_at_its_limit():
     tool = _tool()
     done = tool.run_command([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 60)

@@ -17,6 +17,9 @@ on a rare GPU loses no other's figures:
               (`rlscale.planning.report.ACCELERATORS`: dense bf16 peak, HBM bandwidth)
   ceilings    this machine's measured bf16 matmul FLOP/s and HBM read bandwidth
               (`bench.common`), recorded beside the table's (and used where it has no row)
+  quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
+              subprocess: compilation and the SFT warm start included) and its pass@1; first,
+              since no GPU run has reached it yet
   train/M     per model M: the learner's RL update (`bench.learner`: `Learner.update` with
               the quickstart's chain) on random rollouts of 32 rows x 512 tokens; MFU = the
               model FLOPs of a step / its median time / the table's peak
@@ -28,10 +31,9 @@ on a rare GPU loses no other's figures:
   engine      the engine on 256 long-tailed requests (`bench.generator.bench_generator`,
               the engine side): tokens/s and slot utilization against the ideal engine's
   paged       the engine on long-tailed groups of 8 samples, its dense KV ring and its paged
-              cache (`sampling.kv_block_size`) in turn: tokens/s of each, KV bytes held per
-              live token and prompt KV columns written per group
-  quickstart  `python -m rlscale.main --config configs/quickstart.py`, wall time (a
-              subprocess: compilation and the SFT warm start included) and its pass@1
+              cache (`sampling.kv_block_size`) on a pool a quarter of the ring's, reserving
+              worst cases and preempting (`sampling.kv_preempt`), in turn: tokens/s and
+              utilization of each, KV bytes held per live token, prompt KV columns per group
 
 Budget: the command stops itself at `--budget_s` (default: the shares of the sections it
 runs): a watchdog writes both files, the running section marked "deadline", and exits
@@ -41,10 +43,10 @@ for each model's programs, and 40-60 s for each model's params, which the sectio
 model share) and runs until its planned end or for its minimum, whichever is later; its
 timed loop stops there once it has its fewest runs (compiling cannot be stopped, so an
 overrun takes from the sections after it; one that cannot have its minimum is skipped; a
-skipped section's share goes to the rest). The shares sum to 880 s, more than one device
+skipped section's share goes to the rest). The shares sum to 890 s, more than one device
 call's 10 minutes, so the check runs in two parts (`--part`): `train` (the learner's
 updates and attention, 465 s) and `generate` (decode, the engine, the paged cache and the
-quickstart, 430 s), each with the machine and ceilings. Models are initialized
+quickstart, 440 s), each with the machine and ceilings. Models are initialized
 with random weights in bf16 (their presets); the GPU's memory is JAX's default
 preallocation (75%), and the quickstart runs with none, in what is left.
 
@@ -134,7 +136,8 @@ GPU = Plan(
     decode=dict(slots=64, prompt_len=64, new_tokens=256, k=8),
     # The decode section's engine settings (one compiled decode program for both).
     engine=dict(model=QWEN[0], slots=64, requests=256, prompt_len=64, longest=256, k=8),
-    # 4 groups at a time: the workload's requests are a multiple of its slots.
+    # 4 groups at a time: the workload's requests are a multiple of its slots. The paged
+    # sides' pool: a quarter of the dense rows' 768 blocks (one request at its budget: 143).
     paged=dict(
         model=QWEN[0],
         slots=32,
@@ -144,6 +147,7 @@ GPU = Plan(
         k=8,
         samples=8,
         kv_block_size=16,
+        kv_blocks=192,
     ),
     attention=dict(model=QWEN[0], batch=2, seq_len=2048),
     ceilings=dict(sizes=(4096, 8192), calls=10, nbytes=2 << 30),
@@ -155,7 +159,7 @@ GPU = Plan(
         f"train/{QWEN[1]}": 145,
         f"decode/{QWEN[0]}": 90,
         "engine": 35,
-        "paged": 80,
+        "paged": 90,  # 80 s for two sides in the second run; a third side's programs.
         f"decode/{QWEN[1]}": 100,
         "quickstart": 110,
         "attention": 175,
@@ -174,7 +178,7 @@ TINY = Plan(
         longest=8,
         k=4,
         samples=2,
-        kv_block_size=4,
+        kv_block_size=4,  # The whole pool: the same tokens as dense rows, checked.
     ),
     attention=dict(model="tiny", batch=2, seq_len=16),
     ceilings=dict(sizes=(128, 256), calls=1, nbytes=16 << 20),
@@ -422,6 +426,8 @@ def schedule(plan: Plan, ctx: Context, quickstart: str, runner) -> list:
 
     add("machine", lambda d: machine_section(ctx, d))
     add("ceilings", lambda d: ceilings_section(ctx, plan, d))
+    if quickstart:  # First: no GPU run has reached it yet (both ran out of time before it).
+        add("quickstart", lambda d: quickstart_section(quickstart, runner, d))
     names = attention_names()
     share = plan.budgets["attention"] / len(names)
     for i, name in enumerate(plan.models):
@@ -434,8 +440,6 @@ def schedule(plan: Plan, ctx: Context, quickstart: str, runner) -> list:
         if i == 0:  # The engine shares the first model's params and decode program.
             add("engine", lambda d: engine_section(ctx, plan, d))
             add("paged", lambda d: paged_section(ctx, plan, d))
-    if quickstart:  # Last: the one section whose length is the config's, not the plan's.
-        add("quickstart", lambda d: quickstart_section(quickstart, runner, d))
     return sections
 
 

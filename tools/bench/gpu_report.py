@@ -137,6 +137,14 @@ def _paged_row(r):
     )
     ratio = r["engine_kv_bytes_per_live_token"] / r["paged_kv_bytes_per_live_token"]
     speed = r["engine_s"] / r["paged_s"]
+    if "preempt_s" in r:  # Both paged sides on a pool smaller than the dense rows'.
+        shape += f", a pool of {r['kv_blocks']} (dense {r['paged_kv_blocks_dense']})"
+        figure += (
+            f", utilization {r['paged_utilization']:.1%}; preempting "
+            f"{r['useful_tokens'] / r['preempt_s']:,.0f} tokens/s, utilization "
+            f"{r['preempt_utilization']:.1%} ({r['preempted']} preempted)"
+        )
+        against += f", utilization {r['engine_utilization']:.1%}"
     return ["engine, paged vs dense", r["model"], shape, figure, against,
             f"{ratio:.2f}x less KV; {speed:.2f}x the speed"]  # fmt: skip
 
