@@ -96,12 +96,16 @@ def test_paged_writes_and_reads_equal_the_dense_cache():
     assert not np.asarray(kv[0][NB - 1]).any()  # Block 8 is named by no table.
 
 
-def _run(policy, scfg, swap_params=None):
+def _run(policy, scfg, swap_params=None, mesh=None):
     """Every request (fewer slots than samples), 3 steps a call; new weights (version 1)
-    after the second call when `swap_params`. `gen.most_live`: the most samples in slots
-    after a call."""
+    after the second call when `swap_params`; on `mesh` when given. `gen.most_live`: the
+    most samples in slots after a call."""
     cfg, graphdef, params = policy
-    gen = Generator(graphdef, cfg, scfg, slots=4, max_prompt_len=16)
+    gen = Generator(graphdef, cfg, scfg, slots=4, max_prompt_len=16, mesh=mesh)
+    if mesh is not None:  # The generator's layout.
+        shardings = sharding.param_shardings(params, mesh, sharding.SAMPLE_RULES)
+        params = sharding.reshard(params, shardings)
+        swap_params = swap_params and sharding.reshard(swap_params, shardings)
     gen.set_params(params, 0)
     gen.submit(
         [Request(i, p, jax.random.fold_in(jax.random.key(3), i)) for i, p in enumerate(PROMPTS)]
@@ -199,6 +203,12 @@ def test_preempting_engine_equals_the_dense_engine():
         assert pages.taken == 0 and not pages.refs.any() and pages.reserve.sum() == 0
     # The reserving pool holds one request (2 of the 4 slots) at a time.
     assert reserving.most_live == 2 and gen.most_live > 2
+    # On a generator mesh (kv heads over `tensor`; the prefill writes the pool under
+    # shard_map, which an RL run's generator always has), against dense rows on that mesh.
+    mesh = sharding.make_mesh((1, 1, 2))
+    got, gen = _run(policy, dataclasses.replace(SCFG, kv_preempt=True, **paging), mesh=mesh)
+    _equal(got, _run(policy, SCFG, mesh=mesh)[0])
+    assert gen.stats.preempted > 0
 
 
 def test_bad_paged_settings_name_the_key():

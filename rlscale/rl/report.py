@@ -229,8 +229,10 @@ def generator_record(before, after) -> dict:
     """The generator engine between two `EngineStats` snapshots: its busy seconds (decode,
     prefill, weight swaps), weight-swap seconds and slot utilization (tokens generated per
     slot-step; NaN, written as null, when it decoded nothing in between); with parking rows,
-    the samples parked in between."""
-    busy = lambda e: e.decode_s + e.prefill_s + e.swap_s  # noqa: E731
+    the samples parked in between; once a paged cache has preempted (`sampling.kv_preempt`),
+    the samples preempted in between and the seconds their keys and values took to the host
+    and back."""
+    busy = lambda e: e.decode_s + e.prefill_s + e.swap_s + e.preempt_s  # noqa: E731
     slot_steps = after.slot_steps - before.slot_steps
     tokens = after.tokens - before.tokens
     record = {
@@ -240,6 +242,9 @@ def generator_record(before, after) -> dict:
     }
     if after.parking_rows:
         record["pipeline/parked"] = after.parked - before.parked
+    if after.preempted:
+        record["pipeline/preempted"] = after.preempted - before.preempted
+        record["time/preempt_s"] = after.preempt_s - before.preempt_s
     return record
 
 

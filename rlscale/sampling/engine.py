@@ -206,7 +206,12 @@ def _on_shards(fn, layout, in_specs, out_specs):
     """`fn(state, *args, first_slot)` on each shard of the slots, under `shard_map`: a shard's
     state holds slots `first_slot` ... of the engine (`in_specs[0]`: the state's specs, whose
     slots split over the mesh axes `limit_S`'s spec names, None: not split). No layout: `fn`
-    on every slot."""
+    on every slot.
+
+    A paged cache's pool is one for every slot, on every device of the batch axes (which
+    split nothing: `paged.problems`), and each shard writes its slots' blocks into it, so
+    shard_map cannot infer that the pool comes out replicated over those axes of size 1:
+    it is told not to check (`check_vma=False`)."""
     if layout is None:
         return functools.partial(fn, first_slot=0)
     batch = in_specs[0].limit_S[0]
@@ -215,7 +220,10 @@ def _on_shards(fn, layout, in_specs, out_specs):
         first = 0 if batch is None else jax.lax.axis_index(batch) * state.limit_S.shape[0]
         return fn(state, *args, first_slot=first)
 
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
+    check = not isinstance(in_specs[0].cache, kv_pages.PagedKVCache)
+    return jax.shard_map(
+        local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check
+    )
 
 
 def _place(state: EngineState, new: dict, slot_RG, limit_RG, *, cfg, first_slot) -> EngineState:
