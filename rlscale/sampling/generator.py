@@ -329,11 +329,13 @@ class Generator:
 
     def _resume(self) -> None:
         """Preempted samples back, the earliest first, each into fresh blocks and a free
-        slot, while the pool holds its blocks and one more for each live slot."""
+        slot, while the pool holds its blocks and one more for each live slot (an empty pool
+        takes one back whatever it holds)."""
         S, t = self.slots, time.perf_counter()
         for p in list(self.swapped):
             r, g, version, n, k, v = self.swapped[p]
-            if not self.free or len(self.pages.free) < n + len(self.running) + 1:
+            room = min(n + len(self.running) + 1, self.pages.blocks)
+            if not self.free or len(self.pages.free) < room:
                 break
             del self.swapped[p]
             ids = paged.padded(self.pages.own(S + p, n), len(k[0]), self.pages.blocks)
