@@ -246,8 +246,7 @@ class Generator:
         waits = max(1, self.slots // 8) if self.cfg.action_stops else 0
         args = self._replicated(np.int32(max_steps), np.int32(wanted), np.int32(waits))
         idle = set(self.where.values())  # Samples that wait decode nothing.
-        self._make_room(max_steps)
-        self._grow({s: max_steps for s in self.running if s not in idle})
+        self._grow(self._make_room({s: max_steps for s in self.running if s not in idle}))
         self.state, steps, tokens = self._run("engine_decode", engine.decode, args)
         steps, tokens = map(int, sharding.fetch((steps, tokens)))
         self.stats.decode_s += time.perf_counter() - t
@@ -279,37 +278,45 @@ class Generator:
         return self.running[slot][0].max_new_tokens or self.cfg.max_new_tokens
 
     def _columns(self, extra: dict) -> dict:
-        """Slot s -> the cache columns its next `extra[s]` tokens reach (within its budget)."""
-        lengths = sharding.fetch(self.state.rows["length_N"]) if extra else None
+        """Slot s -> the cache columns its next `extra[s]` tokens reach (within its budget);
+        {} without a paged cache (nothing fetched)."""
+        if self.pages is None or not extra:
+            return {}
+        lengths = sharding.fetch(self.state.rows["length_N"])
         return {
             s: self.cfg.bucket(len(self.running[s][0].prompt))
             + min(int(lengths[s]) + n, self._limit(s))
             for s, n in extra.items()
         }
 
-    def _grow(self, extra: dict) -> None:
-        """A paged cache: slot s's blocks cover its next `extra[s]` tokens (within its
-        budget), and the device's block tables are the host's."""
+    def _grow(self, columns: dict) -> None:
+        """A paged cache: slot s's blocks cover its first `columns[s]` columns (`_columns`),
+        and the device's block tables are the host's."""
         if self.pages is None:
             return
-        for s, columns in self._columns(extra).items():
-            self.pages.grow(s, columns)
+        for s, n in columns.items():
+            self.pages.grow(s, n)
         if self.pages.dirty:
             old = self.state.cache.table_BN
             table = jax.device_put(self.pages.table[: self.slots], old.sharding)
             self.state = self.state._replace(cache=self.state.cache._replace(table_BN=table))
             self.pages.dirty = False
 
-    def _make_room(self, steps: int) -> None:
-        """`cfg.kv_preempt`: preempts the latest samples until the pool holds the blocks the
-        slots' next `steps` tokens reach (one sample fits: the pool holds a whole request)."""
-        if self.pages is None or self.pages.reserving:
-            return
-        wants = self._columns({s: steps for s in self.running})
-        while len(wants) > 1 and self.pages.short(wants):
+    def _make_room(self, extra: dict) -> dict:
+        """The columns slot s's next `extra[s]` tokens reach; with `cfg.kv_preempt`, after
+        preempting the latest samples until the pool holds them (one sample fits: the pool
+        holds a whole request)."""
+        wants = self._columns(extra)
+        while (
+            self.pages is not None
+            and not self.pages.reserving
+            and len(wants) > 1
+            and self.pages.short(wants)
+        ):
             s = max(wants, key=self.admitted.__getitem__)
             del wants[s]
             self._preempt(s)
+        return wants
 
     def _preempt(self, s: int) -> None:
         """Slot s's sample to a parking row, its blocks' keys and values to the host and
@@ -524,7 +531,7 @@ class Generator:
                     tokens[i, : len(pieces[s])] = pieces[s]
                     mask[i, : len(pieces[s])] = True
                     self.stats.env_tokens += len(pieces[s])
-        self._grow({s: len(x) for s, x in pieces.items() if x is not None})
+        self._grow(self._columns({s: len(x) for s, x in pieces.items() if x is not None}))
         args = self._rows(tokens, mask, slot_R, end_R)
         self.state = self._run("engine_extend", engine.extend, args)
 
