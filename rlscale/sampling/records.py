@@ -62,11 +62,11 @@ class Completed(NamedTuple):
         def stack(k):
             return np.stack([row[k] for row in rows])
 
-        lengths = stack("lengths")
-        M = stack("tokens").shape[1]
+        lengths, tokens = stack("lengths"), stack("tokens")
+        M = tokens.shape[1]
         return cls(
             request=r,
-            tokens_GM=stack("tokens"),
+            tokens_GM=tokens,
             mask_GM=np.arange(M)[None, :] < lengths[:, None],
             logprobs_GM=stack("logprobs"),
             versions_GM=stack("versions"),
