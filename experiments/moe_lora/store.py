@@ -6,7 +6,6 @@ workdir's name, ARM_sSEED).
     python experiments/moe_lora/store.py WORKDIR [--runs DIR]
 """
 
-import argparse
 import os
 
 from rlscale.scaling import evidence
@@ -21,13 +20,5 @@ KEEP = (
 )
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("workdir")
-    parser.add_argument("--runs", default=os.path.join(HERE, "runs"))
-    args = parser.parse_args(argv)
-    print(f"stored {evidence.store_run(args.workdir, args.runs, KEEP)}")
-
-
 if __name__ == "__main__":
-    main()
+    evidence.store_main(HERE, KEEP)

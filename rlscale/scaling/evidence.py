@@ -14,6 +14,7 @@ between `<!-- begin results: NAME -->` and `<!-- end results: NAME -->` (compare
 committed before the first of its results.
 """
 
+import argparse
 import dataclasses
 import datetime
 import glob
@@ -142,6 +143,16 @@ def store_run(workdir: str, runs_dir: str, keep_pattern: str) -> str:
     path = os.path.join(runs_dir, f"{meta['run']}.jsonl")
     write_run(path, meta, lines)
     return path
+
+
+def store_main(study_dir: str, keep_pattern: str, argv=None) -> None:
+    """A study's `store.py`: `python experiments/STUDY/store.py WORKDIR [--runs DIR]` stores
+    WORKDIR's run (`store_run`) into STUDY/runs (or DIR) and prints the file's path."""
+    parser = argparse.ArgumentParser(description=f"Stores a finished run into {study_dir}/runs.")
+    parser.add_argument("workdir")
+    parser.add_argument("--runs", default=os.path.join(study_dir, "runs"))
+    args = parser.parse_args(argv)
+    print(f"stored {store_run(args.workdir, args.runs, keep_pattern)}")
 
 
 def read_run(path: str) -> StoredRun:
