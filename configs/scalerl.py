@@ -33,6 +33,10 @@ Ablation variants (experiments/scalerl_ablations):
                               quickstart's (`config_lib.ladder_testbed`, sizes xs..xl;
                               experiments/ladder): 200 steps at lr 7.5e-5, evaluated every 20,
                               the thinking budget 8 tokens short of the completion length.
+  :testbed=long_SIZE          the long-completion testbed (`config_lib.long_testbed`: the
+                              ladder's policy of that size on long_arithmetic, completions of
+                              59 to 264 tokens, 16 prompts x 8 samples, evaluated every 25
+                              steps), the thinking budget 16 tokens short.
 """
 
 from rlscale import config_lib
@@ -65,10 +69,16 @@ def get_config(arg=None):
     # Forced interruption: working still going after 24 tokens gets " Answer:" appended.
     c.sampling.think_budget = 24
     if arg.testbed:
-        config_lib.ladder_testbed(c, arg.testbed)
+        kind, _, size = arg.testbed.rpartition("_")
+        if kind not in ("", "long"):
+            raise ValueError(f"config variant testbed={arg.testbed!r} is not SIZE or long_SIZE")
+        testbed = config_lib.long_testbed if kind else config_lib.ladder_testbed
+        testbed(c, size)
         c.recipe = f"scalerl_{arg.testbed}"
-        c.steps, c.eval.every, c.optim.lr = 200, 20, 7.5e-5
-        c.sampling.think_budget = c.sampling.max_new_tokens - 8
+        c.steps, c.optim.lr = 200, 7.5e-5
+        c.eval.every = c.eval.every if kind else 20
+        # Room after the interruption for " Answer:" and the longest answer's digits.
+        c.sampling.think_budget = c.sampling.max_new_tokens - (16 if kind else 8)
     # The system half (docs/pipeline.md): a generator that takes new weights between
     # decode steps, no token trained more than 8 updates after the policy that sampled it
     # (the paper's k = 8), one optimizer step per batch. `:sync` runs the synchronous loop.

@@ -353,6 +353,23 @@ def ladder_testbed(c: ml_collections.ConfigDict, size: str, difficulty: int = 3)
     return c
 
 
+def long_testbed(c: ml_collections.ConfigDict, size: str = "m", difficulty: int = 7):
+    """The ladder's testbed (`ladder_testbed`) on `long_arithmetic`: problems of `difficulty`
+    to 2 x `difficulty` operators, so worked completions are long and of unequal lengths
+    (difficulty 7: 59 to 264 tokens, median 142), in a context of 352 tokens with a
+    generation budget of 288 that leaves every demonstration room (a shorter
+    `sampling.max_new_tokens` truncates the longest problems' working). Batches of 16 prompts
+    x 8 samples and evaluations every 25 steps keep a 200-step run of size m near half an
+    hour on a 2-core CPU."""
+    ladder_testbed(c, size, difficulty)
+    c.task.name = "long_arithmetic"
+    c.model.max_seq_len = c.learner.pack_length = 352
+    c.sampling.max_new_tokens = 288
+    c.batch.prompts = 16
+    c.eval.every = 25
+    return c
+
+
 def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Shrinks an RL config to a few steps of everything (tests, `:smoke` variants)."""
     c.steps = 3

@@ -43,6 +43,7 @@ NO_EVIDENCE = {
 # Studies whose runs are being collected, stored as each finishes: no analysis yet.
 IN_PROGRESS = {
     "off_policy": "54 runs (protocol.md), stored as they finish; the analysis after the last",
+    "long_testbed": "the ceiling and 5 seeds (protocol.md); the analysis after the last",
 }
 
 

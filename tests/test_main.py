@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import subprocess_env
+from conftest import load_config, subprocess_env
 
 from rlscale import config_lib, stage_cache
 
@@ -146,6 +146,20 @@ def test_unknown_variant_fails_naming_it(tmp_path):
     r = _run("--config", "configs/quickstart.py:smok", workdir=tmp_path)
     assert r.returncode != 0
     assert "unknown config variant 'smok'" in r.stderr
+
+
+def test_scalerl_testbeds():
+    """`:testbed=SIZE` is the ladder's, `:testbed=long_SIZE` the long-completion testbed,
+    each with the thinking budget short of the generation budget by the answer's room."""
+    ladder, long = load_config("scalerl", "testbed=l"), load_config("scalerl", "testbed=long_m")
+    assert (ladder.task.name, ladder.model.d_model, ladder.eval.every) == ("arithmetic", 192, 20)
+    assert (long.task.name, long.model.d_model, long.eval.every) == ("long_arithmetic", 128, 25)
+    assert long.sampling.max_new_tokens - long.sampling.think_budget == 16
+    assert long.model.max_seq_len == long.learner.pack_length == 352
+    with pytest.raises(ValueError, match="testbed='wide_l' is not SIZE or long_SIZE"):
+        load_config("scalerl", "testbed=wide_l")
+    with pytest.raises(ValueError, match="size='q' is not one of"):
+        load_config("scalerl", "testbed=long_q")
 
 
 def test_parse_arg_types_and_errors():

@@ -8,7 +8,14 @@ from rlscale.data import builders, tasks
 
 
 @pytest.mark.parametrize(
-    "name,difficulty", [("arithmetic", 1), ("arithmetic", 3), ("countdown", 2), ("countdown", 3)]
+    "name,difficulty",
+    [
+        ("arithmetic", 1),
+        ("arithmetic", 3),
+        ("long_arithmetic", 3),
+        ("countdown", 2),
+        ("countdown", 3),
+    ],
 )
 def test_deterministic_disjoint_and_demos_verify(name, difficulty):
     task = tasks.get(name, difficulty)
@@ -41,19 +48,37 @@ def test_arithmetic_demo_takes_one_operation_per_step():
     assert task.verify(tasks.without_answer_line(p), p) == 0.0
 
 
+def test_long_arithmetic_draws_its_operators_per_problem():
+    """difficulty to 2 x difficulty operators, each count drawn, so completions are long and
+    of unequal lengths; no product of three numbers; otherwise arithmetic's problems, worked
+    the same way."""
+    task = tasks.get("long_arithmetic", 4)
+    problems = list(task.problems("train", 400))
+    ops = [tasks.parse_expression(p.prompt[3:-1])[1] for p in problems]
+    assert {len(o) for o in ops} == set(range(4, 9))
+    assert [p.demo.count("=") + 1 for p in problems] == [len(o) for o in ops]  # A step an op.
+    assert not any(a == b == "*" for o in ops for a, b in zip(o, o[1:]))
+    assert any("*" in o for o in ops)
+    lengths = [len(p.demo) for p in problems]
+    assert min(lengths) < 60 and max(lengths) > 100
+    p = task._sample(_FixedRng([7, 5, 3, 2], ["+", "*", "-"], count=3))
+    assert p.demo == "7+15-2=22-2=20 Answer: 20"
+    p = task._sample(_FixedRng([7, 5, 3, 2], ["*", "*", "-"], count=3))
+    assert p.prompt == "Q: 7*5+3-2=" and p.answer == "36"  # The second * redrawn.
+
+
 class _FixedRng:
     """Stands in for np.random.Generator: returns scripted numbers, then operators."""
 
-    def __init__(self, numbers, ops):
-        self.numbers, self.ops = numbers, ops
+    def __init__(self, numbers, ops, count=None):
+        self.numbers, self.ops, self.count = numbers, ops, count
 
-    def integers(self, low, high, size):
-        del low, high, size
-        return self.numbers
+    def integers(self, low, high, size=None):
+        del low, high
+        return self.count if size is None else self.numbers
 
-    def choice(self, options, size):
-        del options, size
-        return self.ops
+    def choice(self, options, size=None):
+        return options[0] if size is None else self.ops
 
 
 def test_countdown_verifier_hand_cases():

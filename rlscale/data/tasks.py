@@ -147,10 +147,14 @@ class Arithmetic(Task):
 
     name = "arithmetic"
 
-    def _sample(self, rng):
+    def _draw(self, rng: np.random.Generator) -> tuple[list[int], list[str]]:
+        """The problem's numbers (1 to 9) and operators."""
         k = self.difficulty
         numbers = [int(x) for x in rng.integers(1, 10, k + 1)]
-        ops = [str(o) for o in rng.choice(["+", "-", "*"], k)]
+        return numbers, [str(o) for o in rng.choice(["+", "-", "*"], k)]
+
+    def _sample(self, rng):
+        numbers, ops = self._draw(rng)
         expr = "".join(f"{n}{o}" for n, o in zip(numbers, ops)) + str(numbers[-1])
         value = evaluate(numbers, ops)
         # Worked steps: one operation per step, products first, then left to right.
@@ -167,6 +171,28 @@ class Arithmetic(Task):
 
     def verify(self, completion, problem):
         return float(final_answer(completion) == problem.answer)
+
+
+class LongArithmetic(Arithmetic):
+    """Arithmetic whose problems take `difficulty` to 2 x `difficulty` operators, drawn per
+    problem, and no product of more than two numbers (a `*` after a `*` is redrawn as `+` or
+    `-`): long worked completions of unequal lengths (difficulty 7: 59 to 264 tokens), made
+    of many easy steps (a times-table product, or a sum of numbers under a thousand), each a
+    place to go wrong. The testbed for long completions (`config_lib.long_testbed`): a
+    generation budget below the longest demonstrations truncates some, and prompt-mean
+    aggregation weighs completions of unequal lengths. (With chained products, 243*2 and the
+    like, a 1.8M-parameter warm start solved 3% of difficulty 6.)"""
+
+    name = "long_arithmetic"
+
+    def _draw(self, rng):
+        k = int(rng.integers(self.difficulty, 2 * self.difficulty + 1))
+        numbers = [int(x) for x in rng.integers(1, 10, k + 1)]
+        ops = [str(o) for o in rng.choice(["+", "-", "*"], k)]
+        for i in range(1, k):
+            if ops[i] == ops[i - 1] == "*":
+                ops[i] = str(rng.choice(["+", "-"]))
+        return numbers, ops
 
 
 class Countdown(Task):
@@ -310,6 +336,7 @@ class NumberGuessing(Task):
 
 TASKS = {
     "arithmetic": Arithmetic,
+    "long_arithmetic": LongArithmetic,
     "countdown": Countdown,
     "tool_arithmetic": ToolArithmetic,
     "guess_number": NumberGuessing,
