@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -106,6 +107,45 @@ def test_optimal_rollouts_recovers_the_vertex_of_an_exact_parabola():
     c2, c1, c0 = opt.parabola
     l6 = math.log2(6)
     np.testing.assert_allclose([c2, c1, c0], [-0.05, 0.1 * l6, 0.8 - 0.05 * l6**2], atol=1e-10)
+
+
+def _two_budgets(spread):
+    """Cells at C = 256 and 1024 on parabolas peaking at n = 6 and 12 (so b = 0.5), each
+    cell twice: +- `spread`."""
+    cells, rewards = [], []
+    for C, peak in ((256, 6), (1024, 12)):
+        for c in allocation.iso_cells([C], [2, 4, 8, 16, 32], [2]):
+            exact = _parabola(c.rollouts, 0.8, math.log2(peak), 0.05)
+            cells += [c, c]
+            rewards += [exact + spread, exact - spread]
+    return cells, rewards
+
+
+def test_bootstrap_optimal_rollouts_from_the_repeats():
+    """Equal repeats leave nothing to resample: the intervals are the points (n* 6 and 12,
+    b 0.5). Repeats +-0.01 apart give intervals around them, wider on b than on nothing."""
+    cells, rewards = _two_budgets(0.0)
+    boot = allocation.bootstrap_optimal_rollouts(cells, rewards, n_boot=50)
+    assert boot.budgets == (256, 1024) and boot.fallback_frac == (0.0, 0.0)
+    np.testing.assert_allclose(boot.n_star_interval, [[6, 6], [12, 12]], rtol=1e-9)
+    np.testing.assert_allclose(boot.b_interval, [0.5, 0.5], rtol=1e-9)
+    cells, rewards = _two_budgets(0.01)
+    boot = allocation.bootstrap_optimal_rollouts(cells, rewards, n_boot=200, seed=1)
+    (lo6, hi6), (lo12, hi12) = boot.n_star_interval
+    assert lo6 < 6 < hi6 and lo12 < 12 < hi12
+    assert boot.b_interval[0] < 0.5 < boot.b_interval[1]
+    assert boot.as_dict()["b_interval"] == list(boot.b_interval)
+
+
+def test_bootstrap_optimal_rollouts_rejects_cells_without_repeats():
+    cells, rewards = _two_budgets(0.0)
+    with pytest.raises(ValueError, match="has 1 repeat: a bootstrap needs 2 seeds"):
+        allocation.bootstrap_optimal_rollouts(cells[1:], rewards[1:])
+    half = len(cells) // 2
+    with pytest.raises(ValueError, match="1 budget"):
+        allocation.bootstrap_optimal_rollouts(cells[:half], rewards[:half])
+    with pytest.raises(ValueError, match="n_boot=0"):
+        allocation.bootstrap_optimal_rollouts(cells, rewards, n_boot=0)
 
 
 def test_optimal_rollouts_falls_back_to_the_measured_best():
@@ -378,6 +418,39 @@ def test_sweep_iso_analyses_finished_cells(tmp_path, capsys, monkeypatch):
     np.testing.assert_allclose([r for _, r, _ in points], [0.1, 0.15, 0.3, 0.4, 0.498])
     assert report["records"]["bin_width"] == 0.01
     assert (root / "iso_compute.png").stat().st_size > 0
+
+
+def test_sweep_iso_independent_seeds_and_their_intervals(tmp_path, capsys, monkeypatch):
+    """`--seeds 2`: every cell twice, and no seed used by two runs (cell i: seeds 2i, 2i + 1).
+    Finished beforehand +-0.01 about parabolas peaking at n = 6 (C = 256) and 12 (C = 1024),
+    the report adds the seed bootstrap's intervals, each around its point (b = 0.5)."""
+    sweep = _sweep()
+    monkeypatch.setattr(sweep.subprocess, "run", None)  # Running anything would fail.
+    root = tmp_path / "iso"
+    flags = ["--budgets", "256,1024", "--rollouts", "2,4,8,16,32", "--prompts", "4"]
+    _, entries = sweep.iso_plan(
+        "configs/ladder.py",
+        str(root),
+        budgets="256,1024",
+        rollouts="2,4,8,16,32",
+        prompts="4",
+        seeds=2,
+    )
+    seeds = [int(dict(o)["seed"]) for *_, o in entries]
+    assert seeds == list(range(20)) and entries[3][1] == "C256__n4__B4__M16__seed_3"
+    for (cell, _, workdir, _), seed in zip(entries, seeds):
+        peak = 6 if cell.budget == 256 else 12
+        final = _parabola(cell.rollouts, 0.8, math.log2(peak), 0.05) + (0.01 if seed % 2 else -0.01)
+        _finish(pathlib.Path(workdir), cell.steps, cell.rollouts, 4, final)
+    cli.call(sweep.define_flags, sweep.main, _iso_args(root, *flags, "--seeds", "2"))
+    out = capsys.readouterr().out
+    assert "n* at C = 256: 95% [" in out and "b: 95% [" in out
+    boot = json.loads((root / "iso_compute.json").read_text())["bootstrap"]
+    assert boot["budgets"] == [256, 1024] and boot["n_boot"] == 2000
+    (lo6, hi6), (lo12, hi12) = boot["n_star_interval"]
+    assert (
+        lo6 < 6 < hi6 and lo12 < 12 < hi12 and boot["b_interval"][0] < 0.5 < boot["b_interval"][1]
+    )
 
 
 def test_sweep_iso_reuse_table_failures_and_fallback(tmp_path, capsys, monkeypatch):

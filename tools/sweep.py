@@ -23,7 +23,7 @@ Iso-compute mode (the IsoCompute playbook, arXiv 2603.12151; `rlscale.scaling.al
 
     python tools/sweep.py --config configs/X.py[:variant] --workdir ROOT \\
         --budgets 8192,32768 --rollouts 2,4,8,16,32 --prompts 16 [--reuse 1,4,16] \\
-        [--evals 4] [--min_steps 1] [--bin_width 0.01] [--grid 'seed=0,1'] [--shard i/n]
+        [--evals 4] [--min_steps 1] [--bin_width 0.01] [--seeds 3] [--grid 'k=a,b'] [--shard i/n]
 
 splits each budget C (in rollouts) as C = n * B_p * M over every n in --rollouts and B_p in
 --prompts where M = C / (n B_p) is an integer >= --min_steps, and over every reuse factor tau
@@ -32,7 +32,10 @@ are skipped). Each cell runs with `--config.batch.group_size=n --config.batch.pr
 --config.steps=M --config.eval.every=max(1, M // evals) --config.checkpoint.every=M`, plus
 `--config.batch.prompt_pool=B_p*M/tau` when tau > 1, as `ROOT/C{C}__n{n}__B{B_p}__M{M}`
 (`__tau{tau}` when tau > 1; `__` and the --grid combination's name when --grid is given,
-every cell crossed with every combination). Skipping, --shard and --dry_run work as above.
+every cell crossed with every combination). `--seeds K` runs each cell K times, cell i with
+seeds i K to i K + K - 1 (`__seed_S`): independent cells, since a cell of one n and B_p at a
+smaller budget, run with the same seed at a constant learning rate, is a prefix of the larger
+one. Skipping, --shard and --dry_run work as above.
 Afterwards each finished cell's final reward is its last `eval/pass@1` (at step M); repeats
 of a cell (the --grid combinations) are averaged, then per budget the reward at each n is
 the best over B_p and tau, and n* the vertex of a parabola in log2 n
@@ -41,9 +44,13 @@ budgets (`allocation.fit_optimal_rollouts`). Written: `ROOT/iso_compute.json` (t
 with overrides, workdir and final reward, the optimum per budget, the n*(C) fit, and the
 best-so-far record points of every evaluation, compute in rollouts = step * n * B_p, reward
 bins of --bin_width) and `ROOT/iso_compute.png`; printed: a Markdown table per budget (and,
-with several --reuse values, the final reward against tau).
+with several --reuse values, the final reward against tau). When every cell has at least 2
+repeats (seeds, `--grid 'seed=...'`), n* per budget and the exponent b get 95% intervals from
+resampling each cell's seeds (`allocation.bootstrap_optimal_rollouts`: `bootstrap` in the
+JSON); `--seeds` gives them.
 """
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -218,8 +225,12 @@ def iso_plan(
     min_steps: int = 1,
     grid_text: str | None = None,
     shard: str = "0/1",
+    seeds: int = 0,
 ):
-    """The iso-compute runs: each cell of `allocation.iso_cells`, crossed with the grid.
+    """The iso-compute runs: each cell of `allocation.iso_cells`, crossed with the grid, and
+    with `seeds` = K > 0 run K times, cell i with seeds i K to i K + K - 1: no two runs share
+    a seed, so none is a prefix of another (cells of one n and B_p at a smaller budget would
+    be, with one seed and a constant learning rate).
 
     Returns:
       `(todo, entries)`: this shard's [(name, workdir, command)], and every run's
@@ -238,12 +249,13 @@ def iso_plan(
     )
     grid = parse_grid(grid_text) if grid_text is not None else []
     for key, _ in grid:
-        if key in CELL_KEYS:
+        if key in CELL_KEYS or (seeds and key == "seed"):
             raise ValueError(f"--grid key {key!r} is set by the iso-compute cells")
     combos = combinations(grid)
     named, cell_of = [], []
-    for cell in cells:
-        for combo in combos:
+    for i, cell in enumerate(cells):
+        own = [[("seed", str(i * seeds + r))] for r in range(seeds)] or [[]]
+        for combo in (mine + c for mine in own for c in combos):
             name = "__".join(filter(None, [cell_name(cell), run_name(combo)]))
             named.append((name, cell_overrides(cell, evals) + combo))
             cell_of.append(cell)
@@ -318,6 +330,10 @@ def iso_report(entries, root: str, *, bin_width: float = 0.01) -> dict:
         text = allocation.format_allocation_table(optima, scaling)
         if scaling is None:
             text += f"\n\nn*(C): no fit ({report['fit_error']})"
+        elif min(collections.Counter(cells).values()) >= 2:  # Seeds: intervals from them.
+            boot = allocation.bootstrap_optimal_rollouts(cells, rewards)
+            report["bootstrap"] = boot.as_dict()
+            text += "\n\n" + allocation.format_bootstrap(boot)
         if len({c.reuse for c in cells}) > 1:
             text += "\n\nfinal reward against data reuse tau:\n\n"
             text += allocation.format_reuse_table(cells, rewards)
@@ -355,7 +371,7 @@ def run_all(todo, dry_run: bool) -> list[str]:
     return failed
 
 
-_ISO_FLAGS = ("rollouts", "prompts", "reuse", "evals", "min_steps", "bin_width")
+_ISO_FLAGS = ("rollouts", "prompts", "reuse", "evals", "min_steps", "bin_width", "seeds")
 
 
 def define_flags(fv: flags.FlagValues, argv) -> None:
@@ -398,6 +414,9 @@ def define_flags(fv: flags.FlagValues, argv) -> None:
     flags.DEFINE_float(
         "bin_width", None, iso + "record points' reward bin (default 0.01)", flag_values=fv
     )
+    flags.DEFINE_integer(
+        "seeds", None, iso + "runs per cell, each with a seed no other run has", flag_values=fv
+    )
 
 
 def check_modes(fv: flags.FlagValues) -> None:
@@ -418,7 +437,7 @@ def check_modes(fv: flags.FlagValues) -> None:
     for flag in ("rollouts", "prompts"):
         if fv[flag].value is None:
             raise ValueError(f"--budgets needs --{flag}")
-    for flag in ("evals", "min_steps"):
+    for flag in ("evals", "min_steps", "seeds"):
         if fv[flag].value is not None and fv[flag].value < 1:
             raise ValueError(f"bad --{flag} {fv[flag].value}: must be >= 1")
     if fv.bin_width is not None and not fv.bin_width > 0:
@@ -446,6 +465,7 @@ def main(fv: flags.FlagValues) -> None:
             min_steps=fv.min_steps or 1,
             grid_text=fv.grid,
             shard=fv.shard,
+            seeds=fv.seeds or 0,
         )
         all_workdirs = [w for _, _, w, _ in entries]
     fixed = parse_grid(";".join(fv.set)) if fv.set else []

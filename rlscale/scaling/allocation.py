@@ -318,6 +318,96 @@ def fit_optimal_rollouts(budgets, n_star) -> RolloutScaling:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutBootstrap:
+    """n* and the n*(C) exponent with intervals from resampling each cell's repeats (see
+    `bootstrap_optimal_rollouts`).
+
+    Attributes:
+      budgets: C, increasing.
+      n_star_interval: per budget, the percentile interval of n*.
+      b_interval: the percentile interval of b in `log2 n* = a + b log2 C`.
+      fallback_frac: per budget, the share of resamples whose n* is a measured n rather than
+        a parabola's vertex (`RolloutOptimum.fallback`).
+      n_boot, level: resamples drawn, the intervals' coverage.
+    """
+
+    budgets: tuple[int, ...]
+    n_star_interval: tuple[tuple[float, float], ...]
+    b_interval: tuple[float, float]
+    fallback_frac: tuple[float, ...]
+    n_boot: int
+    level: float
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(budgets=list(self.budgets), fallback_frac=list(self.fallback_frac))
+        d["n_star_interval"] = [list(x) for x in self.n_star_interval]
+        d["b_interval"] = list(self.b_interval)
+        return d
+
+
+def bootstrap_optimal_rollouts(
+    cells: Sequence[Cell], rewards, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> RolloutBootstrap:
+    """Intervals on n* per budget and on the exponent b of n*(C) from the cells' repeats.
+
+    Each resample draws, within every distinct cell, as many of its repeats (seeds) as it
+    has, with replacement, then reruns `optimal_rollouts` and `fit_optimal_rollouts` on the
+    cells' means; the intervals are the resamples' percentiles. So the error bar is the
+    seed-to-seed noise of the cells' final rewards propagated through the parabolas and the
+    line, not the fit's residuals.
+
+    Raises:
+      ValueError: a cell with fewer than 2 repeats (named), fewer than 2 budgets, `n_boot`
+        < 1 or `level` outside (0, 1), or what `optimal_rollouts` raises.
+    """
+    if n_boot < 1 or not 0 < level < 1:
+        raise ValueError(f"n_boot={n_boot} must be >= 1 and level={level} in (0, 1)")
+    _mean_by_cell(cells, rewards)  # Checks lengths and finiteness.
+    groups: dict[Cell, list[float]] = {}
+    for cell, r in zip(cells, np.asarray(rewards, dtype=np.float64)):
+        groups.setdefault(cell, []).append(float(r))
+    for cell, values in groups.items():
+        if len(values) < 2:
+            raise ValueError(f"cell {cell} has {len(values)} repeat: a bootstrap needs 2 seeds")
+    budgets = sorted({c.budget for c in groups})
+    if len(budgets) < 2:
+        raise ValueError(f"{len(budgets)} budget(s): the n*(C) exponent needs at least 2")
+    rng = np.random.default_rng(seed)
+    keys = list(groups)
+    n_star, b, fallback = np.empty((n_boot, len(budgets))), np.empty(n_boot), np.zeros(len(budgets))
+    for i in range(n_boot):
+        means = [float(rng.choice(groups[k], len(groups[k])).mean()) for k in keys]
+        optima = optimal_rollouts(keys, means)
+        n_star[i] = [o.n_star for o in optima]
+        fallback += [o.fallback is not None for o in optima]
+        b[i] = fit_optimal_rollouts(budgets, n_star[i]).b
+    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    return RolloutBootstrap(
+        budgets=tuple(budgets),
+        n_star_interval=tuple(
+            tuple(np.percentile(n_star[:, j], q).tolist()) for j in range(len(budgets))
+        ),
+        b_interval=tuple(np.percentile(b, q).tolist()),
+        fallback_frac=tuple((fallback / n_boot).tolist()),
+        n_boot=n_boot,
+        level=level,
+    )
+
+
+def format_bootstrap(boot: RolloutBootstrap) -> str:
+    """The intervals of `bootstrap_optimal_rollouts`, one line per budget and one for b."""
+    pct = f"{100 * boot.level:g}%"
+    lines = [
+        f"n* at C = {C:g}: {pct} [{lo:.3g}, {hi:.3g}] ({100 * f:.0f}% of resamples fall back to a "
+        "measured n)"
+        for C, (lo, hi), f in zip(boot.budgets, boot.n_star_interval, boot.fallback_frac)
+    ]
+    lo, hi = boot.b_interval
+    return "\n".join(lines + [f"b: {pct} [{lo:.3g}, {hi:.3g}] ({boot.n_boot} seed resamples)"])
+
+
 class RecordPoint(NamedTuple):
     """A point of the best-so-far frontier: its compute, reward and the index of its cell."""
 
