@@ -44,6 +44,7 @@ NO_EVIDENCE = {
 IN_PROGRESS = {
     "off_policy": "54 runs (protocol.md), stored as they finish; the analysis after the last",
     "long_testbed": "the ceiling and 5 seeds (protocol.md); the analysis after the last",
+    "iso_compute_v2": "87 runs (protocol.md), registered, not started",
 }
 
 
