@@ -23,6 +23,9 @@ Ablation variants (experiments/scalerl_ablations):
   :loss=ppo_clip|gspo|cispo   swap the loss, keep the rest of the recipe (the paper's Fig. 5a):
                               ppo_clip is DAPO's clip-higher (0.2/0.28), gspo clips the
                               sequence geometric-mean ratio (3e-4/4e-4).
+  :gspo_eps=E                 GSPO's sequence clip: eps_low E, eps_high 4E/3 (the paper's
+                              ratio), for sweeping it on a testbed (its 3e-4 was tuned for
+                              long outputs).
   :drop=COMPONENT             the recipe minus one component (the paper's leave-one-out):
                               cispo (-> DAPO's clipped loss), prompt_mean (-> token mean),
                               batch_std (-> group std), fp32_head (LM head in the compute dtype;
@@ -37,6 +40,8 @@ Ablation variants (experiments/scalerl_ablations):
                               ladder's policy of that size on long_arithmetic, completions of
                               59 to 264 tokens, 16 prompts x 8 samples, evaluated every 25
                               steps), the thinking budget 16 tokens short.
+  :budget=N                   with a testbed: the generation budget N tokens (the thinking
+                              budget follows it), for ScaleRL's generation-length comparison.
 """
 
 from rlscale import config_lib
@@ -45,7 +50,7 @@ from rlscale import config_lib
 LOSSES = {
     "cispo": "token_ratio | cispo(eps_max=4.0)",
     "ppo_clip": "token_ratio | ppo_clip(eps_low=0.2, eps_high=0.28)",  # DAPO's clip-higher.
-    "gspo": "sequence_ratio | ppo_clip(eps_low=3e-4, eps_high=4e-4)",
+    "gspo": "sequence_ratio | ppo_clip(eps_low={eps_low}, eps_high={eps_high})",
 }
 COMPONENTS = (
     "cispo",
@@ -58,9 +63,23 @@ COMPONENTS = (
 )
 
 
+def _short(x: float) -> str:
+    """3e-4 as "3e-4" (the chain's text, and so the config's hash, as before the sweep)."""
+    mantissa, exponent = f"{x:.3e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 def get_config(arg=None):
     arg = config_lib.parse_arg(
-        arg, smoke=False, loss="cispo", drop="", bf16=False, sync=False, testbed=""
+        arg,
+        smoke=False,
+        loss="cispo",
+        drop="",
+        bf16=False,
+        sync=False,
+        testbed="",
+        gspo_eps=3e-4,
+        budget=0,
     )
     c = config_lib.rl_config()
     c.recipe = "scalerl"
@@ -77,8 +96,11 @@ def get_config(arg=None):
         c.recipe = f"scalerl_{arg.testbed}"
         c.steps, c.optim.lr = 200, 7.5e-5
         c.eval.every = c.eval.every if kind else 20
+        c.sampling.max_new_tokens = arg.budget or c.sampling.max_new_tokens
         # Room after the interruption for " Answer:" and the longest answer's digits.
         c.sampling.think_budget = c.sampling.max_new_tokens - (16 if kind else 8)
+    elif arg.budget:
+        raise ValueError(f"config variant budget={arg.budget} needs a testbed= (its room)")
     # The system half (docs/pipeline.md): a generator that takes new weights between
     # decode steps, no token trained more than 8 updates after the policy that sampled it
     # (the paper's k = 8), one optimizer step per batch. `:sync` runs the synchronous loop.
@@ -90,6 +112,8 @@ def get_config(arg=None):
     c.filters.zero_variance = True
     c.filters.retire = True
     c.filters.retire_threshold = 0.9
+    if not arg.gspo_eps > 0 or (arg.gspo_eps != 3e-4 and arg.loss != "gspo"):
+        raise ValueError(f"config variant gspo_eps={arg.gspo_eps} needs loss=gspo and > 0")
     if arg.loss not in LOSSES:
         raise ValueError(f"config variant loss={arg.loss!r} is not cispo, ppo_clip or gspo")
     if arg.drop and arg.drop not in COMPONENTS:
@@ -97,7 +121,9 @@ def get_config(arg=None):
     # The objective, one part per component the ablations swap or drop.
     objective = dict(
         advantages="group_advantages(scale=batch_std)",
-        loss=LOSSES["ppo_clip" if arg.drop == "cispo" else arg.loss],
+        loss=LOSSES["ppo_clip" if arg.drop == "cispo" else arg.loss].format(
+            eps_low=_short(arg.gspo_eps), eps_high=_short(arg.gspo_eps * 4 / 3)
+        ),
         aggregate="aggregate(mode=prompt_mean)",
     )
     if arg.drop == "prompt_mean":

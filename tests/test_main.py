@@ -160,6 +160,20 @@ def test_scalerl_testbeds():
         load_config("scalerl", "testbed=wide_l")
     with pytest.raises(ValueError, match="size='q' is not one of"):
         load_config("scalerl", "testbed=long_q")
+    short = load_config("scalerl", "testbed=long_m,budget=160")  # The generation-length arm.
+    assert (short.sampling.max_new_tokens, short.sampling.think_budget) == (160, 144)
+    with pytest.raises(ValueError, match="budget=160 needs a testbed="):
+        load_config("scalerl", "budget=160")
+
+
+def test_scalerl_gspo_clip_sweep():
+    """`:gspo_eps=E` sets GSPO's sequence clip to E and 4E/3; the default keeps its chain."""
+    chain = load_config("scalerl", "loss=gspo").objective.chain
+    assert "sequence_ratio | ppo_clip(eps_low=3e-4, eps_high=4e-4)" in chain
+    chain = load_config("scalerl", "loss=gspo,gspo_eps=0.003").objective.chain
+    assert "ppo_clip(eps_low=3e-3, eps_high=4e-3)" in chain
+    with pytest.raises(ValueError, match="gspo_eps=0.003 needs loss=gspo"):
+        load_config("scalerl", "gspo_eps=0.003")
 
 
 def test_parse_arg_types_and_errors():
