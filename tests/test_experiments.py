@@ -17,9 +17,10 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
-from rlscale.scaling import evidence
+from rlscale.scaling import allocation, evidence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
@@ -200,3 +201,82 @@ def test_corrections_are_recomputed_from_committed_files(tmp_path):
     corrections = text[text.index("## Corrections") :]
     problems += evidence.check_readme(corrections, fresh, name="experiments/README.md")
     assert problems == []
+
+
+# ==========================================================================================
+# The analyses of studies still collecting runs, on synthetic evidence (their real runs come
+# later, and the analysis is registered with the protocol: it must work before them).
+# ==========================================================================================
+
+
+def _load_analysis(study):
+    path = os.path.join(EXPERIMENTS, study, "analyze.py")
+    spec = importlib.util.spec_from_file_location(f"_analyze_{study}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_evals(path, name, seed, points):
+    lines = [
+        {"step": s, "flops": c, "samples": s * 128, "pass@1": a, "reward": a} for s, c, a in points
+    ]
+    evidence.write_run(
+        str(path / "runs" / f"{name}.jsonl"), dict(run=name, seed=seed, config_hash="x"), lines
+    )
+
+
+def test_long_testbed_analysis_on_synthetic_runs(tmp_path):
+    """Three seeds on exact sigmoids with A = 0.69, 0.70, 0.71 (R0 0.2, B 1.5, C_mid 5e13) and
+    a ceiling of 200 prompts, half with 16 of 64 samples right and half with 1: pass@1 =
+    (16 + 1) / 128 = 0.1328, pass@64 = 1."""
+    from rlscale.scaling import fit
+
+    for seed, A in enumerate((0.69, 0.70, 0.71)):
+        C = np.arange(0, 201, 25) * 1e12
+        acc = [0.2] + fit.sigmoid(C[1:], A, 1.5, 5e13, 0.2).tolist()
+        _write_evals(tmp_path, f"full_s{seed}", seed, zip(range(0, 201, 25), C.tolist(), acc))
+    rewards = [[1.0] * 16 + [0.0] * 48] * 100 + [[1.0] + [0.0] * 63] * 100
+    (tmp_path / "ceiling.json").write_text(json.dumps({"per_prompt": {"rewards": rewards}}))
+    numbers = _load_analysis("long_testbed").main(
+        ["--study", str(tmp_path), "--results", str(tmp_path / "r.json")]
+    )["numbers"]
+    assert numbers["ceiling.pass@1"] == pytest.approx(17 / 128) and numbers["ceiling.pass@64"] == 1
+    assert numbers["gate.ceiling"] == 1 and numbers["R0"] == pytest.approx(0.2)
+    for seed, A in enumerate((0.69, 0.70, 0.71)):
+        assert numbers[f"full_s{seed}.A"] == pytest.approx(A, abs=2e-3)
+        assert numbers[f"full_s{seed}.half.mae"] < numbers[f"full_s{seed}.half.flat_mae"]
+    assert numbers["A.sd"] == pytest.approx(0.01, abs=2e-3) and numbers["gate.sd_A"] == 1
+    assert numbers["gate.A_off_bounds"] == 1 and numbers["half.mae"] < 0.005
+
+
+def test_iso_compute_v2_analysis_on_synthetic_runs(tmp_path):
+    """Parabolas in log2 n peaking at n = 4 (C = 2048) and 8 (C = 8192), so b = 0.5, each cell
+    at two seeds +-0.005 about it; B_p = 32 is 0.03 better than B_p = 8 at every budget."""
+    cells = allocation.iso_cells([2048, 8192], [2, 4, 8, 16], [8, 32], min_steps=4)
+    for i, cell in enumerate(cells):
+        peak = 2 if cell.budget == 2048 else 3
+        value = 0.5 - 0.02 * (np.log2(cell.rollouts) - peak) ** 2 + 0.03 * (cell.prompts == 32)
+        for r, offset in enumerate((0.005, -0.005)):
+            M, seed = cell.steps, 2 * i + r
+            name = f"C{cell.budget}__n{cell.rollouts}__B{cell.prompts}__M{M}__seed_{seed}"
+            _write_evals(tmp_path, name, seed, [(0, 0.0, 0.4), (M, M * 1e9, value + offset)])
+    analysis = _load_analysis("iso_compute_v2")
+    analysis.N_BOOT = 200
+    numbers = analysis.main(["--study", str(tmp_path), "--results", str(tmp_path / "r.json")])[
+        "numbers"
+    ]
+    assert (numbers["C2048.n_star"], numbers["C8192.n_star"]) == (
+        pytest.approx(4),
+        pytest.approx(8),
+    )
+    assert numbers["b"] == pytest.approx(0.5) and numbers["b_lo"] <= 0.5 <= numbers["b_hi"]
+    assert numbers["grows"] == 1
+    # Welch on {v +- 0.005} against {v + 0.03 +- 0.005}: t = 0.03 / 0.00707 = 4.24, df 2.
+    assert numbers["C2048.bp_diff"] == pytest.approx(0.03)
+    assert numbers["C2048.bp_p"] == pytest.approx(0.0513, abs=1e-3)
+    assert numbers["C2048.bp_holm"] == pytest.approx(2 * numbers["C2048.bp_p"])
+    with pytest.raises(ValueError, match="not M=16"):  # A run stopped before its M.
+        name = "C2048__n8__B16__M16__seed_99"
+        _write_evals(tmp_path, name, 99, [(0, 0.0, 0.4), (8, 8e9, 0.5)])
+        analysis.main(["--study", str(tmp_path), "--results", "/dev/null"])

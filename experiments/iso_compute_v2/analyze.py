@@ -20,6 +20,7 @@ import numpy as np
 from rlscale.scaling import allocation, evidence, stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+N_BOOT = 2000  # Seed resamples (protocol.md).
 NAME = re.compile(r"C(\d+)__n(\d+)__B(\d+)__M(\d+)__seed_(\d+)")
 
 
@@ -74,7 +75,7 @@ def analyze(runs: dict) -> tuple[dict, dict]:
     scaling = allocation.fit_optimal_rollouts(
         [o.budget for o in optima], [o.n_star for o in optima]
     )
-    boot = allocation.bootstrap_optimal_rollouts(cells, finals)
+    boot = allocation.bootstrap_optimal_rollouts(cells, finals, n_boot=N_BOOT)
     for o, (lo, hi) in zip(optima, boot.n_star_interval):
         C = o.budget
         numbers.update({f"C{C}.best_n": o.best_rollouts, f"C{C}.n_star": o.n_star})
