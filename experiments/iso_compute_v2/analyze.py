@@ -2,7 +2,7 @@
 of every (n, B_p) over its seeds, n* and the n*(C) law with intervals from resampling the
 seeds, and B_p = 32 against B_p = 8 at each budget (Welch, Holm across budgets).
 
-    python experiments/iso_compute_v2/analyze.py
+    python experiments/iso_compute_v2/analyze.py [--study DIR] [--results PATH]
 
 Reads only the stored evidence `runs/C{C}__n{n}__B{B_p}__M{M}__seed_{S}.jsonl`
 (`rlscale.scaling.evidence`; a cell's value is its final pass@1, which must be at step M) and
@@ -10,7 +10,6 @@ writes results.json (`--study DIR` reads another copy, `--results PATH` writes e
 It first checks that protocol.md was committed before every stored run.
 """
 
-import argparse
 import glob
 import os
 import re
@@ -89,23 +88,14 @@ def analyze(runs: dict) -> tuple[dict, dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
-    parser.add_argument("--results", default="", help="default: STUDY/results.json")
-    args = parser.parse_args(argv)
+    args = evidence.study_parser(HERE).parse_args(argv)
     runs = evidence.read_study(args.study)
     if not runs:
         print(f"no stored runs yet in {os.path.join(args.study, 'runs')}: nothing to analyze")
         return {"runs": {}, "numbers": {}, "tables": {}}
     stored = glob.glob(os.path.join(HERE, "runs", "*.jsonl"))
     evidence.check_preregistered(os.path.join(HERE, "protocol.md"), stored)
-    numbers, tables = analyze(runs)
-    for table in tables.values():
-        print(table + "\n")
-    path = args.results or os.path.join(args.study, "results.json")
-    results = evidence.write_results(path, args.study, numbers, tables)
-    print(f"wrote {path}")
-    return results
+    return evidence.report(args, *analyze(runs))
 
 
 if __name__ == "__main__":

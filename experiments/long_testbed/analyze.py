@@ -11,7 +11,6 @@ per-prompt rewards) and `runs/full_sSEED.jsonl` (`rlscale.scaling.evidence`); wr
 results.json (`--study DIR` reads another copy, `--results PATH` writes elsewhere).
 """
 
-import argparse
 import glob
 import json
 import os
@@ -110,11 +109,7 @@ def analyze(study: str) -> tuple[dict, dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plot", default="")
-    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
-    parser.add_argument("--results", default="", help="default: STUDY/results.json")
-    args = parser.parse_args(argv)
+    args = evidence.study_parser(HERE).parse_args(argv)
     files = sorted(glob.glob(os.path.join(args.study, "runs", "*.jsonl")))
     files += glob.glob(os.path.join(args.study, "ceiling.json"))
     if not files:
@@ -126,11 +121,7 @@ def main(argv=None):
     pre = evidence.check_preregistered(os.path.join(HERE, "protocol.md"), stored)
     numbers, tables = analyze(args.study)
     numbers["protocol_time"] = pre["protocol_time"]
-    for table in tables.values():
-        print(table + "\n")
-    path = args.results or os.path.join(args.study, "results.json")
-    results = evidence.write_results(path, args.study, numbers, tables)
-    print(f"wrote {path}")
+    results = evidence.report(args, numbers, tables)
     if args.plot:
         plot(evidence.read_study(args.study), args.plot)
     return results

@@ -16,7 +16,6 @@ results.json (`--study DIR` reads another copy, `--results PATH` writes elsewher
 stored run it says so and writes nothing.
 """
 
-import argparse
 import math
 import os
 import re
@@ -237,10 +236,7 @@ def analyze(runs: dict) -> tuple[dict, dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plot", default="")
-    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
-    parser.add_argument("--results", default="", help="default: STUDY/results.json")
+    parser = evidence.study_parser(HERE)
     parser.add_argument("--select", default="", help="print METHOD's selected rate and exit")
     args = parser.parse_args(argv)
     runs = evidence.read_study(args.study)
@@ -253,12 +249,7 @@ def main(argv=None):
     if not runs:
         print(f"no stored runs yet in {os.path.join(args.study, 'runs')}: nothing to analyze")
         return {"runs": {}, "numbers": {}, "tables": {}}
-    numbers, tables = analyze(runs)
-    for table in tables.values():
-        print(table + "\n")
-    path = args.results or os.path.join(args.study, "results.json")
-    results = evidence.write_results(path, args.study, numbers, tables)
-    print(f"wrote {path}")
+    results = evidence.report(args, *analyze(runs))
     if args.plot:
         plot(runs, args.plot)
     return results

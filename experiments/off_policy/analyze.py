@@ -9,7 +9,6 @@ Reads only the stored evidence experiments/off_policy/runs/ARM_sSEED.jsonl
 `--results PATH` writes elsewhere). With no stored run it says so and writes nothing.
 """
 
-import argparse
 import math
 import os
 import re
@@ -191,24 +190,16 @@ def analyze(runs: dict) -> tuple[dict, dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plot", default="")
-    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
-    parser.add_argument("--results", default="", help="default: STUDY/results.json")
-    args = parser.parse_args(argv)
+    args = evidence.study_parser(HERE).parse_args(argv)
     runs = evidence.read_study(args.study)
     if not runs:
         print(f"no stored runs yet in {os.path.join(args.study, 'runs')}: nothing to analyze")
         return {"runs": {}, "numbers": {}, "tables": {}}
     numbers, tables = analyze(runs)
-    for table in tables.values():
-        print(table + "\n")
     for key in ("C_star", "flops_final_spread", "sd_pooled", "mde_holm"):
         if key in numbers:
             print(f"{key}: {numbers[key]:.4g}")
-    path = args.results or os.path.join(args.study, "results.json")
-    results = evidence.write_results(path, args.study, numbers, tables)
-    print(f"wrote {path}")
+    results = evidence.report(args, numbers, tables)
     if args.plot:
         plot(runs, args.plot)
     return results

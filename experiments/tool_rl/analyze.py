@@ -28,7 +28,6 @@ fitted to the first third's evaluations. The final accuracy is the mean of the l
 evaluations.
 """
 
-import argparse
 import os
 
 import numpy as np
@@ -152,11 +151,7 @@ def analyze(runs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plot", default="")
-    parser.add_argument("--study", default=HERE, help="the study folder (runs/ inside)")
-    parser.add_argument("--results", default="", help="default: STUDY/results.json")
-    args = parser.parse_args(argv)
+    args = evidence.study_parser(HERE).parse_args(argv)
     runs = {name: read(run) for name, run in evidence.read_study(args.study).items()}
     numbers, tables = analyze(runs)
     print(tables["runs"] + "\n\nfinal accuracy predicted from the first third (|error|)")

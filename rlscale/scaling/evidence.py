@@ -211,6 +211,27 @@ def manifest(study_dir: str) -> dict[str, str]:
     return out
 
 
+def study_parser(study_dir: str) -> argparse.ArgumentParser:
+    """A study's `analyze.py` flags: `--study DIR` (the folder whose runs/ it reads; default
+    `study_dir`), `--results PATH` (default STUDY/results.json) and `--plot PATH`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plot", default="")
+    parser.add_argument("--study", default=study_dir, help="the study folder (runs/ inside)")
+    parser.add_argument("--results", default="", help="default: STUDY/results.json")
+    return parser
+
+
+def report(args: argparse.Namespace, numbers: dict, tables: dict) -> dict:
+    """Prints the tables, writes results.json where `study_parser`'s flags say (`write_results`)
+    and returns it."""
+    for table in tables.values():
+        print(table + "\n")
+    path = args.results or os.path.join(args.study, "results.json")
+    results = write_results(path, args.study, numbers, tables)
+    print(f"wrote {path}")
+    return results
+
+
 def write_results(path: str, study_dir: str, numbers: dict, tables: dict) -> dict:
     """Writes `results.json` (`runs`: the manifest, `numbers`, `tables`) and returns it."""
     results = {"runs": manifest(study_dir), "numbers": numbers, "tables": tables}
