@@ -16,12 +16,15 @@ step minimizes loss_sum / max(denominator, 1).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+import tqdm
+from absl import logging
 
 from rlscale import optim, sharding
 
@@ -106,12 +109,17 @@ def fit(
     *,
     every: int,
     callback: Callable[[Any, Progress], bool | None] | None = None,
+    label: str = "",
 ) -> tuple[Any, Progress]:
     """Up to `steps` steps of `train_step` on `next_batch()`, from `params`. Every `every`
     steps and at the last, `callback(params, progress)`; it returning True stops the fit
-    there (early stopping). Returns (params, the last `Progress`)."""
+    there (early stopping). With a `label`, a progress line between the callbacks every
+    `max(every // 6, 25)` steps (`label step N/steps loss L (elapsed, ETA)`, the loss the
+    mean since the last callback), so a long fit is not silent between its evaluations. Returns
+    (params, the last `Progress`)."""
     state = init_state(spec, params)
     loss_sum, since, progress = jnp.zeros((), jnp.float32), 0, None
+    start, line_every = time.perf_counter(), max(every // 6, 25)
     for step in range(1, steps + 1):
         state, metrics = train_step(spec, state, next_batch())
         loss_sum, since = loss_sum + metrics["loss"], since + 1
@@ -120,4 +128,15 @@ def fit(
             loss_sum, since = jnp.zeros((), jnp.float32), 0
             if callback is not None and callback(state.params, progress):
                 break
+        elif label and step % line_every == 0:
+            elapsed = time.perf_counter() - start
+            logging.info(
+                "%s step %d/%d loss %.3f (%s elapsed, ETA %s)",
+                label,
+                step,
+                steps,
+                float(loss_sum) / since,
+                tqdm.tqdm.format_interval(elapsed),
+                tqdm.tqdm.format_interval(elapsed * (steps - step) / step),
+            )
     return state.params, progress

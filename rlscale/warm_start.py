@@ -262,6 +262,6 @@ def _train(
 
     fit = supervised.Fit(next_token.batch_loss, graphdef, optim.warmup_cosine(c.lr, c.max_steps))
     params, last = supervised.fit(
-        fit, params, next_batch, c.max_steps, every=c.eval_every, callback=evaluate
+        fit, params, next_batch, c.max_steps, every=c.eval_every, callback=evaluate, label="sft"
     )
     return params, {"steps": last.step, "pass@1": pass_at_1[0], "loss": float(last.metrics["loss"])}

@@ -1,6 +1,9 @@
 """Next-token training tests: the loss against NumPy, learning through the one supervised
 step (`supervised.train_step`), and no recompilation."""
 
+import logging
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,3 +70,21 @@ def test_fit_calls_back_and_stops_early():
     assert [p.step for p in seen] == [3, 6] and last == seen[-1]
     assert int(last.metrics["tokens"]) == 15 + 11 + 8 + 4
     assert seen[1].mean_loss < seen[0].mean_loss
+
+
+def test_fit_shows_progress_between_callbacks(caplog):
+    """With a label, a line every max(every // 6, 25) steps that is not a callback's, with
+    the mean loss since the last callback, the elapsed time and the ETA; none without."""
+    cfg, graphdef, params, tokens, mask = _setup()
+    fit = supervised.Fit(next_token.batch_loss, graphdef, optim.OptimConfig(lr=3e-3))
+    batch = next_token.Batch(tokens, mask)
+    with caplog.at_level(logging.INFO):
+        supervised.fit(
+            fit, jax.tree.map(jnp.copy, params), lambda: batch, 60, every=120, label="sft"
+        )
+        supervised.fit(fit, params, lambda: batch, 30, every=300)  # Donated: the last use.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sft step")]
+    assert [x.split()[2] for x in lines] == ["25/60", "50/60"]
+    assert re.fullmatch(
+        r"sft step 25/60 loss \d+\.\d{3} \(\d\d:\d\d elapsed, ETA \d\d:\d\d\)", lines[0]
+    )
