@@ -115,17 +115,18 @@ def fit(
     steps and at the last, `callback(params, progress)`; it returning True stops the fit
     there (early stopping). With a `label`, a progress line between the callbacks every
     `max(every // 6, 25)` steps (`label step N/steps loss L (elapsed, ETA)`, the loss the
-    mean since the last callback), so a long fit is not silent between its evaluations. Returns
-    (params, the last `Progress`)."""
+    mean since the last line or callback), so a long fit is not silent between its
+    evaluations. Returns (params, the last `Progress`)."""
     state = init_state(spec, params)
     loss_sum, since, progress = jnp.zeros((), jnp.float32), 0, None
-    start, line_every = time.perf_counter(), max(every // 6, 25)
+    start, line_every, line = time.perf_counter(), max(every // 6, 25), (0.0, 0)
     for step in range(1, steps + 1):
         state, metrics = train_step(spec, state, next_batch())
         loss_sum, since = loss_sum + metrics["loss"], since + 1
+        line = (line[0] + metrics["loss"], line[1] + 1)  # Since the last line or callback.
         if step % every == 0 or step == steps:
             progress = Progress(step, float(loss_sum) / since, metrics)
-            loss_sum, since = jnp.zeros((), jnp.float32), 0
+            loss_sum, since, line = jnp.zeros((), jnp.float32), 0, (0.0, 0)
             if callback is not None and callback(state.params, progress):
                 break
         elif label and step % line_every == 0:
@@ -135,8 +136,9 @@ def fit(
                 label,
                 step,
                 steps,
-                float(loss_sum) / since,
+                float(line[0]) / line[1],
                 tqdm.tqdm.format_interval(elapsed),
                 tqdm.tqdm.format_interval(elapsed * (steps - step) / step),
             )
+            line = (0.0, 0)
     return state.params, progress
