@@ -119,26 +119,25 @@ def fit(
     evaluations. Returns (params, the last `Progress`)."""
     state = init_state(spec, params)
     loss_sum, since, progress = jnp.zeros((), jnp.float32), 0, None
-    start, line_every, line = time.perf_counter(), max(every // 6, 25), (0.0, 0)
+    start, line_every, mark = time.perf_counter(), max(every // 6, 25), (0.0, 0)
     for step in range(1, steps + 1):
         state, metrics = train_step(spec, state, next_batch())
         loss_sum, since = loss_sum + metrics["loss"], since + 1
-        line = (line[0] + metrics["loss"], line[1] + 1)  # Since the last line or callback.
         if step % every == 0 or step == steps:
             progress = Progress(step, float(loss_sum) / since, metrics)
-            loss_sum, since, line = jnp.zeros((), jnp.float32), 0, (0.0, 0)
+            loss_sum, since, mark = jnp.zeros((), jnp.float32), 0, (0.0, 0)
             if callback is not None and callback(state.params, progress):
                 break
         elif label and step % line_every == 0:
-            elapsed = time.perf_counter() - start
+            elapsed, total = time.perf_counter() - start, float(loss_sum)
             logging.info(
                 "%s step %d/%d loss %.3f (%s elapsed, ETA %s)",
                 label,
                 step,
                 steps,
-                float(line[0]) / line[1],
+                (total - mark[0]) / (since - mark[1]),  # Since the last line or callback.
                 tqdm.tqdm.format_interval(elapsed),
                 tqdm.tqdm.format_interval(elapsed * (steps - step) / step),
             )
-            line = (0.0, 0)
+            mark = (total, since)
     return state.params, progress

@@ -147,9 +147,13 @@ class Arithmetic(Task):
 
     name = "arithmetic"
 
+    def _count(self, rng: np.random.Generator) -> int:
+        """The problem's number of operators."""
+        return self.difficulty
+
     def _draw(self, rng: np.random.Generator) -> tuple[list[int], list[str]]:
         """The problem's numbers (1 to 9) and operators."""
-        k = self.difficulty
+        k = self._count(rng)
         numbers = [int(x) for x in rng.integers(1, 10, k + 1)]
         return numbers, [str(o) for o in rng.choice(["+", "-", "*"], k)]
 
@@ -185,11 +189,12 @@ class LongArithmetic(Arithmetic):
 
     name = "long_arithmetic"
 
+    def _count(self, rng):
+        return int(rng.integers(self.difficulty, 2 * self.difficulty + 1))
+
     def _draw(self, rng):
-        k = int(rng.integers(self.difficulty, 2 * self.difficulty + 1))
-        numbers = [int(x) for x in rng.integers(1, 10, k + 1)]
-        ops = [str(o) for o in rng.choice(["+", "-", "*"], k)]
-        for i in range(1, k):
+        numbers, ops = super()._draw(rng)
+        for i in range(1, len(ops)):
             if ops[i] == ops[i - 1] == "*":
                 ops[i] = str(rng.choice(["+", "-"]))
         return numbers, ops
